@@ -1,0 +1,195 @@
+"""The attention backend interface (vLLM V0 shapes) and its metadata.
+
+A step's tokens are packed without padding: the prefill sequences' tokens
+first, then one token per decode sequence. Encoder tokens of the prefill
+requests are packed the same way. ``AttentionMetadata`` says where each
+sequence starts and where its keys/values live in the paged cache.
+
+Paged KV cache of one layer (self and cross blocks share the pool; the block
+manager hands out block numbers)::
+
+    kv_cache: (2, num_blocks, block_size, num_kv_heads, head_size)
+               ^ 0 = key, 1 = value
+    slot = block_number * block_size + offset_in_block
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any
+
+import torch
+
+
+class AttentionType(str, enum.Enum):
+    DECODER = "decoder"  # decoder self-attention, causal
+    ENCODER = "encoder"  # encoder self-attention, non-causal, no KV cache
+    ENCODER_DECODER = "encoder_decoder"  # cross-attention: decoder queries, encoder keys
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the model runner and shared by all layers."""
+
+    num_prefills: int  # prefill sequences; they come first in the batch
+    num_prefill_tokens: int  # decoder tokens of the prefill sequences
+    num_decode_tokens: int  # one per decode sequence
+    slot_mapping: torch.Tensor  # (num_prefill_tokens + num_decode_tokens,) decoder token -> cache slot
+    seq_lens: list[int]  # per decoder sequence: context length including this step's tokens
+    seq_lens_tensor: torch.Tensor  # (num_seqs,) int32, same as seq_lens
+    max_prefill_seq_len: int
+    max_decode_seq_len: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # (num_prefills + 1,) int32, prefix sum of query lengths
+    seq_start_loc: torch.Tensor  # (num_prefills + 1,) int32, prefix sum of seq_lens
+    context_lens_tensor: torch.Tensor  # (num_seqs,) tokens already cached before this step
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32 self-attention blocks, 0-padded
+    # Encoder / cross-attention side.
+    encoder_seq_lens: list[int]  # per decoder sequence: its request's encoder length
+    encoder_seq_lens_tensor: torch.Tensor  # (num_seqs,) int32
+    encoder_seq_start_loc: torch.Tensor  # (num_prefills + 1,) int32, packed encoder tokens
+    max_encoder_seq_len: int
+    num_encoder_tokens: int  # packed encoder tokens of the prefill sequences
+    cross_slot_mapping: torch.Tensor  # (num_encoder_tokens,) encoder token -> cache slot
+    cross_block_tables: torch.Tensor  # (num_seqs, max_cross_blocks) int32, 0-padded
+    block_size: int = 16
+    # Python copies of the tables, so CPU paths can take views without a device sync.
+    block_tables_list: list[list[int]] | None = None
+    cross_block_tables_list: list[list[int]] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def _view(self, sl: slice, **overrides: Any) -> AttentionMetadata:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("seq_lens", "encoder_seq_lens", "block_tables_list", "cross_block_tables_list"):
+            if data[key] is not None:
+                data[key] = data[key][sl]
+        for key in ("seq_lens_tensor", "context_lens_tensor", "block_tables",
+                    "encoder_seq_lens_tensor", "cross_block_tables"):
+            data[key] = data[key][sl]
+        data.update(overrides)
+        return type(self)(**data)
+
+    @cached_property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """The prefill sequences alone; keeps the cross fields."""
+        if self.num_prefills == 0:
+            return None
+        return self._view(
+            slice(0, self.num_prefills),
+            num_decode_tokens=0,
+            slot_mapping=self.slot_mapping[: self.num_prefill_tokens],
+            max_decode_seq_len=0,
+        )
+
+    @cached_property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """The decode sequences alone; keeps the cross fields."""
+        if self.num_decode_tokens == 0:
+            return None
+        empty = self.query_start_loc[:1]
+        return self._view(
+            slice(self.num_prefills, None),
+            num_prefills=0,
+            num_prefill_tokens=0,
+            slot_mapping=self.slot_mapping[self.num_prefill_tokens:],
+            max_prefill_seq_len=0,
+            max_query_len=1,
+            query_start_loc=empty,
+            seq_start_loc=empty,
+            encoder_seq_start_loc=empty,
+            num_encoder_tokens=0,
+            cross_slot_mapping=self.cross_slot_mapping[:0],
+        )
+
+
+class AttentionImpl(ABC):
+    """One layer's attention computation over packed tokens."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        attn_type: AttentionType = AttentionType.DECODER,
+    ):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.attn_type = attn_type
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # (num_q_tokens, num_heads * head_size)
+        key: torch.Tensor | None,  # (num_kv_tokens, num_kv_heads * head_size) or None in cross decode
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,  # see module docstring; None for ENCODER
+        attn_metadata: AttentionMetadata,
+        attn_type: AttentionType | None = None,
+    ) -> torch.Tensor:  # (num_q_tokens, num_heads * head_size)
+        ...
+
+
+class AttentionBackend(ABC):
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        return AttentionMetadata
+
+    @classmethod
+    def make_metadata(cls, **fields_: Any) -> AttentionMetadata:
+        return cls.get_metadata_cls()(**fields_)
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
+        """Copy whole blocks between two caches of one layer (device <-> CPU swap)."""
+        if src_to_dst.numel() == 0:
+            return
+        s = src_to_dst[:, 0].to(src.device)
+        d = src_to_dst[:, 1].to(dst.device)
+        dst[:, d] = src[:, s].to(dst.device, non_blocking=True)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+        """Copy-on-write copies within the device cache, every layer."""
+        if src_to_dst.numel() == 0:
+            return
+        s = src_to_dst[:, 0].to(kv_caches[0].device)
+        d = src_to_dst[:, 1].to(kv_caches[0].device)
+        for cache in kv_caches:
+            cache[:, d] = cache[:, s]
+
+
+def write_to_cache(
+    key: torch.Tensor,  # (n, num_kv_heads, head_size)
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
+    slot_mapping: torch.Tensor,  # (n,)
+) -> None:
+    if key.shape[0] == 0:
+        return
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))

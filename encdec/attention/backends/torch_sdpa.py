@@ -1,0 +1,157 @@
+"""Torch SDPA backend: the CPU path and the reference the xFormers backend is tested against.
+
+Prefill: each packed sequence attends only to itself (a per-sequence loop over
+SDPA calls is exactly a block-diagonal mask, without materialising it).
+Decode: self-attention gathers every decode sequence's cached keys into one
+padded tensor with one index op per layer and one masked SDPA call; cross-
+attention reads each request's encoder keys as a zero-copy slice of the cache
+when its cross blocks form one ascending run (the block manager allocates them
+that way), and gathers them otherwise.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from encdec.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionType,
+    write_to_cache,
+)
+
+
+def contiguous_start(table: list[int]) -> int:
+    """First block of ``table`` if it is one ascending run of blocks, else -1."""
+    if not table:
+        return -1
+    first = table[0]
+    if table[-1] - first != len(table) - 1:
+        return -1
+    for i, b in enumerate(table):
+        if b != first + i:
+            return -1
+    return first
+
+
+class TorchSDPAMetadata(AttentionMetadata):
+    """Adds index tensors derived once per step and shared by all layers."""
+
+    @cached_property
+    def prefill_bounds(self) -> list[tuple[int, int, int, int]]:
+        """Per prefill sequence: (q_start, q_end, enc_start, enc_end)."""
+        q = self.query_start_loc.tolist()
+        e = self.encoder_seq_start_loc.tolist()
+        if len(e) < len(q):  # a decoder-only step (no encoder tokens)
+            e = [0] * len(q)
+        return [(q[i], q[i + 1], e[i], e[i + 1]) for i in range(self.num_prefills)]
+
+    @cached_property
+    def decode_self_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_decodes, max_len) cache slots of each decode sequence, and the
+        (num_decodes, 1, 1, max_len) mask of real (True) vs padding positions."""
+        lens = self.seq_lens_tensor.to(torch.long)
+        max_len = self.max_decode_seq_len
+        pos = torch.arange(max_len, device=lens.device)
+        blocks = self.block_tables.to(torch.long)
+        block_idx = (pos // self.block_size).clamp_(max=blocks.shape[1] - 1)
+        slots = blocks[:, block_idx] * self.block_size + pos % self.block_size
+        mask = pos[None, :] < lens[:, None]
+        slots = torch.where(mask, slots, torch.zeros_like(slots))
+        return slots, mask[:, None, None, :]
+
+    @cached_property
+    def decode_cross_slices(self) -> list[tuple[int, int] | torch.Tensor]:
+        """Per decode sequence: (first_slot, length) of its encoder keys when they
+        are contiguous in the cache, else the slot index tensor to gather."""
+        tables = self.cross_block_tables_list
+        if tables is None:
+            tables = self.cross_block_tables.tolist()
+        out: list[tuple[int, int] | torch.Tensor] = []
+        for table, n in zip(tables, self.encoder_seq_lens):
+            start = contiguous_start(table[: (n + self.block_size - 1) // self.block_size])
+            if start >= 0:
+                out.append((start * self.block_size, n))
+            else:
+                t = torch.tensor(table, dtype=torch.long)
+                pos = torch.arange(n)
+                out.append(t[pos // self.block_size] * self.block_size + pos % self.block_size)
+        return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+          causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (..., Lq, H, D), k/v: (..., Lk, H, D) -> (..., Lq, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+        attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=k.shape[-2] != q.shape[-2],
+    )
+    return out.transpose(-3, -2)
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
+        attn_type = attn_type or self.attn_type
+        md = attn_metadata
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.view(-1, H, D)  # (num_tokens, H, D)
+        k = key.view(-1, Hk, D) if key is not None else None
+        v = value.view(-1, Hk, D) if value is not None else None
+        out = torch.empty_like(q)
+
+        if attn_type == AttentionType.ENCODER:
+            # Encoder tokens of the prefill requests, packed by encoder_seq_start_loc.
+            for _, _, s, e in md.prefill_bounds:
+                out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale)
+            return out.view(-1, H * D)
+
+        if attn_type == AttentionType.DECODER:
+            if kv_cache is not None:
+                write_to_cache(k, v, kv_cache, md.slot_mapping)
+            for qs, qe, _, _ in md.prefill_bounds:
+                out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
+            dmd = md.decode_metadata
+            if dmd is not None:
+                slots, mask = dmd.decode_self_index
+                flat = kv_cache.view(2, -1, Hk, D)
+                kd, vd = flat[0][slots], flat[1][slots]  # (B, L, Hk, D)
+                qd = q[md.num_prefill_tokens:, None]  # (B, 1, H, D)
+                out[md.num_prefill_tokens:] = _sdpa(qd, kd, vd, self.scale, mask=mask)[:, 0]
+            return out.view(-1, H * D)
+
+        # ENCODER_DECODER: prefill queries attend to their own request's encoder
+        # tokens (given as key/value, written to the cache once); decode queries
+        # read the cache.
+        if k is not None and md.num_encoder_tokens:
+            write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
+            for qs, qe, es, ee in md.prefill_bounds:
+                out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale)
+        dmd = md.decode_metadata
+        if dmd is not None:
+            flat = kv_cache.view(2, -1, Hk, D)
+            base = md.num_prefill_tokens
+            for i, sl in enumerate(dmd.decode_cross_slices):
+                if isinstance(sl, tuple):
+                    kc, vc = flat[0, sl[0]: sl[0] + sl[1]], flat[1, sl[0]: sl[0] + sl[1]]
+                else:
+                    kc, vc = flat[0][sl], flat[1][sl]
+                out[base + i: base + i + 1] = _sdpa(q[base + i: base + i + 1], kc, vc, self.scale)
+        return out.view(-1, H * D)
+
+
+class TorchSDPABackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "torch_sdpa"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        return TorchSDPAMetadata

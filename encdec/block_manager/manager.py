@@ -1,0 +1,309 @@
+"""BlockSpaceManager: which KV-cache blocks each request owns, on which device.
+
+An encoder/decoder request owns two kinds of block tables (vLLM V0 layout):
+
+    block_tables        decoder seq_id -> self-attention blocks; grows by one
+                        block every block_size tokens; forks share blocks by
+                        reference count and copy the one they write (CoW)
+        7 -> [12, 13, 40]            12, 13: ref count 2 (seqs 7 and 8)
+        8 -> [12, 13, 41]
+
+    cross_block_tables  request_id -> cross-attention blocks; written once at
+                        prefill from the encoder output, read every decode
+                        step, never grown; one per request, whatever n is
+        "req-3" -> [20, 21, 22, 23]  one contiguous run when one is free: the
+                                     backend then reads it as a zero-copy slice
+
+swap_out / swap_in move a group's live self tables and its cross table between
+devices together. The free-block arithmetic of the design seed holds, with
+"group blocks" counting distinct physical blocks:
+
+    allocate   free_gpu -= group blocks
+    swap_out   free_gpu += group blocks    free_cpu -= group blocks
+    swap_in    free_gpu -= group blocks    free_cpu += group blocks
+    free       free_dev += |seq table|     (blocks no other table shares)
+    free_cross free_dev += |cross table|
+    reset      everything free
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from encdec.block_manager.allocator import BlockAllocator, Device
+from encdec.sequence import SequenceStatus
+
+if TYPE_CHECKING:
+    from encdec.sequence import Sequence, SequenceGroup
+
+
+class AllocStatus(enum.Enum):
+    """Whether a group fits on the GPU: now, once others leave, or never."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+class BlockSpaceManager:
+    """Maps decoder sequences and requests to blocks of the GPU cache and the
+    CPU swap space. Pure bookkeeping: ints and lists, no tensors."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        sliding_window: int | None = None,
+        enable_caching: bool = False,
+    ) -> None:
+        if sliding_window is not None:
+            raise NotImplementedError(
+                "Sliding window attention for encoder/decoder models is not currently supported."
+            )
+        if enable_caching:
+            raise NotImplementedError(
+                "Prefix caching for encoder/decoder models is not currently supported."
+            )
+        assert watermark >= 0.0
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        # Blocks kept free at admission so running groups can still grow.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks)
+        self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+        self.cross_block_tables: dict[str, list[int]] = {}
+        # Which device each table's block numbers refer to.
+        self._seq_device: dict[int, Device] = {}
+        self._cross_device: dict[str, Device] = {}
+
+    # -- admission -----------------------------------------------------------
+
+    def can_allocate(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
+        """Counts one decoder prompt (the group's WAITING seqs share it), with
+        room for the lookahead slots, plus the cross table."""
+        seq = seq_group.get_seqs(status=SequenceStatus.WAITING)[0]
+        required = self._num_blocks(seq.get_len() + num_lookahead_slots)
+        encoder_seq = seq_group.get_encoder_seq()
+        if encoder_seq is not None:
+            required += self._num_blocks(encoder_seq.get_len())
+        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """One self table for the WAITING decoder seqs, shared by reference count
+        (they hold the same prompt), and the request's cross table, on the GPU."""
+        gpu = self.gpu_allocator
+        encoder_seq = seq_group.get_encoder_seq()
+        if encoder_seq is not None:
+            # Cross first, so on an idle cache it takes the lowest run.
+            request_id = seq_group.request_id
+            assert request_id not in self.cross_block_tables
+            num_cross = self._num_blocks(encoder_seq.get_len())
+            self.cross_block_tables[request_id] = gpu.allocate_contiguous(num_cross)
+            self._cross_device[request_id] = Device.GPU
+
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        assert waiting, "allocate needs WAITING sequences"
+        table: list[int] = []
+        self._grow(table, self._num_blocks(waiting[0].get_len()))
+        for i, seq in enumerate(waiting):
+            assert seq.seq_id not in self.block_tables
+            if i > 0:
+                for block in table:
+                    gpu.incr_ref(block)
+            self.block_tables[seq.seq_id] = table if i == 0 else table.copy()
+            self._seq_device[seq.seq_id] = Device.GPU
+
+    # -- decoding ------------------------------------------------------------
+
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        """Whether every RUNNING seq can take its append_slots now. Conservative:
+        siblings sharing one block each count a copy, though the last keeps it."""
+        gpu = self.gpu_allocator
+        needed = 0
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            table = self.block_tables[seq.seq_id]
+            first, end = self._write_range(seq, num_lookahead_slots)
+            needed += max(0, end - len(table))
+            for i in range(first, min(end, len(table))):
+                needed += gpu.get_ref_count(table[i]) > 1
+        return needed <= gpu.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
+        """Make the slots this step writes exist and belong to ``seq`` alone.
+
+        The table grows to cover ``get_len() + num_lookahead_slots`` tokens, and
+        each shared block the step writes into is copied (CoW). The step writes
+        from the first token without KV; ``get_len() - 1`` at the latest, so a
+        decode step is safe even if computed tokens were already counted. In a
+        decode step that is one block: O(1). Returns ``[(src, dst)]`` GPU copies.
+        """
+        assert self._seq_device[seq.seq_id] is Device.GPU
+        gpu = self.gpu_allocator
+        table = self.block_tables[seq.seq_id]
+        first, end = self._write_range(seq, num_lookahead_slots)
+        copies: list[tuple[int, int]] = []
+        for i in range(first, min(end, len(table))):
+            src = table[i]
+            if gpu.get_ref_count(src) > 1:
+                dst = gpu.allocate(prefer=table[i - 1] + 1 if i else None)
+                gpu.free(src)
+                table[i] = dst
+                copies.append((src, dst))
+        self._grow(table, end)
+        return copies
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares all the parent's blocks; CoW splits them on write.
+        The cross table is per request, so it is shared without any work."""
+        table = self.block_tables.get(parent_seq.seq_id)
+        if table is None:  # parent already freed: nothing to share
+            return
+        device = self._seq_device[parent_seq.seq_id]
+        allocator = self._allocator(device)
+        for block in table:
+            allocator.incr_ref(block)
+        assert child_seq.seq_id not in self.block_tables
+        self.block_tables[child_seq.seq_id] = table.copy()
+        self._seq_device[child_seq.seq_id] = device
+
+    # -- swapping ------------------------------------------------------------
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        blocks = self._group_blocks(seq_group, SequenceStatus.RUNNING)
+        return len(blocks) <= self.cpu_allocator.get_num_free_blocks()
+
+    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
+        """As vLLM V0: the group's distinct blocks plus, per SWAPPED seq, room to
+        append right after (one token and the lookahead). The watermark holds."""
+        num_seqs = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
+        required = len(self._group_blocks(seq_group, SequenceStatus.SWAPPED))
+        required += num_seqs * self._num_blocks(num_lookahead_slots + 1)
+        if required > self.num_total_gpu_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """RUNNING seqs' tables and the cross table to the CPU: ``[(gpu, cpu)]``."""
+        return self._swap(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
+
+    def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """SWAPPED seqs' tables and the cross table to the GPU: ``[(cpu, gpu)]``."""
+        return self._swap(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator, self.gpu_allocator)
+
+    def _swap(
+        self, seq_group: SequenceGroup, status: SequenceStatus, src: BlockAllocator, dst: BlockAllocator
+    ) -> list[tuple[int, int]]:
+        """Move tables from ``src`` to ``dst``. A block shared by several seqs is
+        copied once (``mapping``) and keeps its reference count. Pairs list the
+        decoder tables' blocks first (first-seen order), then the cross table's."""
+        mapping: dict[int, int] = {}
+        for seq in seq_group.get_seqs(status=status):
+            assert self._seq_device[seq.seq_id] is src.device
+            new_table: list[int] = []
+            for block in self.block_tables[seq.seq_id]:
+                moved = mapping.get(block)
+                if moved is None:
+                    prefer = new_table[-1] + 1 if new_table else None
+                    moved = mapping[block] = dst.allocate(prefer=prefer)
+                else:
+                    dst.incr_ref(moved)
+                src.free(block)
+                new_table.append(moved)
+            self.block_tables[seq.seq_id] = new_table
+            self._seq_device[seq.seq_id] = dst.device
+        pairs = list(mapping.items())
+
+        request_id = seq_group.request_id
+        cross = self.cross_block_tables.get(request_id)
+        if cross is not None:
+            assert self._cross_device[request_id] is src.device
+            new_cross = dst.allocate_contiguous(len(cross))
+            for block in cross:
+                src.free(block)
+            pairs.extend(zip(cross, new_cross))
+            self.cross_block_tables[request_id] = new_cross
+            self._cross_device[request_id] = dst.device
+        return pairs
+
+    # -- freeing -------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the seq's self table on whichever device holds it; blocks that no
+        other table shares become free. No-op for a seq without a table."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        allocator = self._allocator(self._seq_device.pop(seq.seq_id))
+        for block in table:
+            allocator.free(block)
+
+    def free_cross(self, seq_group: SequenceGroup) -> None:
+        """Drop the request's cross table on whichever device holds it."""
+        table = self.cross_block_tables.pop(seq_group.request_id, None)
+        if table is None:
+            return
+        allocator = self._allocator(self._cross_device.pop(seq_group.request_id))
+        for block in table:
+            allocator.free(block)
+
+    def reset(self) -> None:
+        self.block_tables.clear()
+        self.cross_block_tables.clear()
+        self._seq_device.clear()
+        self._cross_device.clear()
+        self.gpu_allocator.reset()
+        self.cpu_allocator.reset()
+
+    # -- queries -------------------------------------------------------------
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """The live table (no copy: read every step); callers must not mutate it."""
+        return self.block_tables[seq.seq_id]
+
+    def get_cross_block_table(self, seq_group: SequenceGroup) -> list[int]:
+        """The live cross table (no copy); callers must not mutate it."""
+        return self.cross_block_tables[seq_group.request_id]
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()
+
+    # -- helpers -------------------------------------------------------------
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _allocator(self, device: Device) -> BlockAllocator:
+        return self.gpu_allocator if device is Device.GPU else self.cpu_allocator
+
+    def _grow(self, table: list[int], num_blocks: int) -> None:
+        """Append GPU blocks up to ``num_blocks``, each after its predecessor when free."""
+        gpu = self.gpu_allocator
+        while len(table) < num_blocks:
+            table.append(gpu.allocate(prefer=table[-1] + 1 if table else None))
+
+    def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> tuple[int, int]:
+        """Block indices ``[first, end)`` an append step writes into."""
+        num_tokens = seq.get_len()
+        first_token = min(seq.data.get_num_computed_tokens(), num_tokens - 1)
+        return max(first_token, 0) // self.block_size, self._num_blocks(num_tokens + num_lookahead_slots)
+
+    def _group_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> set[int]:
+        """Distinct physical blocks of the seqs in ``status`` plus the cross table."""
+        blocks: set[int] = set()
+        for seq in seq_group.get_seqs(status=status):
+            blocks.update(self.block_tables[seq.seq_id])
+        blocks.update(self.cross_block_tables.get(seq_group.request_id, ()))
+        return blocks

@@ -1,0 +1,80 @@
+"""Engine configuration, built once by ``EngineArgs`` and passed explicitly.
+
+Every config rejects values a user could get wrong with a ``ValueError`` naming
+the field. Bookkeeping modules read these; nothing here imports torch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PreemptionMode(enum.Enum):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # decoder + encoder tokens of one step's prefills
+    max_num_seqs: int  # decoder sequences running at once
+    max_model_len: int  # longest decoder sequence (prompt + output)
+    max_encoder_len: int | None = None  # longest encoder prompt; None = max_model_len
+    preemption_mode: PreemptionMode | None = None  # None: swap (encoder/decoder default)
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+    def __post_init__(self) -> None:
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_model_len", self.max_model_len)
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # token slots per KV block
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for KV (CUDA)
+    swap_space: float = 4  # GiB of CPU memory for swapped-out KV blocks
+    cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None  # bytes of device KV; overrides the fraction
+    sliding_window: int | None = None
+    enable_prefix_caching: bool = False
+    # Set by the engine after sizing the cache.
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # local directory or hub id
+    tokenizer: str | None
+    dtype: str  # resolved torch dtype name: "float32" | "float16" | "bfloat16"
+    seed: int
+    architecture: str  # e.g. "BartForConditionalGeneration"
+    hf_config: Any = field(repr=False, default=None)
+    max_model_len: int = 1024
+    max_encoder_len: int = 1024
+    enforce_eager: bool = False

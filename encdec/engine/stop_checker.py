@@ -1,0 +1,91 @@
+"""Deciding, after each new token, whether a sequence is done (vLLM V0's StopChecker).
+
+Checks, in order, once the sequence has ``min_tokens`` outputs:
+    eos (unless ignore_eos) -> stop_token_ids -> stop strings
+then, always:
+    max_model_len -> max_tokens
+A stop wins over a length cap reached on the same token ("stop", not "length").
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from encdec.sampling_params import SamplingParams
+
+
+class StopChecker:
+    """``get_tokenizer_len``, if given, returns the tokenizer's length: a sampled id
+    at or past it (a padded-vocabulary row no tokenizer can decode) stops the
+    sequence with that id as ``stop_reason`` instead of breaking detokenization."""
+
+    def __init__(self, max_model_len: int,
+                 get_tokenizer_len: Callable[[], int] | None = None) -> None:
+        self.max_model_len = max_model_len
+        self.get_tokenizer_len = get_tokenizer_len
+
+    def maybe_stop_sequence(self, seq: Any, new_char_count: int, sampling_params: SamplingParams,
+                            eos_token_id: int | None = None) -> None:
+        """Set ``seq.status`` (and ``stop_reason``, and trim ``output_text``) if
+        the token just appended ends the sequence. ``new_char_count`` is how many
+        characters that token added to ``seq.output_text``."""
+        from encdec.sequence import SequenceStatus
+
+        params = sampling_params
+        if seq.get_output_len() >= params.min_tokens:
+            last = seq.get_last_token_id()
+            if not params.ignore_eos and eos_token_id is not None and last == eos_token_id:
+                self._trim_token_text(seq, new_char_count, params)
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if last in params.stop_token_ids or self._undecodable(last):
+                self._trim_token_text(seq, new_char_count, params)
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = last
+                return
+            stop = self.check_stop_strings(seq.output_text, new_char_count, params.stop,
+                                           params.include_stop_str_in_output)
+            if stop is not None:
+                stop_str, truncate_to = stop
+                if truncate_to != -1:
+                    seq.output_text = seq.output_text[:truncate_to]
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = stop_str
+                return
+        if seq.get_len() >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            return
+        if params.max_tokens is not None and seq.get_output_len() >= params.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def _undecodable(self, token_id: int) -> bool:
+        return self.get_tokenizer_len is not None and token_id >= self.get_tokenizer_len()
+
+    @staticmethod
+    def _trim_token_text(seq: Any, new_char_count: int, params: SamplingParams) -> None:
+        # The stop token's own text (e.g. "</s>" when special tokens are shown) is
+        # not output unless the user asked for stop strings in the output.
+        if new_char_count and not params.include_stop_str_in_output:
+            seq.output_text = seq.output_text[:-new_char_count]
+
+    @staticmethod
+    def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
+                           include_in_output: bool) -> tuple[str, int] | None:
+        """First stop string found in the new text (plus the overlap a string
+        could straddle); returns it and where to cut (-1: no cut), else None."""
+        if not new_char_count or not stop:
+            return None
+        for stop_str in stop:
+            # Only text that could contain a new match: the new characters and
+            # len(stop_str) - 1 before them. Earlier text was searched last step.
+            start = max(0, len(output_text) - new_char_count - len(stop_str) + 1)
+            index = output_text.find(stop_str, start)
+            if index == -1:
+                continue
+            if include_in_output:
+                index += len(stop_str)
+                if index >= len(output_text):
+                    return stop_str, -1
+            return stop_str, index
+        return None

@@ -1,0 +1,100 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from encdec.engine.arg_utils import EngineArgs
+from encdec.engine.llm_engine import LLMEngine
+from encdec.inputs import PromptType, normalize_prompts
+from encdec.outputs import RequestOutput
+from encdec.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, block_size: int = 16,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 swap_space: float = 4, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 preemption_mode: str | None = None, logits_processors: list[Any] | None = None,
+                 attention_backend: str | None = None, enforce_eager: bool = False,
+                 scheduling_policy: str = "fcfs", num_threads: int | None = None):
+        self.engine_args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            block_size=block_size, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, preemption_mode=preemption_mode,
+            logits_processors=logits_processors, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, scheduling_policy=scheduling_policy,
+            num_threads=num_threads)
+        self.llm_engine = LLMEngine(self.engine_args)
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        prompts = normalize_prompts(prompts)
+        n = len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * n
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != n:
+                raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
+        if priority is not None and len(priority) != n:
+            raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+        engine = self.llm_engine
+        # Validate everything first: one bad prompt refuses the call, queues nothing.
+        processed = [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = []
+        for i, (inputs, params) in enumerate(processed):
+            rid = str(self._request_counter)
+            self._request_counter += 1
+            engine.add_processed_request(rid, inputs, params, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        in0, out0 = engine.num_prompt_tokens, engine.num_generated_tokens
+        try:
+            while len(done) < len(wanted) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            dt = max(time.perf_counter() - start, 1e-6)
+                            bar.set_postfix_str(
+                                f"input: {(engine.num_prompt_tokens - in0) / dt:.1f} toks/s, "
+                                f"output: {(engine.num_generated_tokens - out0) / dt:.1f} toks/s")
+                            bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call: drop what this call queued.
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
+                   timestamps: bool = False, prompt: str | None = None,
+                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
+        from encdec.transcribe import transcribe
+
+        return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
+                          prompt=prompt, sampling_params=sampling_params)

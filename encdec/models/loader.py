@@ -1,0 +1,87 @@
+"""Find a checkpoint (local directory or hub id) and stream its weights.
+
+Hugging Face checkpoints (safetensors or ``pytorch_model.bin``) and CTranslate2
+Whisper directories (``model.bin``) are both read here, tensor by tensor, so a
+model never needs two copies of its weights in memory.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Checkpoint:
+    path: str  # local directory
+    hf_config: Any  # transformers PretrainedConfig
+    generation_config: Any  # transformers GenerationConfig
+    architecture: str
+    format: str  # "hf" | "ct2"
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; anything else is a hub id, downloaded once."""
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"model {model!r} is a file; give the checkpoint's directory")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model directory {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"],
+            ignore_patterns=["*onnx*", "*.msgpack", "*.h5", "*tflite*"],
+        )
+    except Exception as e:  # network, auth, unknown repo
+        raise ValueError(f"cannot load model {model!r}: not a local directory and the hub "
+                         f"download failed ({type(e).__name__}: {e})") from e
+
+
+def open_checkpoint(model: str) -> Checkpoint:
+    from transformers import AutoConfig, GenerationConfig
+
+    path = resolve_model_path(model)
+    from encdec.models import ct2_loader
+
+    if ct2_loader.is_ct2_whisper_dir(path):
+        hf_config, gen_config, _ = ct2_loader.load_ct2_whisper(path)
+        return Checkpoint(path, hf_config, gen_config, "WhisperForConditionalGeneration", "ct2")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} has no config.json: not a Hugging Face or CTranslate2 checkpoint")
+    hf_config = AutoConfig.from_pretrained(path)
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else type(hf_config).__name__.replace("Config", "ForConditionalGeneration")
+    try:
+        gen_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen_config = GenerationConfig.from_model_config(hf_config)
+    return Checkpoint(path, hf_config, gen_config, arch, "hf")
+
+
+def iterate_weights(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    if ckpt.format == "ct2":
+        from encdec.models import ct2_loader
+
+        yield from ct2_loader.load_ct2_whisper(ckpt.path)[2]
+        return
+    files = sorted(glob.glob(os.path.join(ckpt.path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        return
+    files = sorted(glob.glob(os.path.join(ckpt.path, "pytorch_model*.bin")))
+    if not files:
+        raise ValueError(f"{ckpt.path!r} has no *.safetensors or pytorch_model*.bin weights")
+    for f in files:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()

@@ -1,0 +1,335 @@
+"""Whisper (tiny .. large-v3, English-only and multilingual, 80 or 128 mel bins) in plain PyTorch.
+
+The encoder always sees 30 s (3000 frames -> 1500 positions), so it runs dense
+and batched: one SDPA call per layer over ``(B, heads, 1500, head_dim)``, no
+packing needed. Its output is flattened to packed ``(B * 1500, d)`` rows, and
+each decoder layer projects them to cross-attention keys/values that the
+``Attention`` layer writes into the paged cross cache once, at prefill; decode
+steps read only the cache. Decoder self-attention is paged as usual.
+
+Engine-facing surface (besides the model class, which mirrors BART's):
+
+- ``default_decoder_prompt(generation_config, language=None, task="transcribe",
+  timestamps=False) -> list[int]``: ``<|startoftranscript|>`` + language + task
+  (+ ``<|notimestamps|>``) for multilingual models, ``<|startoftranscript|>``
+  (+ ``<|notimestamps|>``) for ``.en`` models.
+- ``prepare_decoder_prompt(ids, generation_config) -> list[int]``: a user's
+  decoder prompt gets ``<|startoftranscript|>`` prepended unless it starts with
+  it or with ``<|startofprev|>`` (previous-text prompts carry their own SOT later).
+- ``make_audio_processor(hf_config) -> callable(audio) -> ((n_mels, 3000) features, 1500)``
+  for ``InputPreprocessor``; audio past 30 s is cut (``encdec.transcribe`` windows it).
+- ``detect_language(model, input_features, generation_config) -> list[str]``:
+  one decoder step on ``<|startoftranscript|>``, argmax over the language tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+
+N_FRAMES = 3000  # 30 s of 10 ms mel frames; the encoder input length
+N_POSITIONS = 1500  # encoder outputs per 30 s window (conv2 has stride 2)
+
+
+class WhisperAttention(nn.Module):
+    """Decoder self (fused q/k/v) or cross (q, fused k/v) attention; Whisper's
+    ``k_proj`` has no bias, so the k part of the fused bias stays zero."""
+
+    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType,
+                 backend: type[AttentionBackend]):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.attn_type = attn_type
+        if attn_type == AttentionType.ENCODER_DECODER:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5,
+                              backend=backend, attn_type=attn_type)
+
+    def forward(self, h: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata,
+                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            q, k, v = self.q_proj(h), None, None
+            if encoder_hidden is not None and encoder_hidden.shape[0]:
+                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)  # (B * 1500, d) each
+        else:
+            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, d) each
+        return self.out_proj(self.attn(q, k, v, kv_cache, md))
+
+    def forward_dense(self, h: torch.Tensor, enc: torch.Tensor | None = None) -> torch.Tensor:
+        """Unpaged attention over ``(B, T, d)``, for one-off steps (language detection)."""
+        B, T, d = h.shape
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            q = self.q_proj(h)
+            k, v = self.kv_proj(enc).chunk(2, dim=-1)  # (B, S, d)
+        else:
+            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)
+        split = lambda x: x.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        causal = self.attn_type == AttentionType.DECODER
+        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=causal)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, d))
+
+
+class WhisperEncoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.num_heads, self.head_dim = cfg.encoder_attention_heads, d // cfg.encoder_attention_heads
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.qkv_proj = nn.Linear(d, 3 * d)
+        self.out_proj = nn.Linear(d, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 1500, d)
+        B, T, d = h.shape
+        qkv = self.qkv_proj(self.self_attn_layer_norm(h))  # (B, T, 3d)
+        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
+        a = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
+        h = h + self.out_proj(a.transpose(1, 2).reshape(B, T, d))
+        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+
+
+class WhisperDecoderLayer(nn.Module):
+    def __init__(self, cfg, backend):
+        super().__init__()
+        d, heads = cfg.d_model, cfg.decoder_attention_heads
+        self.self_attn = WhisperAttention(d, heads, AttentionType.DECODER, backend)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = WhisperAttention(d, heads, AttentionType.ENCODER_DECODER, backend)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, h, self_cache, cross_cache, md, encoder_hidden):
+        h = h + self.self_attn(self.self_attn_layer_norm(h), self_cache, md)
+        h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), cross_cache, md, encoder_hidden)
+        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+
+    def forward_dense(self, h: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn.forward_dense(self.self_attn_layer_norm(h))
+        h = h + self.encoder_attn.forward_dense(self.encoder_attn_layer_norm(h), enc)
+        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+
+
+class WhisperEncoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
+        self.layers = nn.ModuleList([WhisperEncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, n_mels, 3000)
+        x = F.gelu(self.conv1(features))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, 1500, d)
+        h = x + self.embed_positions.weight[: x.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.layer_norm(h)
+
+
+class WhisperDecoder(nn.Module):
+    def __init__(self, cfg, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_positions = nn.Embedding(cfg.max_target_positions, cfg.d_model)
+        self.layers = nn.ModuleList([WhisperDecoderLayer(cfg, backend) for _ in range(cfg.decoder_layers)])
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """Runner-facing interface as BART's: ``forward`` over packed decoder tokens ->
+    hidden states, ``compute_logits`` (tied ``proj_out``), ``build_encoder_inputs``,
+    ``load_weights`` (HF names), and the cache geometry."""
+
+    def __init__(self, hf_config, backend: type[AttentionBackend]):
+        super().__init__()
+        cfg = self.config = hf_config
+        self.encoder = WhisperEncoder(cfg)
+        self.decoder = WhisperDecoder(cfg, backend)
+        self.vocab_size = cfg.vocab_size
+        self.num_decoder_layers = cfg.decoder_layers
+        self.num_cache_layers = 2 * cfg.decoder_layers  # [2i] self, [2i+1] cross
+        self.num_kv_heads = cfg.decoder_attention_heads
+        self.head_size = cfg.d_model // cfg.decoder_attention_heads
+        self.num_mel_bins = cfg.num_mel_bins
+        self.encoder_len = cfg.max_source_positions  # encoder positions per request
+        self.n_frames = 2 * cfg.max_source_positions
+
+    def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
+                             device: torch.device) -> dict[str, torch.Tensor]:
+        """Stack the prefill requests' features; the placeholder token ids only size the cross cache."""
+        if not encoder_features:
+            return {}
+        for i, f in enumerate(encoder_features):
+            if f is None or tuple(f.shape) != (self.num_mel_bins, self.n_frames):
+                got = None if f is None else tuple(f.shape)
+                raise ValueError(f"Whisper request {i} needs audio features of shape "
+                                 f"({self.num_mel_bins}, {self.n_frames}), got {got}")
+        feats = torch.stack([torch.as_tensor(f) for f in encoder_features])  # (B, n_mels, 3000)
+        return {"encoder_features": feats.to(device, non_blocking=True)}
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """(B, n_mels, 3000) -> (B, 1500, d)."""
+        return self.encoder(features.to(self.encoder.conv1.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        enc = None
+        if encoder_features is not None and encoder_features.numel():
+            enc = self.encode(encoder_features).flatten(0, 1)  # (B * 1500, d), packed per request
+            assert enc.shape[0] == attn_metadata.num_encoder_tokens, (
+                f"{enc.shape[0]} encoder rows but metadata has {attn_metadata.num_encoder_tokens}")
+        h = self.decoder.embed_tokens(input_ids) + self.decoder.embed_positions(positions)  # (N, d)
+        for i, layer in enumerate(self.decoder.layers):
+            h = layer(h, kv_caches[2 * i], kv_caches[2 * i + 1], attn_metadata, enc)
+        return self.decoder.layer_norm(h)
+
+    def forward_dense(self, decoder_ids: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        """Unpaged: (B, T) ids over (B, 1500, d) encoder output -> (B, T, vocab) logits."""
+        T = decoder_ids.shape[1]
+        h = self.decoder.embed_tokens(decoder_ids) + self.decoder.embed_positions.weight[:T]
+        for layer in self.decoder.layers:
+            h = layer.forward_dense(h, enc)
+        return self.compute_logits(self.decoder.layer_norm(h))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.decoder.embed_tokens.weight)
+
+    @staticmethod
+    def _param_slot(name: str) -> tuple[str, int, int]:
+        """HF name (without ``model.``) -> (our parameter, row-chunk index, chunks)."""
+        if name == "proj_out.weight":
+            return "decoder.embed_tokens.weight", 0, 1
+        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            if f".{proj}." not in name:
+                continue
+            prefix, kind = name.split(f".{proj}.")
+            if prefix.endswith(".encoder_attn"):
+                if proj == "q_proj":
+                    return name, 0, 1
+                return f"{prefix}.kv_proj.{kind}", i - 1, 2
+            if prefix.startswith("encoder."):
+                prefix = prefix.removesuffix(".self_attn")
+            return f"{prefix}.qkv_proj.{kind}", i, 3
+        if name.startswith("encoder.layers.") and ".self_attn.out_proj." in name:
+            return name.replace(".self_attn.out_proj.", ".out_proj."), 0, 1
+        return name, 0, 1
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
+                p.data.zero_()
+        loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            name, part, parts = self._param_slot(hf_name.removeprefix("model."))
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for Whisper")
+            if (name, part) in loaded and name == "decoder.embed_tokens.weight":
+                continue  # proj_out after embed_tokens: tied
+            target = params[name].data
+            rows = target.shape[0] // parts
+            if tuple(tensor.shape) != (rows, *target.shape[1:]):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {(rows, *target.shape[1:])}")
+            target[part * rows:(part + 1) * rows].copy_(tensor)
+            loaded.add((name, part))
+        missing = []
+        for name, p in params.items():
+            parts = 3 if ".qkv_proj." in name else 2 if ".kv_proj." in name else 1
+            for part in range(parts):
+                is_k_bias = name.endswith("_proj.bias") and parts > 1 and part == parts - 2
+                if (name, part) not in loaded and not is_k_bias:
+                    missing.append(f"{name}[{part}/{parts}]" if parts > 1 else name)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for Whisper: {missing[:5]}")
+
+
+# ---- prompts, audio and language detection ----
+
+def _language_token(generation_config, language: str) -> int:
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    lang_to_id = getattr(generation_config, "lang_to_id", None) or {}
+    key = language.lower().strip()
+    code = key.strip("<|>") if key.startswith("<|") else TO_LANGUAGE_CODE.get(key, key)
+    token = f"<|{code}|>"
+    if token not in lang_to_id:
+        raise ValueError(f"language {language!r} is not one this model knows; "
+                         f"use a code or name such as 'en', 'english', 'de'")
+    return lang_to_id[token]
+
+
+def default_decoder_prompt(generation_config, language: str | None = None, task: str = "transcribe",
+                           timestamps: bool = False) -> list[int]:
+    """The decoder prompt HF ``generate`` would build for these options."""
+    if task not in ("transcribe", "translate"):
+        raise ValueError(f"task must be 'transcribe' or 'translate', got {task!r}")
+    gc = generation_config
+    ids = [gc.decoder_start_token_id]
+    if getattr(gc, "is_multilingual", False):
+        if language is not None:
+            ids.append(_language_token(gc, language))
+        ids.append(gc.task_to_id[task])
+    else:
+        if language is not None and language.lower().strip("<|>") not in ("en", "english"):
+            raise ValueError(f"this is an English-only model; language={language!r} is not available")
+        if task != "transcribe":
+            raise ValueError("this is an English-only model; task='translate' is not available")
+    if not timestamps:
+        ids.append(gc.no_timestamps_token_id)
+    return ids
+
+
+def prepare_decoder_prompt(ids: list[int], generation_config) -> list[int]:
+    """Prepend ``<|startoftranscript|>`` unless the prompt starts with it or ``<|startofprev|>``."""
+    sot = generation_config.decoder_start_token_id
+    prev = getattr(generation_config, "prev_sot_token_id", None)
+    if ids and ids[0] in (sot, prev):
+        return list(ids)
+    return [sot, *ids]
+
+
+def make_audio_processor(hf_config) -> Callable[[Any], tuple[torch.Tensor, int]]:
+    """``audio`` (path, ``(array, sample_rate)`` or 16 kHz 1-D array) -> ((n_mels, 3000), 1500)."""
+    from encdec.audio import load_audio, log_mel_spectrogram
+
+    n_mels, n_pos = hf_config.num_mel_bins, hf_config.max_source_positions
+
+    def process(audio: Any) -> tuple[torch.Tensor, int]:
+        return log_mel_spectrogram([load_audio(audio)], n_mels=n_mels)[0], n_pos
+
+    return process
+
+
+@torch.inference_mode()
+def detect_language(model: WhisperForConditionalGeneration, input_features: torch.Tensor,
+                    generation_config) -> list[str]:
+    """(B, n_mels, 3000) -> language codes, as HF ``detect_language`` decides them."""
+    lang_to_id = getattr(generation_config, "lang_to_id", None)
+    if not lang_to_id:
+        raise ValueError("this model has no language tokens (English-only); language detection "
+                         "needs a multilingual Whisper")
+    enc = model.encode(input_features)  # (B, 1500, d)
+    sot = torch.full((enc.shape[0], 1), generation_config.decoder_start_token_id, device=enc.device)
+    logits = model.forward_dense(sot, enc)[:, -1].float()  # (B, vocab)
+    tokens = list(lang_to_id)
+    ids = torch.tensor([lang_to_id[t] for t in tokens], device=logits.device)
+    best = logits[:, ids].argmax(-1).tolist()
+    return [tokens[i][2:-2] for i in best]

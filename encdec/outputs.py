@@ -1,0 +1,116 @@
+"""What a request returns, and the incremental detokenizer that builds its text.
+
+Detokenizing only the newest token each step (vLLM's prefix/read offsets)
+keeps text cost per step constant instead of growing with the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from encdec.sequence import Logprob, RequestMetrics, Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None  # decoder prompt text, if the user gave text
+    prompt_token_ids: list[int]  # decoder prompt
+    encoder_prompt: str | None
+    encoder_prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when the request could not run (e.g. never fits the cache)
+
+    @classmethod
+    def from_seq_group(cls, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        seqs = group.get_seqs()
+        n = getattr(params, "n", 1) or 1
+        if group.is_finished() and len(seqs) > n:
+            # best_of > n: keep the n most likely sequences.
+            seqs = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[:n]
+        want_lp = params is not None and params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=getattr(s.data, "sample_index", i),
+                text=s.output_text,
+                token_ids=list(s.get_output_token_ids()),
+                cumulative_logprob=s.get_cumulative_logprob() if want_lp else None,
+                logprobs=s.output_logprobs if want_lp else None,
+                finish_reason=SequenceStatus.get_finished_reason(s.status),
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        enc_ids = group.encoder_prompt_token_ids
+        if "encoder_features" in group.seqs[0].inputs:
+            enc_ids = []  # audio: the encoder "tokens" are placeholders
+        return cls(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids),
+            encoder_prompt=group.encoder_prompt,
+            encoder_prompt_token_ids=list(enc_ids),
+            outputs=outputs,
+            finished=group.is_finished(),
+            metrics=group.metrics,
+            prompt_logprobs=group.prompt_logprobs,
+            error=group.error,
+        )
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        # Fast path: ids -> token strings without a Python call per id.
+        self._all_special = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def _to_tokens(self, ids: list[int], skip_special: bool) -> list[str]:
+        if skip_special:
+            ids = [i for i in ids if i not in self._all_special]
+        return self.tokenizer.convert_ids_to_tokens(ids)
+
+    def _to_string(self, tokens: list[str], params: Any) -> str:
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            return "".join(self.tokenizer.convert_tokens_to_string([t]) for t in tokens)
+        return self.tokenizer.convert_tokens_to_string(tokens)
+
+    def decode_sequence_inplace(self, seq: Sequence, params: Any) -> int:
+        """Append the newest token's text to ``seq.output_text``; return the
+        number of characters added (the stop checker searches only those)."""
+        skip = params.skip_special_tokens
+        if seq.tokens is None:
+            # Start from the output so far (nonempty only after a fork/recompute).
+            seq.tokens = self._to_tokens(seq.get_output_token_ids()[:-1], skip)
+            seq.prefix_offset = max(len(seq.tokens) - 5, 0)
+            seq.read_offset = len(seq.tokens)
+        new_tokens = self._to_tokens([seq.get_last_token_id()], skip)
+        seq.tokens.extend(new_tokens)
+        prefix = self._to_string(seq.tokens[seq.prefix_offset: seq.read_offset], params)
+        text = self._to_string(seq.tokens[seq.prefix_offset:], params)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            added = text[len(prefix):]
+            seq.output_text += added
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(seq.tokens)
+            return len(added)
+        return 0
+
+

@@ -1,0 +1,201 @@
+"""Turning one step's logits into one token per row (vLLM V1's sampler, seed 003)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from torch import nn
+
+from encdec.sample.metadata import SamplingMetadata
+
+_SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)
+
+
+@dataclass
+class LogprobsTensors:
+    logprob_token_ids: torch.Tensor  # (num_rows, k + 1) int64: chosen token, then the top k
+    logprobs: torch.Tensor  # (num_rows, k + 1) float32, from the raw logits
+    selected_token_ranks: torch.Tensor  # (num_rows,) int64, 1-based rank of the chosen token
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # (num_reqs, 1) int64, one token per row (V1 shape)
+    logprobs_tensors: LogprobsTensors | None  # None unless some row asked for logprobs
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.log_softmax(dim=-1, dtype=torch.float32)  # (num_rows, vocab)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
+                    token_ids: torch.Tensor) -> LogprobsTensors:
+    """The chosen token's logprob and rank, then the ``num_logprobs`` best."""
+    token_ids = token_ids.long().unsqueeze(-1)  # (num_rows, 1)
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # (num_rows, k)
+    token_logprobs = logprobs.gather(-1, token_ids)  # (num_rows, 1)
+    # Rank = how many tokens are at least as likely (ties share the worse rank).
+    ranks = (logprobs >= token_logprobs).sum(-1)  # (num_rows,)
+    return LogprobsTensors(
+        torch.cat((token_ids, top_ids), dim=1),
+        torch.cat((token_logprobs, top_logprobs), dim=1),
+        ranks,
+    )
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor,
+                            num_logprobs: int) -> LogprobsTensors:
+    """Prompt logprobs: ``logits`` (num_positions, vocab) predict the decoder-prompt
+    tokens ``target_token_ids`` (num_positions,), i.e. the prompt shifted by one.
+    Raw logits, no processors, as vLLM does."""
+    return gather_logprobs(compute_logprobs(logits), num_logprobs, target_token_ids)
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> None:
+    """Ban a bad word's last token where the output ends with the word's prefix.
+    The matching is list bookkeeping on the few rows that have bad words; the
+    ban is one tensor write."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, words in bad_words.items():
+        out = output_token_ids[row]
+        for word in words:
+            n = len(word) - 1
+            if n == 0 or (n <= len(out) and out[-n:] == word[:-1]):
+                rows.append(row)
+                cols.append(word[-1])
+    if rows:
+        logits[rows, cols] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """vLLM's definitions: repetition over decoder prompt and output (divide
+    positive logits, multiply negative ones); frequency and presence over the
+    output only (OpenAI's)."""
+    num_reqs, vocab = logits.shape
+    outs = md.output_token_ids
+    lens = torch.tensor([len(o) for o in outs], device=logits.device)  # (num_reqs,)
+    cols = torch.tensor(list(chain.from_iterable(outs)), dtype=torch.long, device=logits.device)
+    rows = torch.repeat_interleave(torch.arange(num_reqs, device=logits.device), lens)
+    counts = logits.new_zeros(num_reqs, vocab)  # (num_reqs, vocab) output token counts
+    counts.index_put_((rows, cols), torch.ones_like(cols, dtype=logits.dtype), accumulate=True)
+    output_mask = counts > 0
+    seen = output_mask.clone()
+    if md.prompt_token_ids is not None:  # padding (= vocab) lands in a spare column
+        prompt_mask = torch.zeros(num_reqs, vocab + 1, dtype=torch.bool, device=logits.device)
+        prompt_mask.scatter_(1, md.prompt_token_ids, True)
+        seen |= prompt_mask[:, :vocab]
+    rep = md.repetition_penalties.unsqueeze(1)  # (num_reqs, 1)
+    penalties = torch.where(seen, rep, 1.0)  # (num_reqs, vocab)
+    logits = torch.where(logits > 0, logits / penalties, logits * penalties)
+    logits -= md.frequency_penalties.unsqueeze(1) * counts
+    logits -= md.presence_penalties.unsqueeze(1) * output_mask
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
+                      p: torch.Tensor | None) -> torch.Tensor:
+    """Mask all but the ``k`` best tokens, then all but the smallest set whose
+    probability reaches ``p``. Rows with ``k == vocab`` / ``p == 1`` are untouched."""
+    if k is None and p is None:
+        return logits
+    if p is None:
+        # topk is much cheaper than a full sort when only k is used.
+        off = k == logits.shape[1]  # (num_reqs,)
+        k = k.masked_fill(off, 1)
+        top = logits.topk(int(k.max()), dim=-1).values  # (num_reqs, max_k)
+        threshold = top.gather(1, (k - 1).unsqueeze(1))  # (num_reqs, 1)
+        threshold.masked_fill_(off.unsqueeze(1), float("-inf"))
+        return logits.masked_fill_(logits < threshold, float("-inf"))
+    logits_sort, logits_idx = logits.sort(dim=-1)  # ascending, (num_reqs, vocab)
+    if k is not None:
+        kth = logits_sort.gather(1, (logits.shape[1] - k).unsqueeze(1))  # (num_reqs, 1)
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # (num_reqs, vocab), ascending mass
+    drop = cum <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the best token always stays
+    logits_sort.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(-1, logits_idx, logits_sort)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)``, draws from ``probs``
+    without a CPU-GPU sync. Seeded rows draw their ``q`` row from their own
+    generator, so their tokens do not depend on the rest of the batch."""
+    q = torch.empty_like(probs)  # (num_reqs, vocab)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():  # one draw per seeded row; no batched API exists
+        q[row].exponential_(generator=gen)
+    return probs.div_(q).argmax(dim=-1)
+
+
+class Sampler(nn.Module):
+    """Samples one token per row. Steps, in order:
+
+    1. raw logprobs (log_softmax of the model's logits), if any row asks
+    2. logits to float32 (edited in place from here on)
+    3. allowed_token_ids: mask every other token
+    4. bad words: ban the last token of a word whose prefix ends the output
+    5. non-argmax-invariant processors (min-tokens, logit bias, custom)
+    6. repetition, frequency and presence penalties
+    7. greedy rows: argmax; if every row is greedy, stop here
+    8. temperature
+    9. argmax-invariant processors (min-p, custom)
+    10. top-k, then top-p
+    11. softmax and exponential-race sampling (per-row generators for seeded rows)
+    12. logprobs of the sampled token (rank from the raw logits) and the top k
+
+    An all-greedy batch with no logprobs, penalties, allowed ids or bad words
+    costs steps 2, 5 (no-ops for idle processors) and one argmax.
+    """
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        md = sampling_metadata
+        num_logprobs = md.max_num_logprobs
+        raw_logprobs = compute_logprobs(logits) if num_logprobs is not None else None
+        logits = logits.to(torch.float32)  # (num_reqs, vocab)
+        logits = self.apply_logits_processors(logits, md)
+        sampled = self.sample(logits, md)  # (num_reqs,)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, num_logprobs, sampled)
+        return SamplerOutput(sampled.unsqueeze(-1), logprobs)
+
+    def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 3-6: everything that may change the argmax."""
+        if md.allowed_token_ids_mask is not None:
+            logits.masked_fill_(md.allowed_token_ids_mask, float("-inf"))
+        if md.bad_words_token_ids:
+            apply_bad_words(logits, md.bad_words_token_ids, md.output_token_ids)
+        for proc in md.logitsprocs.non_argmax_invariant:
+            logits = proc.apply(logits)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md)
+        return logits
+
+    def apply_sampling_filters(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 8-10, for rows that sample randomly."""
+        temp = md.temperature
+        if not md.all_random:  # greedy rows hold 0; keep them finite
+            temp = torch.where(temp < _SAMPLING_EPS, 1.0, temp)
+        logits.div_(temp.unsqueeze(1))
+        for proc in md.logitsprocs.argmax_invariant:
+            logits = proc.apply(logits)
+        return apply_top_k_top_p(logits, md.top_k, md.top_p)
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 7-11; returns (num_reqs,) int64."""
+        greedy = None
+        if not md.all_random:
+            greedy = logits.argmax(dim=-1)  # (num_reqs,)
+            if md.all_greedy:
+                return greedy
+        logits = self.apply_sampling_filters(logits, md)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)  # (num_reqs, vocab)
+        sampled = random_sample(probs, md.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(md.temperature < _SAMPLING_EPS, greedy, sampled)

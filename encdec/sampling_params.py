@@ -1,0 +1,230 @@
+"""Sampling parameters of one request, validated at the edge.
+
+Everything a user can get wrong raises here, before the request is scheduled:
+a ``TypeError`` for a value of the wrong kind, a ``ValueError`` naming the field
+and the value otherwise. Token ids need the vocabulary, which the engine knows,
+so they are checked by ``verify_against(vocab_size)`` at request entry. Nothing
+here imports torch.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+_SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
+_MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th sequence of an ``n > 1`` request: ``seed + index``
+    (vLLM V1's rule), so each sequence samples differently yet reproducibly."""
+    return None if seed is None else seed + index
+
+
+def _int(name: str, value: Any, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _num(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _int_list(name: str, value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
+    out = list(value)
+    for v in out:
+        _int(f"{name} entries", v)
+    return out
+
+
+def _str_list(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
+    return list(value)
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """vLLM's ``SamplingParams``; see API.md. ``top_k`` of -1 or 0 disables it;
+    ``max_tokens=None`` means "until max_model_len"."""
+
+    n: int = 1
+    best_of: int | None = None  # None -> n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    extra_args: dict[str, Any] | None = None
+
+    # Set by the engine, not the user: eos ids folded into the stop set, and the
+    # bad words as token-id sequences (see update_from_tokenizer).
+    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop = _str_list("stop", self.stop)
+        self.bad_words = _str_list("bad_words", self.bad_words)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
+        self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict, got {type(self.logit_bias).__name__}")
+            # OpenAI clients send string keys; clamp like OpenAI does.
+            self.logit_bias = {
+                int(k): min(_MAX_BIAS, max(-_MAX_BIAS, float(v))) for k, v in self.logit_bias.items()
+            }
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change the argmax, so turn them off.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        for name in ("n", "best_of", "top_k", "min_tokens"):
+            _int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            _int(name, getattr(self, name), none_ok=True)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            _num(name, getattr(self, name))
+        checks = [
+            ("n", self.n >= 1, ">= 1"),
+            ("best_of", self.best_of >= self.n, f">= n ({self.n})"),
+            ("temperature", self.temperature >= 0.0, ">= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, "-1 or 0 (off) or >= 1"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", self.min_tokens >= 0, ">= 0"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, ">= 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if any(s == "" for s in self.stop):
+            raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must not contain blank words, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty, got []")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+
+    def verify_against(self, vocab_size: int) -> None:
+        """Check every token id the user gave against the model's vocabulary; the
+        engine calls this at request entry, before anything is scheduled."""
+        fields = {
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "stop_token_ids": self.stop_token_ids,
+            "bad_words": [t for w in self._bad_words_token_ids or () for t in w],
+        }
+        for name, ids in fields.items():
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size}), got {bad}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {value}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """``stop_token_ids`` plus the model's eos ids (unless ``ignore_eos``), once
+        ``update_from_generation_config`` ran; min_tokens masks exactly these."""
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """Token-id sequences of ``bad_words``; None until ``update_from_tokenizer``."""
+        return self._bad_words_token_ids
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters the detokenizer must hold back so a stop string can still
+        be cut from the streamed text."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any] | None, model_eos_token_id: int | None = None
+    ) -> None:
+        """Fold the model's eos ids into the stop set, as vLLM does at request entry."""
+        if model_eos_token_id is not None and not self.ignore_eos:
+            self._all_stop_token_ids.add(model_eos_token_id)
+        eos = (generation_config or {}).get("eos_token_id")
+        if eos is not None and not self.ignore_eos:
+            eos_ids = {eos} if isinstance(eos, int) else set(eos)
+            eos_ids.discard(model_eos_token_id)
+            self.stop_token_ids = self.stop_token_ids + sorted(eos_ids - set(self.stop_token_ids))
+            self._all_stop_token_ids.update(eos_ids)
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize ``bad_words`` with and without a leading space (vLLM's rule):
+        a word at the start of text and mid-sentence are different tokens."""
+        ids: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            ids.append(plain)
+            # Keep the spaced form only where the space makes a new word token.
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+        self._bad_words_token_ids = ids
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

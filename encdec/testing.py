@@ -1,0 +1,66 @@
+"""Small random checkpoints made on this machine (no hub): tests, benchmarks
+and the demo use them. Weights are random, so outputs are not language; what
+they prove is that we match Hugging Face on the same weights."""
+from __future__ import annotations
+
+import os
+
+_CORPUS = """The rain in Spain falls mainly on the plain. A quick brown fox jumps over the lazy dog.
+Encoder decoder models read a document and write a summary of it, one token at a time.
+Speech recognition turns audio into text; summarization turns long text into short text.
+Paged attention keeps the key value cache in fixed size blocks, like pages of memory.
+Continuous batching admits new requests as soon as others finish, so the batch stays full.
+Numbers like 1, 2, 3, 42 and 1984 appear in text too, as do names such as Ada and Alan.
+"""
+
+
+def make_bart_tokenizer(out_dir: str, vocab_size: int = 1000) -> int:
+    """A byte-level BPE tokenizer with BART's special tokens (<s>=0, <pad>=1,
+    </s>=2, <unk>=3), padded with extra tokens up to ``vocab_size``; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 600), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    extra = vocab_size - 1 - tok.get_vocab_size()  # one more for <mask>
+    if extra > 0:
+        tok.add_tokens([f"tok{i}" for i in range(extra)])
+    tok.add_special_tokens(["<mask>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+    fast.save_pretrained(out_dir)
+    return len(fast)
+
+
+def make_random_bart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_model: int = 64,
+                     layers: int = 2, heads: int = 4, ffn: int = 128, max_positions: int = 256,
+                     init_std: float = 0.2, **overrides) -> str:
+    """Random BART saved with ``save_pretrained``. A large ``init_std`` keeps
+    greedy outputs varied (the default 0.02 makes them repeat one token)."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = make_bart_tokenizer(out_dir, vocab_size)
+    cfg = BartConfig(
+        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, max_position_embeddings=max_positions, init_std=init_std,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        forced_bos_token_id=None, forced_eos_token_id=None, architectures=["BartForConditionalGeneration"],
+        **overrides)
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir

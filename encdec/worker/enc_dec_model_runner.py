@@ -1,0 +1,223 @@
+"""Scheduler output -> packed tensors -> model -> logits -> sampled tokens.
+
+One forward per step covers every new request's encoder (one batched call)
+and every decoder sequence, prefill and decode alike. The step's tokens are
+packed without padding::
+
+    input_ids:  [ prefill seq 0 tokens | prefill seq 1 tokens | d0 | d1 | d2 ]
+    encoder:    [ request 0 encoder    | request 1 encoder    ]   (prefills only)
+
+Only the rows that are sampled (the last token of each prefill, every decode
+token) go through the LM head. Logits rows are then put in the persistent
+batch's order, which is what the logits processors index by.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from encdec.sample.sampler import Sampler
+from encdec.sequence import Logprob, SequenceGroupMetadata
+from encdec.worker.cache_engine import CacheEngine
+from encdec.worker.input_batch import InputBatch
+
+
+@dataclass
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprobs: dict[int, Logprob] = field(default_factory=dict)  # empty unless asked
+
+
+@dataclass
+class ModelRunnerOutput:
+    samples: list[SampledToken]  # one per sampled decoder sequence
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+
+def _i32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) or 1
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+def _prefix_sum(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+class EncoderDecoderModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: type[AttentionBackend], cache: CacheEngine,
+                 input_batch: InputBatch, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.cache = cache
+        self.input_batch = input_batch
+        self.device = device
+        self.block_size = cache.block_size
+        self.sampler = Sampler()
+
+    # -- inputs --------------------------------------------------------------
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _cross_slots(self, table: list[int], n: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(n)
+        return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+
+    def prepare(self, metas: list[SequenceGroupMetadata]):
+        """Returns (input_ids, positions, AttentionMetadata, encoder kwargs,
+        sampled rows as (seq_id, hidden index, meta))."""
+        dev = self.device
+        prefills = [m for m in metas if m.is_prompt]
+        decodes = [m for m in metas if not m.is_prompt]
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        enc_lens: list[int] = []
+        tables: list[list[int]] = []
+        cross_tables: list[list[int]] = []
+        rows: list[tuple[int, int, SequenceGroupMetadata]] = []
+        enc_tokens: list[list[int]] = []
+        enc_features: list = []
+        cross_slots: list[torch.Tensor] = []
+        q_lens: list[int] = []
+        for m in prefills:
+            # A group's sequences share their prompt (n > 1 forks it): compute
+            # it once, through the first sequence, and sample every sequence
+            # from that last hidden state.
+            sid0, sd = next(iter(m.seq_data.items()))
+            ids = sd.get_token_ids()
+            n = len(ids)
+            tokens += ids
+            positions += range(n)
+            table = m.block_tables[sid0]
+            slots += self._slots(table, 0, n)
+            seq_lens.append(n)
+            q_lens.append(n)
+            tables.append(table)
+            enc = m.encoder_seq_data.prompt_token_ids
+            enc_lens.append(len(enc))
+            cross_tables.append(m.cross_block_table)
+            enc_tokens.append(enc)
+            enc_features.append(m.encoder_inputs)
+            cross_slots.append(self._cross_slots(m.cross_block_table, len(enc)))
+            last = len(tokens) - 1
+            rows += [(sid, last, m) for sid in m.seq_data]
+        num_prefill_tokens = len(tokens)
+        bs = self.block_size
+        for m in decodes:
+            enc_len = len(m.encoder_seq_data.prompt_token_ids)
+            for sid, sd in m.seq_data.items():
+                n = sd.get_len()
+                table = m.block_tables[sid]
+                rows.append((sid, len(tokens), m))
+                tokens.append(sd.get_last_token_id())
+                positions.append(n - 1)
+                slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
+                seq_lens.append(n)
+                tables.append(table)
+                enc_lens.append(enc_len)
+                cross_tables.append(m.cross_block_table)
+        num_decode = len(tokens) - num_prefill_tokens
+        q_start = _prefix_sum(q_lens)
+        e_start = _prefix_sum(enc_lens[: len(prefills)])
+        md = self.backend.make_metadata(
+            num_prefills=len(prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            seq_lens=seq_lens,
+            seq_lens_tensor=_i32(seq_lens, dev),
+            max_prefill_seq_len=max(q_lens, default=0),
+            max_decode_seq_len=max(seq_lens[len(prefills):], default=0),
+            max_query_len=max(q_lens, default=1),
+            query_start_loc=_i32(q_start, dev),
+            seq_start_loc=_i32(q_start, dev),
+            context_lens_tensor=_i32([0] * len(prefills) + [n - 1 for n in seq_lens[len(prefills):]], dev),
+            block_tables=_padded(tables, dev),
+            encoder_seq_lens=enc_lens,
+            encoder_seq_lens_tensor=_i32(enc_lens, dev),
+            encoder_seq_start_loc=_i32(e_start, dev),
+            max_encoder_seq_len=max(enc_lens, default=0),
+            num_encoder_tokens=e_start[-1],
+            cross_slot_mapping=(torch.cat(cross_slots) if cross_slots
+                                else torch.empty(0, dtype=torch.long)).to(dev),
+            cross_block_tables=_padded(cross_tables, dev),
+            block_size=self.block_size,
+            block_tables_list=tables,
+            cross_block_tables_list=cross_tables,
+        )
+        enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if prefills else {}
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return input_ids, pos, md, enc_kwargs, rows
+
+    # -- persistent batch ----------------------------------------------------
+    def _update_batch(self, rows: list[tuple[int, int, SequenceGroupMetadata]]) -> list[int]:
+        """Make the persistent batch hold exactly this step's sequences; return,
+        for each batch row, the index into ``rows``."""
+        ib = self.input_batch
+        key_to_row = {str(sid): i for i, (sid, _, _) in enumerate(rows)}
+        for key in list(ib.req_ids):
+            if key is not None and key not in key_to_row:
+                ib.remove_request(key)
+        for key, i in key_to_row.items():
+            if key not in ib.req_id_to_index:
+                sid, _, m = rows[i]
+                sd = m.seq_data[sid]
+                params = m.sampling_params
+                index = getattr(sd, "sample_index", 0)
+                if index and params.seed is not None:
+                    params = params.clone()
+                    params.seed = params.seed + index
+                ib.add_request(key, params, sd.prompt_token_ids, sd.output_token_ids)
+        ib.condense()
+        return [key_to_row[key] for key in ib.req_ids]
+
+    # -- step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, metas: list[SequenceGroupMetadata], *, blocks_to_swap_in=(), blocks_to_swap_out=(),
+                blocks_to_copy=()) -> ModelRunnerOutput:
+        self.cache.swap_out(list(blocks_to_swap_out))
+        self.cache.swap_in(list(blocks_to_swap_in))
+        self.cache.copy(list(blocks_to_copy))
+        if not metas:
+            return ModelRunnerOutput(samples=[])
+        input_ids, positions, md, enc_kwargs, rows = self.prepare(metas)
+        hidden = self.model(input_ids, positions, self.cache.gpu_cache, md, **enc_kwargs)
+        order = self._update_batch(rows)
+        sampling_md = self.input_batch.refresh_metadata()
+        index = torch.tensor([rows[i][1] for i in order], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
+        out = self.sampler(logits, sampling_md)
+        sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
+        lp = self._logprobs(out.logprobs_tensors, len(order))
+        samples = [SampledToken(rows[i][0], tok, lp[r] if lp else {})
+                   for r, (i, tok) in enumerate(zip(order, sampled))]
+        return ModelRunnerOutput(samples=samples)
+
+    @staticmethod
+    def _logprobs(tensors, num_rows: int) -> list[dict[int, Logprob]] | None:
+        if tensors is None:
+            return None
+        ids = tensors.logprob_token_ids.tolist()
+        vals = tensors.logprobs.tolist()
+        ranks = tensors.selected_token_ranks.tolist()
+        out = []
+        for r in range(num_rows):
+            d = {ids[r][0]: Logprob(vals[r][0], rank=ranks[r])}
+            for j in range(1, len(ids[r])):
+                d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
+            out.append(d)
+        return out
