@@ -43,9 +43,10 @@ def make_bart_tokenizer(out_dir: str, vocab_size: int = 1000) -> int:
 
 def make_random_bart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_model: int = 64,
                      layers: int = 2, heads: int = 4, ffn: int = 128, max_positions: int = 256,
-                     init_std: float = 0.2, **overrides) -> str:
-    """Random BART saved with ``save_pretrained``. A large ``init_std`` keeps
-    greedy outputs varied (the default 0.02 makes them repeat one token)."""
+                     init_std: float = 0.5, position_std: float = 2.0, **overrides) -> str:
+    """Random BART saved with ``save_pretrained``. A large ``init_std`` and
+    strong position embeddings keep greedy outputs varied (the default 0.02
+    makes them repeat one token forever, which proves nothing)."""
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -62,5 +63,7 @@ def make_random_bart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_m
     model = BartForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         model.final_logits_bias.normal_(0, 0.1)
+        model.model.encoder.embed_positions.weight.normal_(0, position_std)
+        model.model.decoder.embed_positions.weight.normal_(0, position_std)
     model.save_pretrained(out_dir)
     return out_dir

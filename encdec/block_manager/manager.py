@@ -211,7 +211,7 @@ class BlockSpaceManager:
             assert self._seq_device[seq.seq_id] is src.device
             new_table: list[int] = []
             for block in self.block_tables[seq.seq_id]:
-                moved = mapping.get(block)
+                moved = None
                 if moved is None:
                     prefer = new_table[-1] + 1 if new_table else None
                     moved = mapping[block] = dst.allocate(prefer=prefer)

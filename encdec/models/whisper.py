@@ -9,10 +9,13 @@ steps read only the cache. Decoder self-attention is paged as usual.
 
 Engine-facing surface (besides the model class, which mirrors BART's):
 
-- ``default_decoder_prompt(generation_config, language=None, task="transcribe",
-  timestamps=False) -> list[int]``: ``<|startoftranscript|>`` + language + task
-  (+ ``<|notimestamps|>``) for multilingual models, ``<|startoftranscript|>``
-  (+ ``<|notimestamps|>``) for ``.en`` models.
+- ``default_decoder_prompt(hf_config, generation_config, tokenizer=None, *,
+  language=None, task="transcribe", timestamps=False) -> list[int]``:
+  ``<|startoftranscript|>`` + language + task (+ ``<|notimestamps|>``) for
+  multilingual models, ``<|startoftranscript|>`` (+ ``<|notimestamps|>``) for
+  ``.en`` models.
+- ``load_tokenizer(path)`` (CT2 directories carry only ``tokenizer.json``) and
+  ``logits_processors() -> [WhisperLogitsProcessor]`` (registry hooks).
 - ``prepare_decoder_prompt(ids, generation_config) -> list[int]``: a user's
   decoder prompt gets ``<|startoftranscript|>`` prepended unless it starts with
   it or with ``<|startofprev|>`` (previous-text prompts carry their own SOT later).
@@ -276,9 +279,12 @@ def _language_token(generation_config, language: str) -> int:
     return lang_to_id[token]
 
 
-def default_decoder_prompt(generation_config, language: str | None = None, task: str = "transcribe",
+def default_decoder_prompt(hf_config, generation_config, tokenizer: Any = None, *,
+                           language: str | None = None, task: str = "transcribe",
                            timestamps: bool = False) -> list[int]:
-    """The decoder prompt HF ``generate`` would build for these options."""
+    """The decoder prompt HF ``generate`` builds for these options (the registry hook
+    calls it with the first three arguments: English or language-less transcription,
+    no timestamps)."""
     if task not in ("transcribe", "translate"):
         raise ValueError(f"task must be 'transcribe' or 'translate', got {task!r}")
     gc = generation_config
@@ -304,6 +310,24 @@ def prepare_decoder_prompt(ids: list[int], generation_config) -> list[int]:
     if ids and ids[0] in (sot, prev):
         return list(ids)
     return [sot, *ids]
+
+
+def load_tokenizer(path: str):
+    """Registry hook: CT2 directories carry only ``tokenizer.json``."""
+    from encdec.models.ct2_loader import is_ct2_whisper_dir, load_ct2_tokenizer
+
+    if is_ct2_whisper_dir(path):
+        return load_ct2_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def logits_processors() -> list[type]:
+    """Registry hook: every Whisper request gets suppress/begin-suppress/timestamp rules."""
+    from encdec.models.whisper_processors import WhisperLogitsProcessor
+
+    return [WhisperLogitsProcessor]
 
 
 def make_audio_processor(hf_config) -> Callable[[Any], tuple[torch.Tensor, int]]:

@@ -16,15 +16,14 @@ NEG_INF = float("-inf")
 class FakeTokenizer:
     """Whitespace words; a word with its leading space is a different token."""
 
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
+    vocab = {"foo": 10, " foo": 11, "bar": 12, " bar": 13, "baz": 14, " baz": 15}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         pieces = []
         for i, word in enumerate(text.split(" ")):
             if word:
                 pieces.append(word if i == 0 else " " + word)
-        return [self.vocab.setdefault(p, 10 + len(self.vocab)) for p in pieces]
+        return [self.vocab[p] for p in pieces]
 
 
 def ref_processed(row: torch.Tensor, params: SamplingParams, prompt: list[int],
@@ -77,12 +76,15 @@ def ref_filtered(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def ref_token(row: torch.Tensor, params: SamplingParams, prompt: list[int],
               output: list[int]) -> int:
     """The token a greedy or seeded request must get, drawing ``q`` the way the
-    sampler's exponential race does, from a fresh generator seeded alike."""
+    sampler's exponential race does. The generator has made one draw per output
+    token already (the batch fast-forwards it on add)."""
     x = ref_processed(row, params, prompt, output)
     if params.temperature < 1e-5:
         return int(x.argmax())
     probs = ref_filtered(x, params).softmax(-1)
-    q = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(params.seed))
+    gen = torch.Generator().manual_seed(params.seed)
+    for _ in range(len(output) + 1):
+        q = torch.empty_like(probs).exponential_(generator=gen)
     return int((probs / q).argmax())
 
 

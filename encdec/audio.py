@@ -1,0 +1,126 @@
+"""Audio in, Whisper log-mel features out.
+
+``load_audio`` accepts what users have at hand (a path librosa can read, an
+``(array, sample_rate)`` tuple, or a 16 kHz 1-D array) and returns 16 kHz mono
+float32; problems surface as ``ValueError`` naming the input. Features are
+computed in torch for a whole batch at once (one STFT call), the same recipe as
+``transformers.WhisperFeatureExtractor``: zero-pad/trim to 30 s, periodic Hann
+window, power spectrum without the last frame, Slaney mel filters, log10
+clamped at 1e-10, floored at max - 8 per input, then ``(x + 4) / 4``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP_LENGTH = 160
+CHUNK_SECONDS = 30
+N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
+
+__all__ = ["SAMPLE_RATE", "N_SAMPLES", "N_FRAMES", "load_audio", "log_mel_spectrogram",
+           "mel_filters", "pad_or_trim"]
+
+
+def _describe(audio: Any) -> str:
+    if isinstance(audio, (str, os.PathLike)):
+        return f"audio file {os.fspath(audio)!r}"
+    return f"audio input of type {type(audio).__name__}"
+
+
+def _to_mono_float(arr: Any, where: str) -> np.ndarray:
+    if isinstance(arr, torch.Tensor):
+        arr = arr.detach().cpu().numpy()
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{where}: expected a numpy array, got {type(arr).__name__}")
+    if arr.dtype.kind in "iu":  # PCM integers -> [-1, 1)
+        arr = arr.astype(np.float32) / float(np.iinfo(arr.dtype).max + 1)
+    elif arr.dtype.kind != "f":
+        raise ValueError(f"{where}: expected float or integer samples, got dtype {arr.dtype}")
+    if arr.ndim == 2:
+        # Channels are the short axis: (channels, n) as librosa gives, or (n, channels) as soundfile does.
+        ch_axis = int(np.argmin(arr.shape))
+        if arr.shape[ch_axis] > 8:
+            raise ValueError(f"{where}: a 2-D array must be (channels, samples) with at most 8 "
+                             f"channels, got shape {arr.shape}")
+        arr = arr.mean(axis=ch_axis)
+    elif arr.ndim != 1:
+        raise ValueError(f"{where}: expected a 1-D array of samples (or 2-D with channels), "
+                         f"got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{where}: audio is empty (0 samples)")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{where}: audio contains NaN or infinite samples")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Path, ``(array, sample_rate)`` or 1-D array (already at ``sampling_rate``) ->
+    mono float32 at ``sampling_rate``."""
+    import librosa
+
+    where = _describe(audio)
+    if isinstance(audio, (str, os.PathLike)):
+        path = os.fspath(audio)
+        if not os.path.isfile(path):
+            raise ValueError(f"{where} does not exist")
+        try:
+            arr, _ = librosa.load(path, sr=sampling_rate, mono=True)
+        except Exception as e:  # librosa/soundfile/audioread raise many types
+            raise ValueError(f"{where} cannot be read as audio: {type(e).__name__}: {e}") from None
+        return _to_mono_float(arr, where)
+    if isinstance(audio, tuple):
+        if len(audio) != 2:
+            raise ValueError(f"audio tuple must be (array, sample_rate), got {len(audio)} items")
+        arr, sr = audio
+        if isinstance(sr, bool) or not isinstance(sr, (int, np.integer)) or sr <= 0:
+            raise ValueError(f"audio sample_rate must be a positive int, got {sr!r}")
+        arr = _to_mono_float(arr, "audio array")
+        if sr != sampling_rate:
+            arr = librosa.resample(arr, orig_sr=int(sr), target_sr=sampling_rate).astype(np.float32)
+        return arr
+    if isinstance(audio, (np.ndarray, torch.Tensor)):
+        return _to_mono_float(audio, "audio array")
+    raise ValueError(f"audio must be a path, an (array, sample_rate) tuple or a 1-D array, "
+                     f"got {type(audio).__name__}")
+
+
+def pad_or_trim(audio: torch.Tensor, length: int = N_SAMPLES) -> torch.Tensor:
+    """Zero-pad or cut the last axis to ``length`` samples."""
+    n = audio.shape[-1]
+    if n > length:
+        return audio[..., :length]
+    return torch.nn.functional.pad(audio, (0, length - n)) if n < length else audio
+
+
+@functools.lru_cache(maxsize=4)
+def mel_filters(n_mels: int, device: str = "cpu") -> torch.Tensor:
+    """(n_mels, 201) Slaney-scale, Slaney-normalised filters (as HF and openai/whisper use)."""
+    import librosa
+
+    fb = librosa.filters.mel(sr=SAMPLE_RATE, n_fft=N_FFT, n_mels=n_mels, fmin=0.0, fmax=8000.0,
+                             htk=False, norm="slaney", dtype=np.float64)
+    return torch.from_numpy(fb).to(device, torch.float32)
+
+
+def log_mel_spectrogram(audios: Sequence[np.ndarray | torch.Tensor], n_mels: int = 80,
+                        device: str | torch.device = "cpu") -> torch.Tensor:
+    """16 kHz mono waveforms -> (B, n_mels, 3000) log-mel features, one batched STFT."""
+    if len(audios) == 0:
+        return torch.empty(0, n_mels, N_FRAMES)
+    wav = torch.stack([pad_or_trim(torch.as_tensor(a, dtype=torch.float32)) for a in audios])
+    wav = wav.to(device)  # (B, 480000)
+    window = torch.hann_window(N_FFT, device=wav.device)
+    stft = torch.stft(wav, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # (B, 201, 3001)
+    power = (stft[..., :-1].abs() ** 2).contiguous()  # (B, 201, 3000)
+    mel = mel_filters(n_mels, str(wav.device)) @ power  # (B, n_mels, 3000)
+    log_spec = mel.clamp(min=1e-10).log10()
+    floor = log_spec.amax(dim=(1, 2), keepdim=True) - 8.0  # per input
+    return (torch.maximum(log_spec, floor) + 4.0) / 4.0

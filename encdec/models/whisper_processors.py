@@ -1,0 +1,148 @@
+"""Whisper's decoding rules as one batch-level logits processor.
+
+HF ``WhisperForConditionalGeneration.generate`` applies, in this order:
+begin-suppress (``begin_suppress_tokens`` on the first generated token),
+suppress (``suppress_tokens`` on every step), then, when timestamps are on,
+``WhisperTimeStampLogitsProcessor``. We do the same per row, where a row's
+"first generated token" is its first output token (HF's ``begin_index`` is the
+decoder prompt length, previous-text prompts included).
+
+A row follows the timestamp rules when its decoder prompt, after the last
+``<|startoftranscript|>``, lacks ``<|notimestamps|>`` -- and, on multilingual
+models, names a task (a bare ``<|startoftranscript|>`` is language detection).
+``SamplingParams.extra_args`` may override per request:
+``{"whisper_timestamps": bool, "whisper_suppress_tokens": bool}``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from encdec.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
+
+_NEG_INF = float("-inf")
+_EXTRA_KEYS = ("whisper_timestamps", "whisper_suppress_tokens")
+
+
+def _generation_config(config: Any):
+    gc = getattr(config, "generation_config", None)
+    if gc is None:
+        gc = getattr(getattr(config, "model_config", None), "generation_config", None)
+    if gc is None:
+        raise ValueError("WhisperLogitsProcessor needs the model's generation config "
+                         "(config.generation_config or config.model_config.generation_config)")
+    return gc
+
+
+@dataclass
+class _Row:
+    output: list[int]  # live list: the engine appends sampled tokens
+    timestamps: bool
+    suppress: bool
+
+
+class WhisperLogitsProcessor(LogitsProcessor):
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        gc = _generation_config(config)
+        vocab = config.model_config.hf_config.vocab_size
+        self.device = device
+        self.sot = gc.decoder_start_token_id
+        self.eos = gc.eos_token_id if isinstance(gc.eos_token_id, int) else gc.eos_token_id[0]
+        self.no_ts = gc.no_timestamps_token_id
+        self.ts_begin = self.no_ts + 1
+        self.max_initial = getattr(gc, "max_initial_timestamp_index", None)
+        self.task_ids = set((getattr(gc, "task_to_id", None) or {}).values())
+        self.multilingual = bool(getattr(gc, "is_multilingual", False))
+        self.suppress_mask = self._mask(gc.suppress_tokens, vocab)  # (vocab,) True = suppress
+        self.begin_mask = self._mask(gc.begin_suppress_tokens, vocab)
+        self.rows: dict[int, _Row] = {}
+
+    def _mask(self, ids: list[int] | None, vocab: int) -> torch.Tensor | None:
+        ids = [i for i in (ids or []) if 0 <= i < vocab]
+        if not ids:
+            return None
+        m = torch.zeros(vocab, dtype=torch.bool)
+        m[ids] = True
+        return m.to(self.device)
+
+    @classmethod
+    def validate_params(cls, params: Any) -> None:
+        extra = getattr(params, "extra_args", None) or {}
+        for key in _EXTRA_KEYS:
+            if key in extra and extra[key] is not None and not isinstance(extra[key], bool):
+                raise ValueError(f"extra_args[{key!r}] must be a bool or None, got {extra[key]!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # suppressing tokens changes the argmax
+
+    def wants_timestamps(self, prompt_ids: list[int]) -> bool:
+        tail = prompt_ids
+        if self.sot in prompt_ids:
+            tail = prompt_ids[len(prompt_ids) - 1 - prompt_ids[::-1].index(self.sot):]
+        if self.no_ts in tail:
+            return False
+        return not self.multilingual or any(t in self.task_ids for t in tail)
+
+    def _new_row(self, params: Any, prompt_ids: list[int], output_ids: list[int]) -> _Row:
+        extra = getattr(params, "extra_args", None) or {}
+        ts = extra.get("whisper_timestamps")
+        return _Row(output_ids, self.wants_timestamps(prompt_ids) if ts is None else ts,
+                    extra.get("whisper_suppress_tokens", True) is not False)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rows, batch_update, self._new_row)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:  # (num_reqs, vocab)
+        if not self.rows:
+            return logits
+        n = logits.shape[0]
+        rows = {i: r for i, r in self.rows.items() if i < n}
+        suppress = [i for i, r in rows.items() if r.suppress]
+        if self.suppress_mask is not None and suppress:
+            if len(suppress) == n:
+                logits.masked_fill_(self.suppress_mask, _NEG_INF)
+            else:
+                idx = torch.tensor(suppress, device=logits.device)
+                logits[idx] = logits[idx].masked_fill(self.suppress_mask, _NEG_INF)
+        first = [i for i, r in rows.items() if r.suppress and not r.output]
+        if self.begin_mask is not None and first:
+            idx = torch.tensor(first, device=logits.device)
+            logits[idx] = logits[idx].masked_fill(self.begin_mask, _NEG_INF)
+        ts_rows = sorted(i for i, r in rows.items() if r.timestamps)
+        if ts_rows:
+            self._timestamp_rules(logits, ts_rows, [rows[i].output for i in ts_rows])
+        return logits
+
+    def _timestamp_rules(self, logits: torch.Tensor, ts_rows: list[int], outputs: list[list[int]]) -> None:
+        """HF ``WhisperTimeStampLogitsProcessor``, row by row (begin_index = first output)."""
+        tb, vocab = self.ts_begin, logits.shape[1]
+        sub = logits[ts_rows]  # (R, vocab) copy
+        sub[:, self.no_ts] = _NEG_INF
+        lows = []
+        for k, seq in enumerate(outputs):
+            last_ts = len(seq) >= 1 and seq[-1] >= tb
+            penult_ts = len(seq) < 2 or seq[-2] >= tb
+            if last_ts:
+                if penult_ts:  # a pair just closed: text (or eos) next
+                    sub[k, tb:] = _NEG_INF
+                else:  # an open pair: its closing timestamp or eos, no text
+                    sub[k, : self.eos] = _NEG_INF
+            stamps = [t for t in seq if t >= tb]
+            low = tb
+            if stamps:
+                low = stamps[-1] if last_ts and not penult_ts else stamps[-1] + 1
+            lows.append(low)
+            if not seq:  # the first token is a timestamp, at most max_initial in
+                sub[k, :tb] = _NEG_INF
+                if self.max_initial is not None:
+                    sub[k, tb + self.max_initial + 1:] = _NEG_INF
+        vocab_ids = torch.arange(vocab, device=sub.device)
+        low_t = torch.tensor(lows, device=sub.device).unsqueeze(-1)
+        sub.masked_fill_((vocab_ids >= tb) & (vocab_ids < low_t), _NEG_INF)  # monotonic
+        logprobs = torch.log_softmax(sub.float(), dim=-1)
+        ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
+        best_text = logprobs[:, :tb].max(dim=-1).values
+        sub[:, :tb].masked_fill_((ts_mass > best_text).unsqueeze(-1), _NEG_INF)
+        logits[ts_rows] = sub
