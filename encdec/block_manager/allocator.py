@@ -46,7 +46,7 @@ class BlockAllocator:
     def get_ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
-    def allocate(self, prefer: int | None = None) -> int:
+    def allocate(self, *, prefer: int | None = None) -> int:
         """One free block with reference count 1.
 
         ``prefer`` is taken when free: a growing table asks for ``last + 1`` so

@@ -80,8 +80,6 @@ class BlockSpaceManager:
         self._seq_device: dict[int, Device] = {}
         self._cross_device: dict[str, Device] = {}
 
-    # -- admission -----------------------------------------------------------
-
     def can_allocate(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
         """Counts one decoder prompt (the group's WAITING seqs share it), with
         room for the lookahead slots, plus the cross table."""
@@ -101,8 +99,7 @@ class BlockSpaceManager:
         (they hold the same prompt), and the request's cross table, on the GPU."""
         gpu = self.gpu_allocator
         encoder_seq = seq_group.get_encoder_seq()
-        if encoder_seq is not None:
-            # Cross first, so on an idle cache it takes the lowest run.
+        if encoder_seq is not None:  # cross first: on an idle cache it takes the lowest run
             request_id = seq_group.request_id
             assert request_id not in self.cross_block_tables
             num_cross = self._num_blocks(encoder_seq.get_len())
@@ -113,15 +110,13 @@ class BlockSpaceManager:
         assert waiting, "allocate needs WAITING sequences"
         table: list[int] = []
         self._grow(table, self._num_blocks(waiting[0].get_len()))
-        for i, seq in enumerate(waiting):
+        for seq in waiting:
             assert seq.seq_id not in self.block_tables
-            if i > 0:
-                for block in table:
-                    gpu.incr_ref(block)
-            self.block_tables[seq.seq_id] = table if i == 0 else table.copy()
+            self.block_tables[seq.seq_id] = table.copy()
             self._seq_device[seq.seq_id] = Device.GPU
-
-    # -- decoding ------------------------------------------------------------
+        for _ in waiting[1:]:
+            for block in table:
+                gpu.incr_ref(block)
 
     def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """Whether every RUNNING seq can take its append_slots now. Conservative:
@@ -174,8 +169,6 @@ class BlockSpaceManager:
         self.block_tables[child_seq.seq_id] = table.copy()
         self._seq_device[child_seq.seq_id] = device
 
-    # -- swapping ------------------------------------------------------------
-
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         blocks = self._group_blocks(seq_group, SequenceStatus.RUNNING)
         return len(blocks) <= self.cpu_allocator.get_num_free_blocks()
@@ -211,7 +204,7 @@ class BlockSpaceManager:
             assert self._seq_device[seq.seq_id] is src.device
             new_table: list[int] = []
             for block in self.block_tables[seq.seq_id]:
-                moved = None
+                moved = mapping.get(block)
                 if moved is None:
                     prefer = new_table[-1] + 1 if new_table else None
                     moved = mapping[block] = dst.allocate(prefer=prefer)
@@ -235,8 +228,6 @@ class BlockSpaceManager:
             self._cross_device[request_id] = dst.device
         return pairs
 
-    # -- freeing -------------------------------------------------------------
-
     def free(self, seq: Sequence) -> None:
         """Drop the seq's self table on whichever device holds it; blocks that no
         other table shares become free. No-op for a seq without a table."""
@@ -250,21 +241,20 @@ class BlockSpaceManager:
     def free_cross(self, seq_group: SequenceGroup) -> None:
         """Drop the request's cross table on whichever device holds it."""
         table = self.cross_block_tables.pop(seq_group.request_id, None)
-        if table is None:
+        if table is None:  # already freed, or never allocated
             return
         allocator = self._allocator(self._cross_device.pop(seq_group.request_id))
         for block in table:
             allocator.free(block)
 
     def reset(self) -> None:
+        """Every table dropped, every block on both devices free."""
         self.block_tables.clear()
         self.cross_block_tables.clear()
         self._seq_device.clear()
         self._cross_device.clear()
         self.gpu_allocator.reset()
         self.cpu_allocator.reset()
-
-    # -- queries -------------------------------------------------------------
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         """The live table (no copy: read every step); callers must not mutate it."""
@@ -279,8 +269,6 @@ class BlockSpaceManager:
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
-
-    # -- helpers -------------------------------------------------------------
 
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -297,8 +285,8 @@ class BlockSpaceManager:
     def _write_range(self, seq: Sequence, num_lookahead_slots: int) -> tuple[int, int]:
         """Block indices ``[first, end)`` an append step writes into."""
         num_tokens = seq.get_len()
-        first_token = min(seq.data.get_num_computed_tokens(), num_tokens - 1)
-        return max(first_token, 0) // self.block_size, self._num_blocks(num_tokens + num_lookahead_slots)
+        first = max(min(seq.data.get_num_computed_tokens(), num_tokens - 1), 0) // self.block_size
+        return first, self._num_blocks(num_tokens + num_lookahead_slots)
 
     def _group_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> set[int]:
         """Distinct physical blocks of the seqs in ``status`` plus the cross table."""

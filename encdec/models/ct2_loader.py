@@ -172,7 +172,7 @@ def load_ct2_whisper(path: str | os.PathLike):
     if unknown:
         raise ValueError(f"{path}: variables this loader does not understand: {unknown[:5]}")
     shapes = {n: tuple(v.shape) for n, v in variables.items()}
-    heads = {side: int(np.array(variables[f"{side}/num_heads"])) for side in ("encoder", "decoder")}
+    heads = {side: int(np.asarray(variables[f"{side}/num_heads"]).reshape(-1)[0]) for side in ("encoder", "decoder")}
     ct2_cfg = _read_config(path)
     vocab = _read_vocabulary(path)
     hf_config = whisper_config_from_shapes(shapes, heads, vocab, ct2_cfg)
@@ -256,6 +256,7 @@ def save_as_hf(path_ct2: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     fe = WhisperFeatureExtractor(feature_size=hf_config.num_mel_bins)
     WhisperProcessor(feature_extractor=fe, tokenizer=load_ct2_tokenizer(path_ct2)).save_pretrained(out_dir)
+    fe.save_pretrained(out_dir)  # preprocessor_config.json, for loaders that look for it alone
     return out_dir
 
 
@@ -419,7 +420,8 @@ def write_model_bin(path: str | os.PathLike, variables: dict[str, np.ndarray | s
     with open(path, "wb") as f:
         f.write(struct.pack("<I", BINARY_VERSION) + string(spec) + struct.pack("<II", revision, len(real)))
         for name, arr in real:
-            arr = np.ascontiguousarray(arr)
+            arr = np.asarray(arr)
+            arr = arr if arr.flags.c_contiguous else arr.copy()  # (ascontiguousarray makes 0-d 1-d)
             f.write(string(name) + struct.pack("<B", arr.ndim) + struct.pack(f"<{arr.ndim}I", *arr.shape))
             f.write(struct.pack("<BI", ids[arr.dtype.name], arr.nbytes) + arr.tobytes())
         f.write(struct.pack("<I", len(aliases)))

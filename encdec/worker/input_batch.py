@@ -87,6 +87,7 @@ class InputBatch:
         """
         if req_id in self.req_id_to_index:
             raise ValueError(f"req_id {req_id!r} is already in the batch")
+        self.batch_update_builder.check_no_moves("add_request")
         if params.bad_words and params.bad_words_token_ids is None:
             raise ValueError("bad_words need token ids: call params.update_from_tokenizer(tokenizer) first")
         index = self.batch_update_builder.peek_removed()
@@ -150,9 +151,10 @@ class InputBatch:
 
     def remove_request(self, req_id: str) -> int | None:
         """Free the sequence's row (leaving a hole); None if it was not here."""
-        index = self.req_id_to_index.pop(req_id, None)
-        if index is None:
+        if req_id not in self.req_id_to_index:
             return None
+        self.batch_update_builder.check_no_moves("remove_request")
+        index = self.req_id_to_index.pop(req_id)
         self._req_ids[index] = None
         self._rows[index] = None
         self.batch_update_builder.remove(index)
@@ -191,7 +193,7 @@ class InputBatch:
                 last -= 1
             if hole >= last:
                 break
-            self._move(last, hole, MoveDirectionality.UNIDIRECTIONAL)
+            self._move(hole + 1 if hole + 1 <= last else last, hole, MoveDirectionality.UNIDIRECTIONAL)
             last -= 1
         del self._req_ids[self.num_reqs:], self._rows[self.num_reqs:]
 

@@ -115,7 +115,3 @@ def make_attn_metadata(
         cross_block_tables_list=[list(s.cross_blocks) for s in seqs],
     )
 
-
-def pytest_configure(config) -> None:
-    # Until pyproject registers it: GPU tests carry this marker and skip without CUDA.
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")

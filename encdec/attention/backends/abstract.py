@@ -36,7 +36,7 @@ class AttentionMetadata:
     num_prefills: int  # prefill sequences; they come first in the batch
     num_prefill_tokens: int  # decoder tokens of the prefill sequences
     num_decode_tokens: int  # one per decode sequence
-    slot_mapping: torch.Tensor  # (num_prefill_tokens + num_decode_tokens,) decoder token -> cache slot
+    slot_mapping: torch.Tensor  # (num_prefill_tokens + num_decode_tokens,) int64, decoder token -> cache slot
     seq_lens: list[int]  # per decoder sequence: context length including this step's tokens
     seq_lens_tensor: torch.Tensor  # (num_seqs,) int32, same as seq_lens
     max_prefill_seq_len: int
@@ -52,9 +52,9 @@ class AttentionMetadata:
     encoder_seq_start_loc: torch.Tensor  # (num_prefills + 1,) int32, packed encoder tokens
     max_encoder_seq_len: int
     num_encoder_tokens: int  # packed encoder tokens of the prefill sequences
-    cross_slot_mapping: torch.Tensor  # (num_encoder_tokens,) encoder token -> cache slot
+    cross_slot_mapping: torch.Tensor  # (num_encoder_tokens,) int64, encoder token -> cache slot
     cross_block_tables: torch.Tensor  # (num_seqs, max_cross_blocks) int32, 0-padded
-    block_size: int = 16
+    block_size: int  # token slots per cache block; must match the cache tensor
     # Python copies of the tables, so CPU paths can take views without a device sync.
     block_tables_list: list[list[int]] | None = None
     cross_block_tables_list: list[list[int]] | None = None
@@ -169,7 +169,8 @@ class AttentionBackend(ABC):
             return
         s = src_to_dst[:, 0].to(src.device)
         d = src_to_dst[:, 1].to(dst.device)
-        dst[:, d] = src[:, s].to(dst.device, non_blocking=True)
+        # A device->CPU copy must finish before the CPU reads it: block there.
+        dst[:, d] = src[:, s].to(dst.device, non_blocking=dst.device.type != "cpu")
 
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:

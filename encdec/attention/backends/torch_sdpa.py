@@ -126,6 +126,8 @@ class TorchSDPAImpl(AttentionImpl):
         # ENCODER_DECODER: prefill queries attend to their own request's encoder
         # tokens (given as key/value, written to the cache once); decode queries
         # read the cache.
+        if md.num_prefills and k is None:
+            raise ValueError("cross-attention prefill needs the encoder's key/value")
         if k is not None and md.num_encoder_tokens:
             write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
             for qs, qe, es, ee in md.prefill_bounds:

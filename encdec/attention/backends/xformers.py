@@ -17,11 +17,11 @@ Decode: no mask beyond what paging implies. Each decode sequence's keys are
 gathered from the paged cache into one packed tensor (one index op per layer),
 and ``BlockDiagonalMask([1] * num_decodes, kv_lens)`` only says which packed
 keys belong to which query. xFormers' paged biases
-(``PagedBlockDiagonalPaddedKeysMask``) were not chosen: in 0.0.35 their
-kernels need the page size to be a multiple of 64 (triton split-k) or 256
-(flash) and half precision, while encdec's blocks are 16 tokens (or any size,
-5 included) and fp32 must work; plain ``BlockDiagonalMask`` runs on every
-xFormers kernel (cutlass fp32, flash, flash3).
+(``PagedBlockDiagonalPaddedKeysMask``) were not chosen: in 0.0.35 only
+half-precision kernels take them (flash, flash3, ck, triton split-k, the last
+with pages a multiple of its 64-key tile), while encdec's blocks are 16 tokens
+or any size (5 included) and fp32 must work. Plain ``BlockDiagonalMask`` runs
+on every xFormers kernel, cutlass fp32 included.
 
 All biases are built once per step, cached on the metadata object (and on its
 ``prefill_metadata`` / ``decode_metadata`` views, which are themselves cached),

@@ -40,7 +40,8 @@ class BatchUpdateBuilder:
         self.moved: list[MovedRequest] = []
         self.batch_changed = False
 
-    def _check_no_moves(self, what: str) -> None:
+    def check_no_moves(self, what: str) -> None:
+        """Removes and adds must precede this step's first move."""
         if self.moved:
             raise RuntimeError(
                 f"{what} after a move in the same step: processors apply removes and "
@@ -48,7 +49,7 @@ class BatchUpdateBuilder:
             )
 
     def remove(self, index: int) -> None:
-        self._check_no_moves("remove")
+        self.check_no_moves("remove")
         # A request added and removed within one step was never seen by a processor:
         # drop its add, and report the slot removed to discard what it replaced.
         self.added = [a for a in self.added if a[0] != index]
@@ -61,7 +62,7 @@ class BatchUpdateBuilder:
 
     def add(self, index: int, params: SamplingParams, prompt_token_ids: list[int],
             output_token_ids: list[int]) -> None:
-        self._check_no_moves("add")
+        self.check_no_moves("add")
         if index in self.removed:
             self.removed.remove(index)  # replaced, not removed (seed 000's example)
         self.added.append((index, params, prompt_token_ids, output_token_ids))

@@ -1,0 +1,116 @@
+"""BART throughput: encdec vs HF ``generate`` on the same random bart-base weights.
+
+64 requests, encoder lengths uniform in 32..512, output lengths uniform in
+8..128 (forced: ``ignore_eos`` for us, ``min_new_tokens`` for HF). HF runs in
+padded batches of 16 in input order, as a user would; each batch runs until its
+longest request is done, and only each request's own tokens count as useful.
+
+    python -m benchmarks.bart_bench [--requests 64] [--threads N] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+
+from benchmarks.common import OtherCPUMonitor, timed
+
+
+def make_workload(n: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    enc = [[rng.randrange(4, vocab - 1) for _ in range(rng.randint(32, 512))] for _ in range(n)]
+    out = [rng.randint(8, 128) for _ in range(n)]
+    return enc, out
+
+
+def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
+    import time
+
+    import torch
+    from transformers import BartForConditionalGeneration
+
+    model = BartForConditionalGeneration.from_pretrained(model_dir).eval()
+    useful = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(enc), batch):
+            chunk, lens = enc[i:i + batch], out_lens[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), 1, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, e in enumerate(chunk):
+                ids[r, :len(e)] = torch.tensor(e)
+                mask[r, :len(e)] = 1
+            m = max(lens)
+            g = model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m,
+                               do_sample=False, num_beams=1, decoder_start_token_id=2,
+                               forced_bos_token_id=0, no_repeat_ngram_size=0)
+            assert g.shape[1] >= m
+            useful += sum(lens)
+    return useful, time.perf_counter() - t0
+
+
+def run_ours(model_dir: str, enc, out_lens, profile: bool) -> tuple[int, float]:
+    from encdec import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model_dir, kv_cache_memory=3 << 30, swap_space=0.5)
+    prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+    outs, seconds = timed(llm.generate, prompts, params, use_tqdm=False)
+    if profile:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, out_lens))
+    return sum(out_lens), seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile our run")
+    ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ["ENCDEC_NUM_THREADS"] = str(torch.get_num_threads())
+    from encdec.testing import make_random_bart
+
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "encdec_bench_bart_base")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        make_random_bart(model_dir, vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072,
+                         max_positions=1024, init_std=0.02, position_std=0.02)
+    enc, out_lens = make_workload(args.requests, 50265, args.seed)
+    print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
+          f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    with OtherCPUMonitor() as mon:
+        useful, t_ours = run_ours(model_dir, enc, out_lens, args.profile)
+    ours = useful / t_ours
+    print(f"encdec: {useful} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; {mon.summary()}")
+    if args.skip_hf:
+        return
+    with OtherCPUMonitor() as mon:
+        useful_hf, t_hf = run_hf(model_dir, enc, out_lens, args.hf_batch)
+    hf = useful_hf / t_hf
+    print(f"HF generate (batches of {args.hf_batch}): {useful_hf} tokens in {t_hf:.1f} s = "
+          f"{hf:.1f} tok/s; {mon.summary()}")
+    print(f"ratio encdec / HF: {ours / hf:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

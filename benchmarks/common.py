@@ -1,0 +1,57 @@
+"""Shared benchmark plumbing: thread settings applied to both sides, and a
+monitor of other processes' CPU use (this machine is shared)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+# Both sides run in this process, so these apply to our engine and HF alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class OtherCPUMonitor:
+    """Samples the CPU use of every process but this one while a block runs."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        import psutil
+
+        me = os.getpid()
+        procs = {}
+        while not self._stop.is_set():
+            total = 0.0
+            for p in psutil.process_iter(["pid"]):
+                if p.pid == me:
+                    continue
+                proc = procs.setdefault(p.pid, p)
+                try:
+                    total += proc.cpu_percent(None)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    procs.pop(p.pid, None)
+            self.samples.append(total)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> OtherCPUMonitor:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> str:
+        s = self.samples[1:] or [0.0]  # the first sample of each process reads 0
+        return f"other processes' CPU: mean {sum(s) / len(s):.0f}%, max {max(s):.0f}% (100% = one core)"
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
