@@ -227,16 +227,25 @@ def generation_config_from_ct2(hf_config, ct2_cfg: dict, vocab: list[str]):
 
 
 def load_ct2_tokenizer(path: str | os.PathLike):
-    """HF ``WhisperTokenizer`` from the directory's ``tokenizer.json``."""
+    """HF ``WhisperTokenizer`` from the directory's ``tokenizer.json``, with the
+    vocabulary's timestamp tokens (``<|0.00|>`` ...) added as special tokens when
+    the file lacks them, so every id the model can emit decodes."""
+    from tokenizers import AddedToken
     from transformers import WhisperTokenizer
 
     path = os.fspath(path)
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise ValueError(f"{path}: no tokenizer.json; pass tokenizer=<an HF Whisper tokenizer id or dir>")
-    return WhisperTokenizer(tokenizer_file=tok_file, pad_token="<|endoftext|>",
-                            unk_token="<|endoftext|>", bos_token="<|endoftext|>",
-                            eos_token="<|endoftext|>")
+    tok = WhisperTokenizer(tokenizer_file=tok_file, pad_token="<|endoftext|>",
+                           unk_token="<|endoftext|>", bos_token="<|endoftext|>",
+                           eos_token="<|endoftext|>")
+    vocab = _read_vocabulary(path)
+    missing = vocab[len(tok):]
+    if missing and all(t.startswith("<|") and t.endswith("|>") for t in missing if t):
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing if t],
+                       special_tokens=True)
+    return tok
 
 
 def save_as_hf(path_ct2: str | os.PathLike, out_dir: str | os.PathLike) -> str:

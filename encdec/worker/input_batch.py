@@ -193,7 +193,7 @@ class InputBatch:
                 last -= 1
             if hole >= last:
                 break
-            self._move(hole + 1 if hole + 1 <= last else last, hole, MoveDirectionality.UNIDIRECTIONAL)
+            self._move(last, hole, MoveDirectionality.UNIDIRECTIONAL)
             last -= 1
         del self._req_ids[self.num_reqs:], self._rows[self.num_reqs:]
 

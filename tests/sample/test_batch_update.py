@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,14 +106,33 @@ def test_no_change_gives_none_and_live_output_lists() -> None:
     assert md.output_token_ids[2] == [7]
 
 
-def test_add_then_remove_in_one_step_leaves_no_state() -> None:
+@pytest.mark.parametrize("first", ["A", "B"])
+def test_add_then_remove_in_one_step_leaves_no_state(first: str) -> None:
     rec = Recorder()
     ib, _ = _batch("AB", rec)
-    ib.remove_request("A")
-    ib.add_request("X", _params("X"), [1], [])  # takes A's slot...
+    ib.remove_request(first)
+    ib.add_request("X", _params("X"), [1], [])  # takes the freed slot...
     ib.remove_request("X")  # ...and leaves before any step ran
     ib.refresh_metadata()
-    assert ib.req_ids == ["B"] and rec.tags == {0: "B"}
+    left = "B" if first == "A" else "A"
+    assert ib.req_ids == [left] and rec.tags == {0: left}
+
+
+def _apply(tags: dict[int, str], update: BatchUpdate) -> dict[int, str]:
+    new = {"E": "E", "F": "F"}
+    process_dict_updates(tags, update, lambda p, _pr, _o: new[p])
+    return tags
+
+
+def test_process_dict_updates_follows_seed_semantics() -> None:
+    abcd = lambda: dict(enumerate("ABCD"))  # noqa: E731
+    # [A,B,C,D] remove 1 -> [A,x,C,D]; add E@1 replaces B; add F@4 extends
+    assert _apply(abcd(), BatchUpdate(4, [1], [], [])) == {0: "A", 2: "C", 3: "D"}
+    assert _apply(abcd(), BatchUpdate(5, [], [(1, "E", [], []), (4, "F", [], [])], [])) == \
+        {0: "A", 1: "E", 2: "C", 3: "D", 4: "F"}
+    # unidirectional 3 -> 1 discards B and empties 3; swap 3 <-> 1 exchanges
+    assert _apply(abcd(), BatchUpdate(3, [], [], [(3, 1, UNI)])) == {0: "A", 1: "D", 2: "C"}
+    assert _apply(abcd(), BatchUpdate(4, [], [], [(3, 1, SWAP)])) == {0: "A", 1: "D", 2: "C", 3: "B"}
 
 
 def test_add_after_move_in_one_step_is_refused() -> None:

@@ -189,15 +189,18 @@ def test_processor_config_exposes_max_num_seqs() -> None:
 
 
 def test_allowed_token_ids_mask_moves_with_its_request() -> None:
-    rows = [SamplingParams(), SamplingParams(temperature=0.0, allowed_token_ids=[5, 6])]
+    rows = [SamplingParams(), SamplingParams(allowed_token_ids=[7]),
+            SamplingParams(temperature=0.0, allowed_token_ids=[5, 6])]
     ib = InputBatch(max_num_reqs=4, vocab_size=VOCAB, device="cpu")
     for i, p in enumerate(rows):
         ib.add_request(f"r{i}", p, [1], [])
     ib.refresh_metadata()
-    ib.remove_request("r0")  # r1 moves to row 0
+    ib.remove_request("r0")  # r2 moves to row 0
     md = ib.refresh_metadata()
-    assert md.allowed_token_ids_mask.shape == (1, VOCAB)
-    assert (~md.allowed_token_ids_mask[0]).nonzero().flatten().tolist() == [5, 6]
-    ib.add_request("r2", SamplingParams(temperature=0.0), [1], [])
+    assert md.allowed_token_ids_mask.shape == (2, VOCAB)
+    allowed = [(~md.allowed_token_ids_mask[i]).nonzero().flatten().tolist() for i in range(2)]
+    assert allowed == [[5, 6], [7]]
+    ib.remove_request("r1")
+    ib.add_request("r3", SamplingParams(temperature=0.0), [1], [])  # takes r1's row
     md = ib.refresh_metadata()
-    assert not md.allowed_token_ids_mask[1].any()
+    assert ib.req_ids == ["r2", "r3"] and not md.allowed_token_ids_mask[1].any()

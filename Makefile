@@ -1,0 +1,32 @@
+# Set-up and the two main commands. Each target creates .venv when missing.
+# TORCH pins the tested torch (a CPU build from this machine's disk); override
+# with `make test TORCH=torch==2.x` or TORCH=torch for your platform's default.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMP_WAIT_POLICY ?= PASSIVE
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_DISABLE_PROGRESS_BARS ?= 1
+
+.PHONY: run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) examples/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks.bart_bench
+	$(PY) -m benchmarks.whisper_bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

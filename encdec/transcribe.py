@@ -1,0 +1,254 @@
+"""Speech -> text for whole files of any length (``LLM.transcribe`` delegates here).
+
+Long audio is cut into fixed 30 s windows, and the windows of ALL inputs go to
+the engine at once, so a batch of short files and one long file keep the batch
+full. openai/whisper instead seeks each next window to the last timestamp it
+decoded, which makes a file's windows sequential (one request in flight per
+file); we trade that boundary refinement (a word cut at a window edge may be
+garbled) for batching. With ``timestamps=True`` segments come from the
+timestamp tokens, offset by the window start; without, each window is one
+segment. Multilingual models with ``language=None`` first detect each input's
+language from its first window (one step over the language tokens).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from encdec.audio import N_SAMPLES, SAMPLE_RATE, load_audio
+
+TIME_PRECISION = 0.02  # seconds per timestamp token
+MIN_WINDOW_SAMPLES = SAMPLE_RATE // 10  # a final window shorter than 0.1 s is dropped
+
+
+@dataclass
+class Segment:
+    start: float  # seconds from the start of the input
+    end: float
+    text: str
+
+
+@dataclass
+class Transcription:
+    text: str
+    segments: list[Segment] = field(default_factory=list)
+    language: str | None = None
+
+
+def _as_inputs(audio: Any) -> list[Any]:
+    """One input (path, (array, sr), 1-D array) or a list of them -> a list."""
+    if isinstance(audio, (str, os.PathLike, np.ndarray)) or (
+            isinstance(audio, tuple) and len(audio) == 2 and isinstance(audio[1], (int, np.integer))):
+        return [audio]
+    if isinstance(audio, (list, tuple)):
+        if not audio:
+            raise ValueError("audio is an empty list: give at least one input")
+        return list(audio)
+    if hasattr(audio, "shape"):  # a torch tensor
+        return [audio]
+    raise ValueError(f"audio must be a path, an (array, sample_rate) tuple, a 1-D array, "
+                     f"or a list of those; got {type(audio).__name__}")
+
+
+def _windows(wav: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(start sample, samples) per 30 s window; the first window is always kept."""
+    out = []
+    for start in range(0, max(len(wav), 1), N_SAMPLES):
+        chunk = wav[start: start + N_SAMPLES]
+        if out and len(chunk) < MIN_WINDOW_SAMPLES:
+            break
+        out.append((start, chunk))
+    return out
+
+
+def _engine_parts(llm: Any):
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None or not hasattr(engine, "generation_config"):
+        raise ValueError("transcribe needs an encdec LLM (with llm_engine) running a Whisper model")
+    gc = engine.generation_config
+    if getattr(gc, "no_timestamps_token_id", None) is None:
+        raise ValueError(f"transcribe needs a Whisper model; this LLM runs "
+                         f"{getattr(engine.hf_config, 'model_type', '?')}")
+    return engine, engine.hf_config, gc, llm.get_tokenizer()
+
+
+def _prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
+            "decoder_prompt": {"prompt_token_ids": dec_ids}}
+
+
+def _run(llm: Any, prompts: list[dict], params: Any, seconds: list[float], use_tqdm: bool) -> list[Any]:
+    """Submit every window, step the engine, return outputs in order; the bar
+    counts audio seconds done and the real-time factor."""
+    engine = llm.llm_engine
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"transcribe-{tag}-{i}" for i in range(len(prompts))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    done: dict[str, Any] = {}
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=round(sum(seconds), 1), desc="Transcribed audio", unit="s", dynamic_ncols=True)
+    start = time.perf_counter()
+    added: list[str] = []
+    try:
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+            added.append(rid)
+        while len(done) < len(ids) and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in index and out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(round(seconds[index[out.request_id]], 1))
+                        audio_done = sum(seconds[index[r]] for r in done)
+                        rtf = (time.perf_counter() - start) / max(audio_done, 1e-9)
+                        bar.set_postfix_str(f"RTF {rtf:.3f} ({1 / max(rtf, 1e-9):.1f}x real time)")
+    except BaseException:
+        engine.abort_request([r for r in added if r not in done])
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    missing = [r for r in ids if r not in done]
+    if missing:
+        raise RuntimeError(f"{len(missing)} transcription windows did not finish")
+    return [done[r] for r in ids]
+
+
+def _detect_languages(llm, firsts: list[np.ndarray], gc) -> list[str]:
+    """One greedy step on ``<|startoftranscript|>`` restricted to language tokens."""
+    from encdec.sampling_params import SamplingParams
+
+    lang_to_id = gc.lang_to_id
+    params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=sorted(lang_to_id.values()))
+    outs = _run(llm, [_prompt(w, [gc.decoder_start_token_id]) for w in firsts], params,
+                [len(w) / SAMPLE_RATE for w in firsts], use_tqdm=False)
+    by_id = {v: k[2:-2] for k, v in lang_to_id.items()}
+    return [by_id[o.outputs[0].token_ids[0]] for o in outs]
+
+
+def _segments(tokens: list[int], offset: float, window_end: float, ts_begin: int, eot: int,
+              tokenizer, timestamps: bool) -> list[Segment]:
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if not timestamps:
+        text = decode([t for t in tokens if t < eot])
+        return [Segment(offset, window_end, text)] if text.strip() else []
+    segs: list[Segment] = []
+    start: float | None = None
+    text_ids: list[int] = []
+    for t in tokens:
+        if t >= ts_begin:
+            time_s = min(offset + (t - ts_begin) * TIME_PRECISION, window_end)
+            if start is None:
+                start = time_s
+            else:
+                if text_ids:
+                    segs.append(Segment(start, max(time_s, start), decode(text_ids)))
+                start, text_ids = (time_s if not text_ids else None), []
+        elif t < eot:
+            if start is None:  # text before any timestamp: starts where the last ended
+                start = segs[-1].end if segs else offset
+            text_ids.append(t)
+    if text_ids:  # an unclosed segment runs to the window end
+        segs.append(Segment(start if start is not None else offset, window_end, decode(text_ids)))
+    return [s for s in segs if s.text.strip()]
+
+
+def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str = "transcribe",
+               timestamps: bool = False, prompt: str | None = None, sampling_params: Any = None,
+               use_tqdm: bool = True) -> list[Transcription]:
+    """One ``Transcription`` per input; see the module docstring for windowing."""
+    from encdec.models.whisper import _language_token, default_decoder_prompt
+    from encdec.sampling_params import SamplingParams
+
+    engine, hf_config, gc, tokenizer = _engine_parts(llm)
+    inputs = _as_inputs(audio)
+    wavs = []
+    for i, a in enumerate(inputs):
+        try:
+            wavs.append(load_audio(a))
+        except ValueError as e:
+            raise ValueError(f"audio input {i}: {e}") from None
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    default_decoder_prompt(hf_config, gc, language=language, task=task)  # validates options early
+    windows = [_windows(w) for w in wavs]
+    multilingual = bool(getattr(gc, "is_multilingual", False))
+    if not multilingual:
+        languages = ["en"] * len(wavs)
+    elif language is None:
+        languages = _detect_languages(llm, [ws[0][1] for ws in windows], gc)
+    else:
+        token = _language_token(gc, language)
+        languages = [next(k[2:-2] for k, v in gc.lang_to_id.items() if v == token)] * len(wavs)
+    prev: list[int] = []
+    if prompt:
+        # HF get_prompt_ids: <|startofprev|> + " text", keeping at most max_length // 2 - 1 tokens.
+        text_ids = tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        prev = [gc.prev_sot_token_id] + text_ids[-(hf_config.max_target_positions // 2 - 1):]
+    params = sampling_params or SamplingParams(temperature=0.0)
+    prompts, seconds, where = [], [], []
+    for i, ws in enumerate(windows):
+        dec = prev + default_decoder_prompt(hf_config, gc, language=languages[i] if multilingual else None,
+                                            task=task, timestamps=timestamps)
+        for start, chunk in ws:
+            prompts.append(_prompt(chunk, dec))
+            seconds.append(len(chunk) / SAMPLE_RATE)
+            where.append((i, start / SAMPLE_RATE))
+    outs = _run(llm, prompts, params, seconds, use_tqdm)
+    ts_begin, eot = gc.no_timestamps_token_id + 1, gc.eos_token_id
+    results = [Transcription("", [], languages[i]) for i in range(len(wavs))]
+    for out, (i, offset), dur in zip(outs, where, seconds):
+        segs = _segments(out.outputs[0].token_ids, offset, offset + dur, ts_begin, eot, tokenizer, timestamps)
+        results[i].segments += segs
+    for r in results:
+        r.text = "".join(s.text for s in r.segments).strip()
+        for s in r.segments:
+            s.text = s.text.strip()
+    return results
+
+
+# ---- output formats ----
+
+def _clock(seconds: float, sep: str) -> str:
+    ms = int(round(seconds * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def to_txt(t: Transcription) -> str:
+    return t.text + "\n"
+
+
+def to_json(t: Transcription) -> str:
+    return json.dumps(asdict(t), ensure_ascii=False, indent=2) + "\n"
+
+
+def to_srt(t: Transcription) -> str:
+    blocks = [f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n"
+              for i, s in enumerate(t.segments, 1)]
+    return "\n".join(blocks)
+
+
+def to_vtt(t: Transcription) -> str:
+    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n" for s in t.segments]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+FORMATS = {"txt": to_txt, "json": to_json, "srt": to_srt, "vtt": to_vtt}
+
+
+def format_transcription(t: Transcription, fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)}, got {fmt!r}")
+    return FORMATS[fmt](t)
