@@ -188,11 +188,9 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 7-11; returns (num_reqs,) int64."""
-        greedy = None
-        if not md.all_random:
-            greedy = logits.argmax(dim=-1)  # (num_reqs,)
-            if md.all_greedy:
-                return greedy
+        if md.all_greedy:  # an empty batch is both all-greedy and all-random
+            return logits.argmax(dim=-1)  # (num_reqs,)
+        greedy = None if md.all_random else logits.argmax(dim=-1)  # (num_reqs,)
         logits = self.apply_sampling_filters(logits, md)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # (num_reqs, vocab)
         sampled = random_sample(probs, md.generators)

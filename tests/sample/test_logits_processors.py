@@ -204,3 +204,12 @@ def test_allowed_token_ids_mask_moves_with_its_request() -> None:
     ib.add_request("r3", SamplingParams(temperature=0.0), [1], [])  # takes r1's row
     md = ib.refresh_metadata()
     assert ib.req_ids == ["r2", "r3"] and not md.allowed_token_ids_mask[1].any()
+
+
+def test_min_p_of_one_keeps_only_the_top_token() -> None:
+    ib = make_batch([SamplingParams(min_p=1.0, seed=0)], [[1]], [[]], VOCAB)
+    md = ib.refresh_metadata()
+    logits = torch.randn(1, VOCAB)
+    out = ib.logitsprocs.get(MinPLogitsProcessor).apply(logits.clone())
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [int(logits.argmax())]
+    assert Sampler()(logits.clone(), md).sampled_token_ids.item() == int(logits.argmax())

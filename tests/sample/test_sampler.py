@@ -201,3 +201,9 @@ def test_half_precision_logits_are_sampled_in_float32(monkeypatch) -> None:
     ib = make_batch([SamplingParams(seed=1)], [[1]], [[]], VOCAB)
     out = Sampler()(torch.randn(1, VOCAB, dtype=torch.bfloat16), ib.refresh_metadata())
     assert seen == [torch.float32] and out.sampled_token_ids.dtype == torch.int64
+
+
+def test_empty_batch() -> None:
+    ib = make_batch([], [], [], VOCAB)
+    out = Sampler()(torch.zeros(0, VOCAB), ib.refresh_metadata())
+    assert out.sampled_token_ids.shape == (0, 1)

@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from encdec.attention.ops import paged_cpu
 from encdec.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -93,7 +94,16 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
     return out.transpose(-3, -2)
 
 
+def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_cpu.available()
+
+
 class TorchSDPAImpl(AttentionImpl):
+    def _decode_c(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                  lens: torch.Tensor) -> torch.Tensor:
+        """Paged decode without copying KV (see encdec/attention/ops)."""
+        return paged_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale)
+
     def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
         attn_type = attn_type or self.attn_type
         md = attn_metadata
@@ -115,7 +125,10 @@ class TorchSDPAImpl(AttentionImpl):
             for qs, qe, _, _ in md.prefill_bounds:
                 out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
             dmd = md.decode_metadata
-            if dmd is not None:
+            if dmd is not None and _use_c_kernel(kv_cache):
+                out[md.num_prefill_tokens:] = self._decode_c(
+                    q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor)
+            elif dmd is not None:
                 slots, mask = dmd.decode_self_index
                 flat = kv_cache.view(2, -1, Hk, D)
                 kd, vd = flat[0][slots], flat[1][slots]  # (B, L, Hk, D)
@@ -133,7 +146,10 @@ class TorchSDPAImpl(AttentionImpl):
             for qs, qe, es, ee in md.prefill_bounds:
                 out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale)
         dmd = md.decode_metadata
-        if dmd is not None:
+        if dmd is not None and _use_c_kernel(kv_cache):
+            out[md.num_prefill_tokens:] = self._decode_c(
+                q[md.num_prefill_tokens:], kv_cache, dmd.cross_block_tables, dmd.encoder_seq_lens_tensor)
+        elif dmd is not None:
             flat = kv_cache.view(2, -1, Hk, D)
             base = md.num_prefill_tokens
             for i, sl in enumerate(dmd.decode_cross_slices):
