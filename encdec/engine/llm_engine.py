@@ -175,11 +175,11 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.bad_words:
+            params = params.clone()
+            params.update_from_tokenizer(self.tokenizer)
         params.verify_against(self.vocab_size)
-        for cls in self.processor_classes:
-            cls.validate_params(params)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        self.input_batch.logitsprocs.validate_params(params)
         inputs = self.input_preprocessor.process(prompt)
         dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
         cfg = self.model_config
@@ -196,8 +196,6 @@ class LLMEngine:
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": self.generation_config.eos_token_id},
                                              self.eos_token_id)
-        if params.bad_words:
-            params.update_from_tokenizer(self.tokenizer)
         if params.max_tokens is None or dec_len + params.max_tokens > cfg.max_model_len:
             params.max_tokens = cfg.max_model_len - dec_len
         return inputs, params
@@ -260,6 +258,10 @@ class LLMEngine:
             self.stop_checker.maybe_stop_sequence(seq, added, params, self.eos_token_id)
             if seq.is_finished():
                 self.scheduler.free_seq(seq)
+        for request_id, lps in output.prompt_logprobs.items():
+            group = self.groups.get(request_id)
+            if group is not None and group.prompt_logprobs is None:
+                group.prompt_logprobs = lps
         self.num_generated_tokens += len(output.samples)
         finished = [g for g in sched.ignored_seq_groups]
         finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata
-from encdec.sample.sampler import Sampler
+from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
@@ -176,12 +176,8 @@ class EncoderDecoderModelRunner:
             if key not in ib.req_id_to_index:
                 sid, _, m = rows[i]
                 sd = m.seq_data[sid]
-                params = m.sampling_params
-                index = getattr(sd, "sample_index", 0)
-                if index and params.seed is not None:
-                    params = params.clone()
-                    params.seed = params.seed + index
-                ib.add_request(key, params, sd.prompt_token_ids, sd.output_token_ids)
+                ib.add_request(key, m.sampling_params, sd.prompt_token_ids, sd.output_token_ids,
+                               seed_index=getattr(sd, "sample_index", 0))
         ib.condense()
         return [key_to_row[key] for key in ib.req_ids]
 
@@ -202,22 +198,51 @@ class EncoderDecoderModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
         out = self.sampler(logits, sampling_md)
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
-        lp = self._logprobs(out.logprobs_tensors, len(order))
+        lp = self._logprobs(out.logprobs_tensors, [rows[i][2].sampling_params.logprobs for i in order])
         samples = [SampledToken(rows[i][0], tok, lp[r] if lp else {})
                    for r, (i, tok) in enumerate(zip(order, sampled))]
-        return ModelRunnerOutput(samples=samples)
+        return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden))
+
+    def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
+                         hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
+        """Decoder-prompt logprobs for prefills that ask: position i's hidden
+        state scores prompt token i + 1; the first token has none (None)."""
+        out: dict[str, list[dict[int, Logprob] | None]] = {}
+        start = 0
+        for m in metas:
+            if not m.is_prompt:
+                break
+            sd = next(iter(m.seq_data.values()))
+            k = m.sampling_params.prompt_logprobs
+            n_prompt = sd.get_prompt_len()
+            if k is not None and sd.get_output_len() == 0:  # not again after a recompute
+                targets = torch.tensor(sd.prompt_token_ids[1:], dtype=torch.long, device=self.device)
+                logits = self.model.compute_logits(hidden[start: start + n_prompt - 1]).float()
+                lp = compute_prompt_logprobs(logits, targets, k)
+                ids, vals = lp.logprob_token_ids.tolist(), lp.logprobs.tolist()
+                ranks = lp.selected_token_ranks.tolist()
+                rows: list[dict[int, Logprob] | None] = [None]
+                for r in range(n_prompt - 1):
+                    d = {ids[r][0]: Logprob(vals[r][0], rank=ranks[r])}
+                    for j in range(1, 1 + k):
+                        d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
+                    rows.append(d)
+                out[m.request_id] = rows
+            start += sd.get_len()
+        return out
 
     @staticmethod
-    def _logprobs(tensors, num_rows: int) -> list[dict[int, Logprob]] | None:
+    def _logprobs(tensors, wanted: list[int | None]) -> list[dict[int, Logprob]] | None:
+        """Per row: the sampled token first, then that request's own top-k."""
         if tensors is None:
             return None
         ids = tensors.logprob_token_ids.tolist()
         vals = tensors.logprobs.tolist()
         ranks = tensors.selected_token_ranks.tolist()
         out = []
-        for r in range(num_rows):
+        for r, k in enumerate(wanted):
             d = {ids[r][0]: Logprob(vals[r][0], rank=ranks[r])}
-            for j in range(1, len(ids[r])):
+            for j in range(1, 1 + (k or 0)):
                 d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
             out.append(d)
         return out
