@@ -29,7 +29,8 @@ static float dot(const float *a, const float *b, int n) {
 }
 
 /* out, q: (num_seqs, num_heads, head_size); tables: (num_seqs, table_stride) int32;
- * lens: (num_seqs,) int32. */
+ * lens: (num_seqs,) int32. One job per sequence: each cached slot (all heads,
+ * contiguous) is read once, in order, for the scores and once for the values. */
 void paged_attention_decode_f32(
     float *out, const float *q, const float *k_cache, const float *v_cache,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
@@ -38,36 +39,41 @@ void paged_attention_decode_f32(
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_size;
-    const int64_t total = num_seqs * num_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t job = 0; job < total; job++) {
-        const int64_t s = job / num_heads, h = job % num_heads, kh = h / group;
+    for (int64_t s = 0; s < num_seqs; s++) {
         const int32_t len = lens[s];
         const int32_t *table = tables + s * table_stride;
-        const float *qv = q + (s * num_heads + h) * head_size;
-        float *o = out + (s * num_heads + h) * head_size;
-        float stack_scores[2048];
-        float *scores = len <= 2048 ? stack_scores : (float *)malloc(sizeof(float) * len);
-        float mx = -INFINITY;
+        const float *qs = q + s * num_heads * head_size;
+        float *os = out + s * num_heads * head_size;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)len * num_heads);  /* [t][h] */
+        float mx[num_heads], denom[num_heads];
+        for (int64_t h = 0; h < num_heads; h++) { mx[h] = -INFINITY; denom[h] = 0.f; }
         for (int32_t t = 0; t < len; t++) {
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const float v = dot(qv, k_cache + slot * slot_stride + kh * head_size, (int)head_size) * scale;
-            scores[t] = v;
-            if (v > mx) mx = v;
+            const float *k = k_cache + slot * slot_stride;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float v = dot(qs + h * head_size, k + (h / group) * head_size, (int)head_size) * scale;
+                scores[t * num_heads + h] = v;
+                if (v > mx[h]) mx[h] = v;
+            }
         }
-        float denom = 0.f;
-        for (int32_t t = 0; t < len; t++) {
-            scores[t] = expf(scores[t] - mx);
-            denom += scores[t];
-        }
-        memset(o, 0, sizeof(float) * head_size);
-        const float inv = 1.f / denom;
+        for (int32_t t = 0; t < len; t++)
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float e = expf(scores[t * num_heads + h] - mx[h]);
+                scores[t * num_heads + h] = e;
+                denom[h] += e;
+            }
+        memset(os, 0, sizeof(float) * num_heads * head_size);
         for (int32_t t = 0; t < len; t++) {
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const float *vv = v_cache + slot * slot_stride + kh * head_size;
-            const float p = scores[t] * inv;
-            for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
+            const float *v = v_cache + slot * slot_stride;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float p = scores[t * num_heads + h] / denom[h];
+                const float *vv = v + (h / group) * head_size;
+                float *o = os + h * head_size;
+                for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
+            }
         }
-        if (scores != stack_scores) free(scores);
+        free(scores);
     }
 }

@@ -23,7 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SRC = os.path.join(os.path.dirname(__file__), "paged_attention_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c99", "-lm"]
+# -fopenmp links libgomp.so.1; in a process where torch already loaded its own
+# libgomp.so.1 the loader reuses that one, so both share one thread pool.
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99", "-fopenmp", "-lm"]
 
 
 def _cache_dir() -> str:
@@ -84,5 +86,5 @@ def paged_decode_attention(
     lib.paged_attention_decode_f32(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, 1)
+        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, torch.get_num_threads())
     return out
