@@ -194,7 +194,8 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
         # HF get_prompt_ids: <|startofprev|> + " text", keeping at most max_length // 2 - 1 tokens.
         text_ids = tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
         prev = [gc.prev_sot_token_id] + text_ids[-(hf_config.max_target_positions // 2 - 1):]
-    params = sampling_params or SamplingParams(temperature=0.0)
+    # Greedy, up to the decoder's 448 positions, as HF generate (vLLM's default max_tokens is 16).
+    params = sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
     prompts, seconds, where = [], [], []
     for i, ws in enumerate(windows):
         dec = prev + default_decoder_prompt(hf_config, gc, language=languages[i] if multilingual else None,

@@ -240,11 +240,18 @@ def load_ct2_tokenizer(path: str | os.PathLike):
     tok = WhisperTokenizer(tokenizer_file=tok_file, pad_token="<|endoftext|>",
                            unk_token="<|endoftext|>", bos_token="<|endoftext|>",
                            eos_token="<|endoftext|>")
+    # Name every special token (tokenizer.json's and the timestamps) as an
+    # additional special token, so that ``all_special_ids`` lists them all.
     vocab = _read_vocabulary(path)
-    missing = vocab[len(tok):]
-    if missing and all(t.startswith("<|") and t.endswith("|>") for t in missing if t):
-        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing if t],
-                       special_tokens=True)
+    specials = [AddedToken(t.content, special=True, normalized=False)
+                for _, t in sorted(tok.added_tokens_decoder.items())
+                if t.special and t.content != "<|endoftext|>"]
+    missing = [t for t in vocab[len(tok):] if t]
+    if missing and not all(t.startswith("<|") and t.endswith("|>") for t in missing):
+        raise ValueError(f"{path}: vocabulary.txt has {len(missing)} tokens past tokenizer.json "
+                         "that are not <|...|> special tokens")
+    specials += [AddedToken(t, special=True, normalized=False) for t in missing]
+    tok.add_special_tokens({"additional_special_tokens": specials})
     return tok
 
 

@@ -196,6 +196,8 @@ def test_tokenizer_and_save_as_hf(ct2_dir, tmp_path):
 
     tok = ct2_loader.load_ct2_tokenizer(ct2_dir)
     assert tok.convert_tokens_to_ids("<|notimestamps|>") == 50362
+    assert tok.convert_tokens_to_ids("<|0.02|>") == 50364 and len(tok) == 51864
+    assert {50257, 50362, 50363, 51863} <= set(tok.all_special_ids)  # detokenizers skip them
     assert tok.decode(tok.encode(" Hello world.", add_special_tokens=False)) == " Hello world."
     out = ct2_loader.save_as_hf(ct2_dir, tmp_path / "hf")
     names = set(os.listdir(out))
