@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,9 @@ def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
         if not os.path.isfile(path):
             raise ValueError(f"{where} does not exist")
         try:
-            arr, _ = librosa.load(path, sr=sampling_rate, mono=True)
+            with warnings.catch_warnings():  # librosa warns before falling back to audioread
+                warnings.simplefilter("ignore")
+                arr, _ = librosa.load(path, sr=sampling_rate, mono=True)
         except Exception as e:  # librosa/soundfile/audioread raise many types
             raise ValueError(f"{where} cannot be read as audio: {type(e).__name__}: {e}") from None
         return _to_mono_float(arr, where)

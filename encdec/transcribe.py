@@ -1,11 +1,12 @@
 """Speech -> text for whole files of any length (``LLM.transcribe`` delegates here).
 
-Long audio is cut into fixed 30 s windows, and the windows of ALL inputs go to
-the engine at once, so a batch of short files and one long file keep the batch
-full. openai/whisper instead seeks each next window to the last timestamp it
-decoded, which makes a file's windows sequential (one request in flight per
-file); we trade that boundary refinement (a word cut at a window edge may be
-garbled) for batching. With ``timestamps=True`` segments come from the
+Long audio is cut into windows of at most 30 s, and the windows of ALL inputs
+go to the engine at once, so a batch of short files and one long file keep the
+batch full. openai/whisper instead seeks each next window to the last timestamp
+it decoded, which makes a file's windows sequential (one request in flight per
+file). We fix the windows from the audio alone, cutting each at the quietest
+100 ms of its last 5 s so that cuts fall between words, and trade the seek's
+boundary refinement for batching. With ``timestamps=True`` segments come from the
 timestamp tokens, offset by the window start; without, each window is one
 segment. Multilingual models with ``language=None`` first detect each input's
 language from its first window (one step over the language tokens).
@@ -24,7 +25,8 @@ import numpy as np
 from encdec.audio import N_SAMPLES, SAMPLE_RATE, load_audio
 
 TIME_PRECISION = 0.02  # seconds per timestamp token
-MIN_WINDOW_SAMPLES = SAMPLE_RATE // 10  # a final window shorter than 0.1 s is dropped
+SEARCH_SAMPLES = 5 * SAMPLE_RATE  # window cuts are placed in the last 5 s of a window
+SILENCE_PEAK = 1e-4  # a window whose |sample| never exceeds this is digital silence
 
 
 @dataclass
@@ -57,14 +59,32 @@ def _as_inputs(audio: Any) -> list[Any]:
 
 
 def _windows(wav: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(start sample, samples) per 30 s window; the first window is always kept."""
-    out = []
-    for start in range(0, max(len(wav), 1), N_SAMPLES):
-        chunk = wav[start: start + N_SAMPLES]
-        if out and len(chunk) < MIN_WINDOW_SAMPLES:
-            break
-        out.append((start, chunk))
+    """(start sample, samples) per window of at most 30 s. A window that does not
+    reach the end is cut at the quietest 100 ms of its last 5 s, so that cuts
+    fall between words; windows of digital silence after the first are dropped
+    (Whisper hallucinates on them)."""
+    out: list[tuple[int, np.ndarray]] = []
+    start = 0
+    while start < len(wav) or not out:
+        end = min(start + N_SAMPLES, len(wav))
+        if end < len(wav):
+            end = start + _quietest_cut(wav[start + N_SAMPLES - SEARCH_SAMPLES: start + N_SAMPLES],
+                                        N_SAMPLES - SEARCH_SAMPLES)
+        chunk = wav[start:end]
+        if not out or np.abs(chunk).max() > SILENCE_PEAK:
+            out.append((start, chunk))
+        start = end
     return out
+
+
+def _quietest_cut(tail: np.ndarray, base: int) -> int:
+    """Offset (from the window start) of the middle of the quietest 100 ms frame in ``tail``."""
+    frame, hop = SAMPLE_RATE // 10, SAMPLE_RATE // 50
+    n = (len(tail) - frame) // hop + 1
+    idx = np.arange(frame)[None, :] + hop * np.arange(n)[:, None]  # (n, frame)
+    energy = np.square(tail[idx]).mean(axis=1)
+    best = int(np.argmin(energy[::-1]))  # ties -> the latest frame, for the longest window
+    return base + hop * (n - 1 - best) + frame // 2
 
 
 def _engine_parts(llm: Any):

@@ -1,17 +1,32 @@
 """Continuous batching over three queues: waiting, running, swapped.
 
-Each ``schedule()``:
+Each ``schedule()``, most urgent first ("urgent": fcfs = earliest arrival;
+``priority`` policy = smallest priority number, then earliest arrival):
+  0. (priority policy) if the most urgent waiting group does not fit, running
+     groups of strictly lower priority are preempted until it does;
   1. running groups get a slot for their next token; when the cache is full the
-     lowest-priority, latest-arrived group is preempted (swapped to CPU by
-     default: recomputing would re-run the encoder);
-  2. swapped groups come back before anything new is admitted;
+     least urgent group is preempted: swapped to CPU (the encoder/decoder
+     default: recomputing would re-run the encoder) or recomputed;
+  2. if nothing was preempted in 1, swapped groups come back before anything
+     new is admitted;
   3. waiting groups are admitted while the block manager, ``max_num_seqs`` and
      the prefill token budget (encoder + decoder tokens) allow.
+A request that can never fit (too big for the whole cache, more sequences than
+``max_num_seqs``, nowhere to preempt it to) finishes with ``error`` set and is
+returned in ``ignored_seq_groups``; the others go on.
 New prefills and running decodes share one step: the model runner packs both.
+
+Block moves of one step reach the cache engine as three lists, run in the
+order swap-out, swap-in, copy, before the forward. That order is safe because
+every swap-out is decided before any swap-in or copy of the same step (a
+swap-out's freed device blocks may be reused by them, never the reverse), and
+a victim is never a group already given slots this step (its copy-on-write
+copies would land in blocks that just left for the CPU).
 Nothing here imports torch.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -46,11 +61,31 @@ class SchedulerOutputs:
 
 @dataclass
 class SchedulerStats:
-    num_preempted_swap: int = 0
-    num_preempted_recompute: int = 0
-    num_swapped_in: int = 0
-    num_ignored: int = 0
+    """Counters since the scheduler was built (``llm.llm_engine.scheduler.stats``)."""
+
+    num_preempted_swap: int = 0  # preemptions that swapped a group to CPU
+    num_preempted_recompute: int = 0  # preemptions that dropped a group's KV to recompute it
+    num_preempted_for_priority: int = 0  # of those, made for a higher-priority waiting group
+    num_swapped_in: int = 0  # swapped groups resumed
+    num_blocks_swapped_out: int = 0  # device -> CPU block copies asked for
+    num_blocks_swapped_in: int = 0  # CPU -> device block copies asked for
+    num_ignored: int = 0  # requests finished with an error (never fit, no swap space)
+    num_aborted: int = 0  # requests aborted by the user
     admitted_at_step: dict[str, int] = field(default_factory=dict)  # request id -> step
+
+    @property
+    def num_preempted(self) -> int:
+        return self.num_preempted_swap + self.num_preempted_recompute
+
+
+@dataclass
+class _StepBlocks:
+    """What one ``schedule()`` accumulates for the cache engine and the engine."""
+
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # CPU -> device
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> CPU
+    copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
+    ignored: list[SequenceGroup] = field(default_factory=list)  # finished with an error
 
 
 class Scheduler:
@@ -69,12 +104,16 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
-        self.finished: list[SequenceGroup] = []  # to be freed by free_finished_seq_groups
         self.stats = SchedulerStats()
         self.num_steps = 0
+        self._by_priority = scheduler_config.policy == "priority"
+        # Tie-break for equal arrival times: the order groups were added.
+        self._add_order: dict[str, int] = {}
+        self._counter = itertools.count()
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self._add_order[seq_group.request_id] = next(self._counter)
         self.waiting.append(seq_group)
 
     def has_unfinished_seqs(self) -> bool:
@@ -84,7 +123,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> list[SequenceGroup]:
-        """Abort in whichever queue the group is; its self and cross blocks are freed."""
+        """Abort in whichever queue the group is; its self and cross blocks are
+        freed on whichever device holds them. Unknown ids are ignored."""
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
         aborted = []
         for queue in (self.waiting, self.running, self.swapped):
@@ -93,14 +133,21 @@ class Scheduler:
                 for seq in group.get_seqs():
                     if not seq.is_finished():
                         seq.status = SequenceStatus.FINISHED_ABORTED
-                    self.block_manager.free(seq)
-                self._free_seq_group_cross_attn_blocks(group)
+                self._free_group(group)
                 aborted.append(group)
+        self.stats.num_aborted += len(aborted)
         return aborted
 
     def _free_seq_group_cross_attn_blocks(self, seq_group: SequenceGroup) -> None:
         if seq_group.is_encoder_decoder():
             self.block_manager.free_cross(seq_group)
+
+    def _free_group(self, group: SequenceGroup) -> None:
+        """Every block the group holds, self and cross, on either device."""
+        for seq in group.get_seqs():
+            self.block_manager.free(seq)
+        self._free_seq_group_cross_attn_blocks(group)
+        self._add_order.pop(group.request_id, None)
 
     def free_seq(self, seq) -> None:
         self.block_manager.free(seq)
@@ -109,117 +156,210 @@ class Scheduler:
         still = []
         for group in self.running:
             if group.is_finished():
-                for seq in group.get_seqs():
-                    self.block_manager.free(seq)
-                self._free_seq_group_cross_attn_blocks(group)
+                self._free_group(group)
             else:
                 still.append(group)
         self.running = still
 
-    # -- preemption ------------------------------------------------------------
-    def _victim_key(self, g: SequenceGroup):
-        # Highest key is preempted first: lowest priority (largest number), latest arrival.
-        return (g.priority, g.arrival_time)
+    # -- ordering --------------------------------------------------------------
+    def _key(self, g: SequenceGroup) -> tuple:
+        """Ascending = more urgent: scheduled first, preempted last. fcfs ignores
+        ``priority``; the priority policy ranks by it first."""
+        return (g.priority if self._by_priority else 0, g.arrival_time,
+                self._add_order.get(g.request_id, 0))
 
-    def _preempt(self, group: SequenceGroup, blocks_to_swap_out: list[tuple[int, int]]) -> None:
+    def _outranks_swapped(self, group: SequenceGroup) -> bool:
+        """Swapped groups resume before new ones are admitted; under the priority
+        policy a waiting group of strictly higher priority may go first."""
+        if not self.swapped:
+            return True
+        return self._by_priority and group.priority < min(g.priority for g in self.swapped)
+
+    # -- failure ---------------------------------------------------------------
+    def _fail(self, group: SequenceGroup, error: str, status: SequenceStatus,
+              blocks: _StepBlocks) -> None:
+        """Finish a group that cannot run, with ``error`` for its output. The
+        caller has already taken it out of its queue."""
+        for seq in group.get_seqs():
+            if not seq.is_finished():
+                seq.status = status
+        self._free_group(group)
+        group.error = error
+        blocks.ignored.append(group)
+        self.stats.num_ignored += 1
+
+    def _never_fits(self, group: SequenceGroup, num_blocks: int) -> str:
+        cfg = self.cache_config
+        return (f"request {group.request_id} needs {num_blocks} KV cache blocks but the cache has "
+                f"{cfg.num_gpu_blocks} blocks of {cfg.block_size} tokens; raise kv_cache_memory")
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cache_config.block_size)
+
+    # -- preemption ------------------------------------------------------------
+    def _preempt(self, group: SequenceGroup, blocks: _StepBlocks) -> None:
+        """Take a running group off the device. The caller removes it from
+        ``running``; this puts it in ``swapped`` or ``waiting``.
+
+        Recompute drops the KV and later re-prefills ``prompt + outputs`` of the
+        group's single live sequence (the runner prefills the first sequence of
+        ``seq_data`` and samples every sequence from it), so it is only allowed
+        for a group with one live sequence: forked siblings hold different
+        tokens and would be lost. Such groups are swapped even in recompute
+        mode, and a single-sequence group is recomputed when CPU swap is full.
+        """
+        bm = self.block_manager
         mode = self.scheduler_config.preemption_mode or PreemptionMode.SWAP
-        single = group.get_max_num_running_seqs() == 1
-        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
-            mode = PreemptionMode.RECOMPUTE
-        if mode == PreemptionMode.RECOMPUTE and not single:
-            # Recompute restarts from one prompt; forked sequences must be swapped.
-            if not self.block_manager.can_swap_out(group):
-                raise RuntimeError(
-                    f"request {group.request_id} cannot be preempted: not enough CPU swap space "
-                    "(raise swap_space)")
+        can_recompute = group.get_max_num_running_seqs() == 1
+        if mode is PreemptionMode.RECOMPUTE and not can_recompute:
             mode = PreemptionMode.SWAP
-        if mode == PreemptionMode.SWAP:
-            blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+        if mode is PreemptionMode.SWAP and not bm.can_swap_out(group):
+            if not can_recompute:
+                self._fail(group, (
+                    f"request {group.request_id} was preempted but its "
+                    f"{group.num_seqs(SequenceStatus.RUNNING)} forked sequences cannot be swapped "
+                    f"out: CPU swap space is full ({bm.get_num_free_cpu_blocks()} blocks free); "
+                    "raise swap_space"), SequenceStatus.FINISHED_ABORTED, blocks)
+                return
+            mode = PreemptionMode.RECOMPUTE
+        if mode is PreemptionMode.SWAP:
+            pairs = bm.swap_out(group)
+            blocks.swap_out.extend(pairs)
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
             self.stats.num_preempted_swap += 1
+            self.stats.num_blocks_swapped_out += len(pairs)
         else:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.WAITING
-                self.block_manager.free(seq)
+                bm.free(seq)
                 seq.reset_state_for_recompute()
             self._free_seq_group_cross_attn_blocks(group)
-            self.waiting.appendleft(group)
+            self.waiting.appendleft(group)  # fcfs: it arrived before every waiting group
             self.stats.num_preempted_recompute += 1
 
-    # -- schedule --------------------------------------------------------------
-    def _schedule_running(self, blocks_to_swap_out, blocks_to_copy) -> tuple[list[SequenceGroup], int]:
+    def _preempt_for_waiting(self, blocks: _StepBlocks) -> int:
+        """Priority policy (vLLM V0's priority preemption): while the most urgent
+        waiting group does not fit, preempt running groups of strictly lower
+        priority, least urgent first. Runs before the running groups get their
+        slots, so no victim has copies queued this step."""
+        if not self.waiting or not self.running:
+            return 0
+        group = min(self.waiting, key=self._key)
+        if not self._outranks_swapped(group):
+            return 0
         bm = self.block_manager
-        keep: list[SequenceGroup] = []
+        num_seqs = group.num_seqs(SequenceStatus.WAITING)
+        max_seqs = self.scheduler_config.max_num_seqs
+        running = sorted(self.running, key=self._key)
         preempted = 0
-        queue = sorted(self.running, key=self._victim_key) if self.scheduler_config.policy == "priority" \
-            else list(self.running)
+        while running and running[-1].priority > group.priority:
+            status = bm.can_allocate(group)
+            if status is AllocStatus.NEVER or num_seqs > max_seqs:
+                break  # it will fail in _schedule_waiting; preempting would not help
+            running_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in running)
+            if status is AllocStatus.OK and running_seqs + num_seqs <= max_seqs:
+                break
+            self._preempt(running.pop(), blocks)
+            preempted += 1
+        self.running = running
+        self.stats.num_preempted_for_priority += preempted
+        return preempted
+
+    # -- schedule --------------------------------------------------------------
+    def _schedule_running(self, blocks: _StepBlocks) -> tuple[list[SequenceGroup], int]:
+        """Give each running group, most urgent first, the slot of its next token.
+        When the cache is full, preempt from the least urgent end, which is the
+        group itself once it is the least urgent one left."""
+        bm = self.block_manager
+        queue = deque(sorted(self.running, key=self._key))
+        kept: list[SequenceGroup] = []
+        preempted = 0
         while queue:
-            group = queue.pop(0)
+            group = queue.popleft()
             while not bm.can_append_slots(group):
-                if queue:
-                    victim = max(queue, key=self._victim_key)
-                    queue.remove(victim)
-                else:
-                    victim = group
-                self._preempt(victim, blocks_to_swap_out)
+                victim = queue.pop() if queue else group
+                self._preempt(victim, blocks)
                 preempted += 1
                 if victim is group:
                     break
             else:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    blocks_to_copy.extend(bm.append_slots(seq))
-                keep.append(group)
-        self.running = keep
-        return keep, preempted
+                    blocks.copy.extend(bm.append_slots(seq))
+                kept.append(group)
+        self.running = kept
+        return list(kept), preempted  # a copy: running grows with resumed and new groups
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
-    def _schedule_swapped(self, blocks_to_swap_in, blocks_to_copy) -> list[SequenceGroup]:
+    def _schedule_swapped(self, blocks: _StepBlocks) -> list[SequenceGroup]:
+        """Resume swapped groups, most urgent first, stopping at the first that
+        does not fit (so a big group is not starved by smaller ones behind it).
+        Under the priority policy, stop before a group a waiting one outranks."""
         bm = self.block_manager
-        resumed = []
+        if self._by_priority and len(self.swapped) > 1:
+            self.swapped = deque(sorted(self.swapped, key=self._key))
+        best_waiting = min((g.priority for g in self.waiting), default=None) if self._by_priority else None
+        resumed: list[SequenceGroup] = []
         while self.swapped:
             group = self.swapped[0]
-            if bm.can_swap_in(group) != AllocStatus.OK:
+            if best_waiting is not None and best_waiting < group.priority:
+                break
+            status = bm.can_swap_in(group)
+            if status is AllocStatus.LATER and bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks:
+                status = AllocStatus.NEVER  # the cache is empty and it still does not fit
+            if status is AllocStatus.NEVER:
+                self.swapped.popleft()
+                live = group.get_seqs(SequenceStatus.SWAPPED)
+                held = {b for s in live for b in bm.get_block_table(s)}
+                need = len(held) + len(bm.get_cross_block_table(group)) + len(live)  # + next tokens
+                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            if status is AllocStatus.LATER:
                 break
             if self._num_running_seqs() + group.num_seqs(SequenceStatus.SWAPPED) > \
                     self.scheduler_config.max_num_seqs:
                 break
             self.swapped.popleft()
-            blocks_to_swap_in.extend(bm.swap_in(group))
+            pairs = bm.swap_in(group)
+            blocks.swap_in.extend(pairs)
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-                blocks_to_copy.extend(bm.append_slots(seq))
+                blocks.copy.extend(bm.append_slots(seq))
             self.running.append(group)
             resumed.append(group)
             self.stats.num_swapped_in += 1
+            self.stats.num_blocks_swapped_in += len(pairs)
         return resumed
 
-    def _schedule_waiting(self, ignored: list[SequenceGroup]) -> list[SequenceGroup]:
+    def _schedule_waiting(self, blocks: _StepBlocks) -> list[SequenceGroup]:
         bm = self.block_manager
         cfg = self.scheduler_config
         budget = cfg.max_num_batched_tokens
         admitted: list[SequenceGroup] = []
-        if cfg.policy == "priority" and len(self.waiting) > 1:
-            self.waiting = deque(sorted(self.waiting, key=lambda g: (g.priority, g.arrival_time)))
+        if self._by_priority and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._key))
         while self.waiting:
             group = self.waiting[0]
-            status = bm.can_allocate(group)
-            if status == AllocStatus.NEVER:
-                self.waiting.popleft()
-                group.error = (f"request {group.request_id} needs more KV cache blocks than the "
-                               f"cache has ({self.cache_config.num_gpu_blocks} blocks of "
-                               f"{self.cache_config.block_size} tokens); raise kv_cache_memory")
-                for seq in group.get_seqs():
-                    seq.status = SequenceStatus.FINISHED_IGNORED
-                ignored.append(group)
-                self.stats.num_ignored += 1
-                continue
-            if status == AllocStatus.LATER:
+            if not self._outranks_swapped(group):
                 break
             seqs = group.get_seqs(SequenceStatus.WAITING)
+            if len(seqs) > cfg.max_num_seqs:
+                self.waiting.popleft()
+                self._fail(group, (f"request {group.request_id} has {len(seqs)} sequences (best_of) "
+                                   f"but max_num_seqs is {cfg.max_num_seqs}; raise max_num_seqs"),
+                           SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            status = bm.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                need = self._num_blocks(seqs[0].get_len()) + self._num_blocks(group.encoder_seq.get_len())
+                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            if status is AllocStatus.LATER:
+                break
             tokens = seqs[0].get_len() + group.encoder_seq.get_len()
             if admitted and tokens > budget:
                 break
@@ -238,21 +378,20 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        swap_in: list[tuple[int, int]] = []
-        swap_out: list[tuple[int, int]] = []
-        copy: list[tuple[int, int]] = []
-        ignored: list[SequenceGroup] = []
-        decodes, preempted = self._schedule_running(swap_out, copy)
+        blocks = _StepBlocks()
+        preempted = self._preempt_for_waiting(blocks) if self._by_priority else 0
+        decodes, num_out_of_slots = self._schedule_running(blocks)
+        preempted += num_out_of_slots
         prefills: list[SequenceGroup] = []
-        if not preempted:
-            decodes = decodes + self._schedule_swapped(swap_in, copy)
-            if not self.swapped:
-                prefills = self._schedule_waiting(ignored)
+        if not num_out_of_slots:  # the cache was just short for running groups: add nothing
+            decodes += self._schedule_swapped(blocks)
+            prefills = self._schedule_waiting(blocks)
         self.num_steps += 1
         bm = self.block_manager
         metas, scheduled = [], []
         for group, is_prompt in [(g, True) for g in prefills] + [(g, False) for g in decodes]:
             seqs = group.get_seqs(SequenceStatus.RUNNING)
+            # A prefill (first, or after recompute) computes prompt + outputs so far.
             chunk = seqs[0].get_len() if is_prompt else 1
             scheduled.append(ScheduledSequenceGroup(group, chunk))
             metas.append(SequenceGroupMetadata(
@@ -272,9 +411,9 @@ class Scheduler:
             scheduled_seq_groups=scheduled,
             num_prefill_groups=len(prefills),
             num_batched_tokens=num_tokens,
-            blocks_to_swap_in=swap_in,
-            blocks_to_swap_out=swap_out,
-            blocks_to_copy=copy,
+            blocks_to_swap_in=blocks.swap_in,
+            blocks_to_swap_out=blocks.swap_out,
+            blocks_to_copy=blocks.copy,
             preempted=preempted,
-            ignored_seq_groups=ignored,
+            ignored_seq_groups=blocks.ignored,
         )

@@ -2,7 +2,23 @@
 and the block copies (swap in/out, copy-on-write) the scheduler asks for.
 
 Self- and cross-attention blocks share each layer's tensor; the block manager
-keeps their block numbers apart.
+keeps their block numbers apart. Each layer's tensor, on both sides::
+
+    (2, num_blocks, block_size, num_kv_heads, head_size)
+     K/V  block b = block_size token slots, contiguous for one of K or V
+
+A swap moves whole blocks. The block manager hands out runs of consecutive
+blocks where it can (a cross table is one run on both devices, a growing self
+table usually is), so pairs are merged into runs and each run of each of K/V
+is one contiguous copy:
+
+    pairs  (40,7) (41,8) (42,9) (90,3)  ->  runs  (40->7, 3 blocks) (90->3, 1)
+
+On CUDA the CPU side is pinned and every swap copy is an async copy on the
+current stream: it is ordered before the forward that reads the swapped-in
+blocks and after the one that wrote the swapped-out ones, with no host sync
+(nothing on the host reads the swap area). On CPU runs with many short runs
+fall back to one gather/scatter per layer.
 """
 from __future__ import annotations
 
@@ -15,6 +31,9 @@ from encdec.attention.backends.abstract import AttentionBackend
 logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
+# CPU only: above this many runs a swap is one index_select/index_copy_ per
+# layer instead of a Python loop of slice copies.
+_MAX_RUNS = 8
 
 
 def cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -39,18 +58,36 @@ def default_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float) 
     return available // 5
 
 
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``[(src, dst)]`` -> ``[(src_start, dst_start, length)]``, merging pairs
+    whose source and destination both continue the previous run."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
 class CacheEngine:
+    """Owns the KV memory; the block manager only hands out block numbers."""
+
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
                  device: torch.device, backend: type[AttentionBackend]):
         self.backend = backend
         self.block_size = block_size
+        self.device = torch.device(device)
         shape = backend.get_kv_cache_shape(num_gpu_blocks, block_size, num_kv_heads, head_size)
+        assert shape[:2] == (2, num_gpu_blocks), f"swaps assume (2, num_blocks, ...) caches, got {shape}"
         # zeros: untouched pages of a CPU cache cost no resident memory.
-        self.gpu_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.gpu_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         cpu_shape = backend.get_kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_size)
-        pin = device.type == "cuda"
-        self.cpu_cache = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        # Pinned on CUDA: device <-> host copies are then true async DMA.
+        self.pin_memory = self.device.type == "cuda"
+        self.cpu_cache = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=self.pin_memory)
+                          for _ in range(num_layers)]
         self.num_swapped_in_blocks = 0
         self.num_swapped_out_blocks = 0
         self.num_copied_blocks = 0
@@ -60,23 +97,41 @@ class CacheEngine:
     def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor(pairs, dtype=torch.long).view(-1, 2)
 
+    def _transfer(self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor],
+                  pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``s`` of every source layer to block ``d`` of the same
+        destination layer, for each ``(s, d)``."""
+        runs = block_runs(pairs)
+        if self.device.type == "cpu" and len(runs) > _MAX_RUNS:
+            m = self._mapping(pairs)
+            for src, dst in zip(src_caches, dst_caches):
+                dst.index_copy_(1, m[:, 1], src.index_select(1, m[:, 0]))
+            return
+        async_ok = self.device.type == "cuda"  # the host side is pinned
+        for src, dst in zip(src_caches, dst_caches):
+            for kv in range(2):  # one contiguous region per run for each of K and V
+                s_kv, d_kv = src[kv], dst[kv]
+                for s, d, n in runs:
+                    d_kv[d: d + n].copy_(s_kv[s: s + n], non_blocking=async_ok)
+
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU block -> device block, every layer."""
         if pairs:
-            m = self._mapping(pairs)
-            for src, dst in zip(self.cpu_cache, self.gpu_cache):
-                self.backend.swap_blocks(src, dst, m)
+            self._transfer(self.cpu_cache, self.gpu_cache, pairs)
             self.num_swapped_in_blocks += len(pairs)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> CPU block, every layer."""
         if pairs:
-            m = self._mapping(pairs)
-            for src, dst in zip(self.gpu_cache, self.cpu_cache):
-                self.backend.swap_blocks(src, dst, m)
+            self._transfer(self.gpu_cache, self.cpu_cache, pairs)
             self.num_swapped_out_blocks += len(pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block -> device block, every layer."""
         if pairs:
             self.backend.copy_blocks(self.gpu_cache, self._mapping(pairs))
             self.num_copied_blocks += len(pairs)
+
+    def bytes_moved(self, num_blocks: int) -> int:
+        """Bytes one direction of a swap of ``num_blocks`` blocks copies."""
+        return num_blocks * self.bytes_per_block

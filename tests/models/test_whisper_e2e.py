@@ -43,7 +43,8 @@ def clips():
 def llm():
     from encdec import LLM
 
-    return LLM(model=str(mnm.get_model_path()), num_threads=1, kv_cache_memory=768 * 2**20)
+    return LLM(model=str(mnm.get_model_path()), num_threads=1, kv_cache_memory=768 * 2**20,
+               swap_space=0.5)
 
 
 @pytest.fixture(scope="module")

