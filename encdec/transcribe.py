@@ -186,7 +186,7 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
                timestamps: bool = False, prompt: str | None = None, sampling_params: Any = None,
                use_tqdm: bool = True) -> list[Transcription]:
     """One ``Transcription`` per input; see the module docstring for windowing."""
-    from encdec.models.whisper import _language_token, default_decoder_prompt
+    from encdec.models.whisper import default_decoder_prompt, language_token
     from encdec.sampling_params import SamplingParams
 
     engine, hf_config, gc, tokenizer = _engine_parts(llm)
@@ -207,7 +207,7 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
     elif language is None:
         languages = _detect_languages(llm, [ws[0][1] for ws in windows], gc)
     else:
-        token = _language_token(gc, language)
+        token = language_token(gc, language)
         languages = [next(k[2:-2] for k, v in gc.lang_to_id.items() if v == token)] * len(wavs)
     prev: list[int] = []
     if prompt:

@@ -68,6 +68,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    print("encdec serve: the OpenAI-compatible server is not built yet; use the offline "
+          "LLM API or `encdec generate` / `encdec transcribe`", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="encdec", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -99,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("which", choices=["bart", "whisper"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (not built yet)")
+    sv.add_argument("rest", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)
     try:

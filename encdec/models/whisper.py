@@ -266,7 +266,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
 # ---- prompts, audio and language detection ----
 
-def _language_token(generation_config, language: str) -> int:
+def language_token(generation_config, language: str) -> int:
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
     lang_to_id = getattr(generation_config, "lang_to_id", None) or {}
@@ -291,7 +291,7 @@ def default_decoder_prompt(hf_config, generation_config, tokenizer: Any = None, 
     ids = [gc.decoder_start_token_id]
     if getattr(gc, "is_multilingual", False):
         if language is not None:
-            ids.append(_language_token(gc, language))
+            ids.append(language_token(gc, language))
         ids.append(gc.task_to_id[task])
     else:
         if language is not None and language.lower().strip("<|>") not in ("en", "english"):

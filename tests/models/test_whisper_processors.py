@@ -4,7 +4,6 @@ language detection on a small random multilingual model."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from types import SimpleNamespace
 
