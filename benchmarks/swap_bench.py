@@ -23,7 +23,7 @@ from benchmarks.common import OtherCPUMonitor
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager import BlockSpaceManager
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
-from encdec.worker.cache_engine import CacheEngine
+from encdec.worker.cache_engine import CacheEngine, block_runs
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 6, 64, 16
 ENCODER_LEN = 1500  # 30 s of audio after the conv stem
@@ -97,7 +97,7 @@ def main() -> None:
         dst = rng.sample(range(1, num_blocks, 2), per_request)
         return list(zip(src, dst)), list(zip(dst, src))
 
-    out_pairs, _ = engine_layout()
+    out_pairs, in_pairs = engine_layout()
     bytes_one_way = cache.bytes_moved(len(out_pairs))
     print(f"device {device} ({torch.get_num_threads()} CPU threads), {dtype}, "
           f"CPU swap area pinned: {cache.pin_memory}")
@@ -105,6 +105,8 @@ def main() -> None:
           f"{cache.bytes_per_block / 1024:.0f} KiB per block (all {LAYERS} layers, K and V)")
     print(f"bytes moved per swapped request: {bytes_one_way:,} out + {bytes_one_way:,} in "
           f"= {2 * bytes_one_way / 2**20:.1f} MiB per round trip")
+    print(f"engine layout: {len(block_runs(out_pairs))} runs out, {len(block_runs(in_pairs))} runs in "
+          f"(a run = consecutive blocks on both sides, one copy per layer and K/V)")
     with OtherCPUMonitor() as mon:
         for name, plan in (("engine layout", engine_layout), ("scattered", scattered)):
             times = measure(cache, plan, device, args.runs)

@@ -1,6 +1,6 @@
 """``encdec transcribe FILES... --model M [--format txt|json|srt|vtt] ...``
 
-All files go to the engine in one call (their 30 s windows share the batch).
+All files go to the engine in one call (their <= 30 s windows share the batch).
 srt and vtt need times, so they turn timestamps on. Without ``--output-dir``
 results go to stdout; with it, each file becomes ``<output-dir>/<stem>.<format>``.
 """

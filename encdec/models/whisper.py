@@ -169,8 +169,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
         self.num_mel_bins = cfg.num_mel_bins
-        self.encoder_len = cfg.max_source_positions  # encoder positions per request
-        self.n_frames = 2 * cfg.max_source_positions
+        self.n_frames = 2 * cfg.max_source_positions  # mel frames per request (conv2 halves them)
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:

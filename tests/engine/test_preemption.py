@@ -190,6 +190,38 @@ def test_requests_that_can_never_fit_get_an_error_and_the_rest_complete(tiny_bar
     assert_all_free(llm)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_priority_policy_preempts_for_urgent_arrivals(tiny_bart, reference, mode):
+    prompts, params, ref = reference
+    llm = make_llm(tiny_bart, TIGHT_BLOCKS, preemption_mode=mode, scheduling_policy="priority")
+    engine = llm.llm_engine
+    low, high = [2, 4, 8, 10, 14, 16], [20, 22]  # greedy, ignore_eos: they run their full length
+    for i in low:
+        engine.add_request(str(i), prompts[i], params[i], priority=5)
+    outs = {}
+    for _ in range(3):
+        for o in engine.step():
+            outs[o.request_id] = o
+    step_added = engine.scheduler.num_steps
+    for i in high:
+        engine.add_request(str(i), prompts[i], params[i], priority=0)
+    sched = engine.scheduler
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+        # Once admitted, the urgent ones run every step until they finish.
+        urgent = {r for r in ("20", "22") if r in sched.stats.admitted_at_step} - set(outs)
+        assert urgent <= {g.request_id for g in sched.running}
+    stats = sched.stats
+    assert stats.num_preempted_for_priority > 0
+    # Room is made for the most urgent waiting group each step (as in vLLM V0).
+    assert stats.admitted_at_step["20"] == step_added
+    assert stats.admitted_at_step["22"] <= step_added + 1
+    for rid, o in outs.items():
+        assert summary(o) == summary(ref[int(rid)]), f"request {rid}"
+    assert_all_free(llm)
+
+
 # -- cache engine ----------------------------------------------------------------
 
 def test_block_runs_merge_pairs_that_continue_on_both_sides():
