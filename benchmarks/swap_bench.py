@@ -33,7 +33,8 @@ def whisper_group(decoder_len: int) -> SequenceGroup:
     inputs = {"prompt_token_ids": [0] * decoder_len, "encoder_prompt_token_ids": [0] * ENCODER_LEN,
               "prompt": None, "encoder_prompt": None}
     seq = Sequence(0, inputs, BLOCK)
-    return SequenceGroup("bench", [seq], 0.0, encoder_seq=Sequence(0, inputs, BLOCK, from_decoder_prompt=False))
+    encoder_seq = Sequence(0, inputs, BLOCK, from_decoder_prompt=False)
+    return SequenceGroup("bench", [seq], 0.0, encoder_seq=encoder_seq)
 
 
 def sync(device: torch.device) -> None:

@@ -107,8 +107,10 @@ class InputPreprocessor:
         decoder_start_token_id: int,
         default_decoder_prompt: Callable[[], list[int]],
         audio_processor: Callable[[Any], Any] | None = None,
+        prepare_decoder_prompt: Callable[[list[int]], list[int]] | None = None,
     ):
         self.tokenizer = tokenizer
+        self.prepare_decoder_prompt = prepare_decoder_prompt
         self.decoder_start_token_id = decoder_start_token_id
         self.default_decoder_prompt = default_decoder_prompt
         self.audio_processor = audio_processor
@@ -144,6 +146,10 @@ class InputPreprocessor:
         return self.audio_processor(mm["audio"])
 
     def _prepare_decoder(self, ids: list[int]) -> list[int]:
+        """<DEC> first, unless the model has its own rule (Whisper: a
+        ``<|startofprev|>`` prompt carries its start token later)."""
+        if self.prepare_decoder_prompt is not None:
+            return self.prepare_decoder_prompt(ids)
         if not ids or ids[0] != self.decoder_start_token_id:
             ids = [self.decoder_start_token_id] + ids
         return ids

@@ -85,7 +85,8 @@ class Detokenizer:
     def _to_tokens(self, ids: list[int], skip_special: bool) -> list[str]:
         if skip_special:
             ids = [i for i in ids if i not in self._all_special]
-        return self.tokenizer.convert_ids_to_tokens(ids)
+        # An id the tokenizer lacks (a model vocab larger than its tokenizer) has no text.
+        return [t or "" for t in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def _to_string(self, tokens: list[str], params: Any) -> str:
         if not params.skip_special_tokens and not params.spaces_between_special_tokens:

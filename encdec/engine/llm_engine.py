@@ -145,9 +145,11 @@ class LLMEngine:
         dec_start = hf_config.decoder_start_token_id
         default_prompt = module.default_decoder_prompt(hf_config, gen_config, self.tokenizer)
         audio = getattr(module, "make_audio_processor", None)
+        prepare = getattr(module, "prepare_decoder_prompt", None)
         self.input_preprocessor = InputPreprocessor(
             self.tokenizer, dec_start, lambda: list(default_prompt),
-            audio(hf_config) if audio else None)
+            audio(hf_config) if audio else None,
+            (lambda ids: prepare(ids, gen_config)) if prepare else None)
         eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else hf_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -97,4 +97,4 @@ class LLM:
         from encdec.transcribe import transcribe
 
         return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                          prompt=prompt, sampling_params=sampling_params)
+                          prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm)

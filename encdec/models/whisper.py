@@ -114,9 +114,10 @@ class WhisperDecoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, h, self_cache, cross_cache, md, encoder_hidden):
-        h = h + self.self_attn(self.self_attn_layer_norm(h), self_cache, md)
-        h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), cross_cache, md, encoder_hidden)
+    def forward(self, h, kv_cache, md, encoder_hidden):
+        # Self and cross KV share the layer's cache tensor (distinct block numbers).
+        h = h + self.self_attn(self.self_attn_layer_norm(h), kv_cache, md)
+        h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), kv_cache, md, encoder_hidden)
         return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
 
     def forward_dense(self, h: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
@@ -165,7 +166,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.decoder = WhisperDecoder(cfg, backend)
         self.vocab_size = cfg.vocab_size
         self.num_decoder_layers = cfg.decoder_layers
-        self.num_cache_layers = 2 * cfg.decoder_layers  # [2i] self, [2i+1] cross
+        self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
         self.num_mel_bins = cfg.num_mel_bins
@@ -198,7 +199,7 @@ class WhisperForConditionalGeneration(nn.Module):
                 f"{enc.shape[0]} encoder rows but metadata has {attn_metadata.num_encoder_tokens}")
         h = self.decoder.embed_tokens(input_ids) + self.decoder.embed_positions(positions)  # (N, d)
         for i, layer in enumerate(self.decoder.layers):
-            h = layer(h, kv_caches[2 * i], kv_caches[2 * i + 1], attn_metadata, enc)
+            h = layer(h, kv_caches[i], attn_metadata, enc)
         return self.decoder.layer_norm(h)
 
     def forward_dense(self, decoder_ids: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,17 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(s, d, n) for s, d, n in runs]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed cache. On CPU, numpy's calloc maps zero pages lazily, so a cache of
+    many GiB costs nothing until blocks are written (torch.zeros would touch
+    every page up front: seconds, and all of it resident)."""
+    if device.type == "cpu" and dtype == torch.float32:
+        import numpy as np
+
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class CacheEngine:
     """Owns the KV memory; the block manager only hands out block numbers."""
 
@@ -81,13 +92,14 @@ class CacheEngine:
         self.device = torch.device(device)
         shape = backend.get_kv_cache_shape(num_gpu_blocks, block_size, num_kv_heads, head_size)
         assert shape[:2] == (2, num_gpu_blocks), f"swaps assume (2, num_blocks, ...) caches, got {shape}"
-        # zeros: untouched pages of a CPU cache cost no resident memory.
-        self.gpu_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.gpu_cache = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
         cpu_shape = backend.get_kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_size)
         # Pinned on CUDA: device <-> host copies are then true async DMA.
         self.pin_memory = self.device.type == "cuda"
-        self.cpu_cache = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=self.pin_memory)
-                          for _ in range(num_layers)]
+        if self.pin_memory:
+            self.cpu_cache = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) for _ in range(num_layers)]
+        else:
+            self.cpu_cache = [_zeros(cpu_shape, dtype, torch.device("cpu")) for _ in range(num_layers)]
         self.num_swapped_in_blocks = 0
         self.num_swapped_out_blocks = 0
         self.num_copied_blocks = 0
@@ -107,7 +119,9 @@ class CacheEngine:
             for src, dst in zip(src_caches, dst_caches):
                 dst.index_copy_(1, m[:, 1], src.index_select(1, m[:, 0]))
             return
-        async_ok = self.device.type == "cuda"  # the host side is pinned
+        # Async only where the host side is pinned: a copy into pageable memory
+        # must not be left in flight.
+        async_ok = self.device.type == "cuda" and self.cpu_cache[0].is_pinned()
         for src, dst in zip(src_caches, dst_caches):
             for kv in range(2):  # one contiguous region per run for each of K and V
                 s_kv, d_kv = src[kv], dst[kv]

@@ -152,8 +152,6 @@ def test_control_tokens(llm, clips):
     assert stamped.outputs[0].text.strip() == plain.outputs[0].text.strip()  # timestamps are special
 
 
-@pytest.mark.xfail(reason="needs InputPreprocessor to keep decoder prompts that start with "
-                          "<|startofprev|> (whisper.prepare_decoder_prompt)", strict=False)
 def test_previous_text_prompt(llm, hf, clips):
     _, _, wavs = clips
     tok = llm.get_tokenizer()
