@@ -35,7 +35,31 @@ def bart_demo(model: str | None) -> None:
               f"{out.outputs[0].finish_reason})")
 
 
+def whisper_demo() -> None:
+    import glob
+    import time
+
+    from encdec import LLM
+    from encdec.models.whisper import default_whisper_model
+
+    speech = os.path.join(HERE, "..", "tests", "data", "speech")
+    files = sorted(glob.glob(os.path.join(speech, "s0[0-5].wav")))
+    refs = open(os.path.join(speech, "sentences.txt")).read().splitlines()
+    model = default_whisper_model()
+    print(f"== Whisper tiny.en (real weights, CTranslate2 format): {model}")
+    llm = LLM(model, kv_cache_memory=1 << 30, swap_space=0.5)
+    t0 = time.perf_counter()
+    results = llm.transcribe(files, timestamps=True)
+    dt = time.perf_counter() - t0
+    for path, ref, res in zip(files, refs, results):
+        seg = res.segments[0] if res.segments else None
+        span = f"[{seg.start:.2f}-{seg.end:.2f}s]" if seg else ""
+        print(f"- {os.path.basename(path)} {span} {res.text.strip()!r}\n      spoken: {ref!r}")
+    print(f"{len(files)} files transcribed in {dt:.1f} s")
+
+
 def main() -> None:
+    whisper_demo()
     bart_demo(sys.argv[1] if len(sys.argv) > 1 else None)
 
 

