@@ -20,6 +20,7 @@ from encdec.core.scheduler import Scheduler, SchedulerOutputs
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.stop_checker import StopChecker
 from encdec.inputs import InputPreprocessor, PromptType
+from encdec.models.layers import pack_linears
 from encdec.models.loader import iterate_weights, open_checkpoint
 from encdec.models.registry import get_model_cls, get_model_module
 from encdec.outputs import Detokenizer, RequestOutput
@@ -101,6 +102,8 @@ class LLMEngine:
             buf.zero_()
         model.load_weights(iterate_weights(ckpt))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        num_packed = pack_linears(self.model)  # CPU float32: oneDNN, see encdec/models/layers.py
+        logger.info("prepacked %d linear layers for oneDNN", num_packed)
         self.vocab_size = model.vocab_size
 
         # KV cache.

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.models.layers import Linear
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}
@@ -31,11 +32,11 @@ class BartAttention(nn.Module):
         self.head_dim = d_model // num_heads
         self.attn_type = attn_type
         if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)  # fused k_proj, v_proj
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)  # fused k_proj, v_proj
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # fused q_proj, k_proj, v_proj
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model)  # fused q_proj, k_proj, v_proj
+        self.out_proj = Linear(d_model, d_model)
         self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5,
                               backend=backend, attn_type=attn_type)
 
@@ -57,8 +58,8 @@ class BartEncoderLayer(nn.Module):
         d = cfg.d_model
         self.self_attn = BartAttention(d, cfg.encoder_attention_heads, AttentionType.ENCODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.fc1 = Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
 
@@ -76,8 +77,8 @@ class BartDecoderLayer(nn.Module):
         self.encoder_attn = BartAttention(d, cfg.decoder_attention_heads,
                                           AttentionType.ENCODER_DECODER, backend)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.fc1 = Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
 
@@ -115,6 +116,8 @@ class BartForConditionalGeneration(nn.Module):
         self.encoder = _Stack(cfg, BartEncoderLayer, cfg.encoder_layers, backend, self.shared)
         self.decoder = _Stack(cfg, BartDecoderLayer, cfg.decoder_layers, backend, self.shared)
         self.register_buffer("final_logits_bias", torch.zeros(1, cfg.vocab_size))
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.shared.weight  # tied
         self.vocab_size = cfg.vocab_size
         self.num_decoder_layers = cfg.decoder_layers
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
@@ -148,10 +151,11 @@ class BartForConditionalGeneration(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.shared.weight) + self.final_logits_bias
+        return self.lm_head(hidden) + self.final_logits_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours; q/k/v fused; missing tied embeddings taken from ``shared``."""
+        self.lm_head.weight = self.shared.weight  # re-tie: materialising from meta unties
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         pending: dict[str, dict[str, torch.Tensor]] = {}

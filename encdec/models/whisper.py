@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.models.layers import Linear
 
 N_FRAMES = 3000  # 30 s of 10 ms mel frames; the encoder input length
 N_POSITIONS = 1500  # encoder outputs per 30 s window (conv2 has stride 2)
@@ -49,11 +50,11 @@ class WhisperAttention(nn.Module):
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.attn_type = attn_type
         if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model)
+        self.out_proj = Linear(d_model, d_model)
         self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5,
                               backend=backend, attn_type=attn_type)
 
@@ -87,11 +88,11 @@ class WhisperEncoderLayer(nn.Module):
         d = cfg.d_model
         self.num_heads, self.head_dim = cfg.encoder_attention_heads, d // cfg.encoder_attention_heads
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
+        self.qkv_proj = Linear(d, 3 * d)
+        self.out_proj = Linear(d, d)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.fc1 = Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = Linear(cfg.encoder_ffn_dim, d)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 1500, d)
         B, T, d = h.shape
@@ -110,8 +111,8 @@ class WhisperDecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = WhisperAttention(d, heads, AttentionType.ENCODER_DECODER, backend)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.fc1 = Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
     def forward(self, h, kv_cache, md, encoder_hidden):
@@ -171,6 +172,8 @@ class WhisperForConditionalGeneration(nn.Module):
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
         self.num_mel_bins = cfg.num_mel_bins
         self.n_frames = 2 * cfg.max_source_positions  # mel frames per request (conv2 halves them)
+        self.proj_out = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.proj_out.weight = self.decoder.embed_tokens.weight  # tied
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
@@ -211,7 +214,7 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.compute_logits(self.decoder.layer_norm(h))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.decoder.embed_tokens.weight)
+        return self.proj_out(hidden)
 
     @staticmethod
     def _param_slot(name: str) -> tuple[str, int, int]:
@@ -235,6 +238,7 @@ class WhisperForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
+        self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties
         params = dict(self.named_parameters())
         for name, p in params.items():
             if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
