@@ -52,7 +52,12 @@ class BartAttention(nn.Module):
         return self.out_proj(self.attn(q, k, v, kv_cache, md))
 
 
-class BartEncoderLayer(nn.Module):
+class _FFNInput:
+    def _ffn_in(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc1.forward_gelu(h) if self.exact_gelu else self.act(self.fc1(h))
+
+
+class BartEncoderLayer(_FFNInput, nn.Module):
     def __init__(self, cfg, backend):
         super().__init__()
         d = cfg.d_model
@@ -62,13 +67,14 @@ class BartEncoderLayer(nn.Module):
         self.fc2 = Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
+        self.exact_gelu = cfg.activation_function == "gelu"
 
     def forward(self, h: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         h = self.self_attn_layer_norm(h + self.self_attn(h, None, md))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        return self.final_layer_norm(h + self.fc2(self._ffn_in(h)))
 
 
-class BartDecoderLayer(nn.Module):
+class BartDecoderLayer(_FFNInput, nn.Module):
     def __init__(self, cfg, backend):
         super().__init__()
         d = cfg.d_model
@@ -81,13 +87,14 @@ class BartDecoderLayer(nn.Module):
         self.fc2 = Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
+        self.exact_gelu = cfg.activation_function == "gelu"
 
     def forward(self, h, kv_cache, md, encoder_hidden):
         # Self and cross KV share the layer's cache tensor: the block manager
         # hands them distinct block numbers from one pool.
         h = self.self_attn_layer_norm(h + self.self_attn(h, kv_cache, md))
         h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, kv_cache, md, encoder_hidden))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        return self.final_layer_norm(h + self.fc2(self._ffn_in(h)))
 
 
 class _Stack(nn.Module):

@@ -35,15 +35,26 @@ class Linear(nn.Linear):
     def unpack(self) -> None:
         self.packed = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+    def _packed(self, x: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, post_op, [],
+                                                 algorithm)
         return out.view(*lead, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return self._packed(x, "none", "")
+
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(self(x))`` (exact, erf): fused into the matmul when packed,
+        saving a pass over the wide FFN activation."""
+        if self.packed is None:
+            return F.gelu(F.linear(x, self.weight, self.bias))
+        return self._packed(x, "gelu", "none")
 
 
 def pack_linears(model: nn.Module) -> int:

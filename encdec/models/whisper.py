@@ -100,7 +100,7 @@ class WhisperEncoderLayer(nn.Module):
         q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
         a = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
         h = h + self.out_proj(a.transpose(1, 2).reshape(B, T, d))
-        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
 
 class WhisperDecoderLayer(nn.Module):
@@ -119,12 +119,12 @@ class WhisperDecoderLayer(nn.Module):
         # Self and cross KV share the layer's cache tensor (distinct block numbers).
         h = h + self.self_attn(self.self_attn_layer_norm(h), kv_cache, md)
         h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), kv_cache, md, encoder_hidden)
-        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
     def forward_dense(self, h: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn.forward_dense(self.self_attn_layer_norm(h))
         h = h + self.encoder_attn.forward_dense(self.encoder_attn_layer_norm(h), enc)
-        return h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
 
 class WhisperEncoder(nn.Module):
