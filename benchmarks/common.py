@@ -46,8 +46,12 @@ class OtherCPUMonitor:
         self._stop.set()
         self._thread.join()
 
-    def summary(self) -> str:
+    def mean(self) -> float:
         s = self.samples[1:] or [0.0]  # the first sample of each process reads 0
+        return sum(s) / len(s)
+
+    def summary(self) -> str:
+        s = self.samples[1:] or [0.0]
         return f"other processes' CPU: mean {sum(s) / len(s):.0f}%, max {max(s):.0f}% (100% = one core)"
 
 

