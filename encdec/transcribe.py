@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,43 +103,28 @@ def _prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
 
 
 def _run(llm: Any, prompts: list[dict], params: Any, seconds: list[float], use_tqdm: bool) -> list[Any]:
-    """Submit every window, step the engine, return outputs in order; the bar
-    counts audio seconds done and the real-time factor."""
-    engine = llm.llm_engine
-    tag = uuid.uuid4().hex[:8]
-    ids = [f"transcribe-{tag}-{i}" for i in range(len(prompts))]
-    index = {rid: i for i, rid in enumerate(ids)}
-    done: dict[str, Any] = {}
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
+    """Decode every window in one engine run; the bar counts audio seconds done
+    and the real-time factor."""
+    if not use_tqdm:
+        return llm._generate(prompts, [params] * len(prompts), None, None)
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=round(sum(seconds), 1), desc="Transcribed audio", unit="s", dynamic_ncols=True)
+    bar = tqdm(total=round(sum(seconds), 1), desc="Transcribed audio", unit="s", dynamic_ncols=True)
     start = time.perf_counter()
-    added: list[str] = []
+    first_id = llm._request_counter  # ids are consecutive integers from here
+    done = [0.0]
+
+    def progress(out: Any) -> None:
+        sec = seconds[int(out.request_id) - first_id]
+        done[0] += sec
+        bar.update(round(sec, 1))
+        rtf = (time.perf_counter() - start) / max(done[0], 1e-9)
+        bar.set_postfix_str(f"RTF {rtf:.3f} ({1 / max(rtf, 1e-9):.1f}x real time)")
+
     try:
-        for rid, p in zip(ids, prompts):
-            engine.add_request(rid, p, params)
-            added.append(rid)
-        while len(done) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id in index and out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(round(seconds[index[out.request_id]], 1))
-                        audio_done = sum(seconds[index[r]] for r in done)
-                        rtf = (time.perf_counter() - start) / max(audio_done, 1e-9)
-                        bar.set_postfix_str(f"RTF {rtf:.3f} ({1 / max(rtf, 1e-9):.1f}x real time)")
-    except BaseException:
-        engine.abort_request([r for r in added if r not in done])
-        raise
+        return llm._generate(prompts, [params] * len(prompts), None, progress)
     finally:
-        if bar is not None:
-            bar.close()
-    missing = [r for r in ids if r not in done]
-    if missing:
-        raise RuntimeError(f"{len(missing)} transcription windows did not finish")
-    return [done[r] for r in ids]
+        bar.close()
 
 
 def _detect_languages(llm, firsts: list[np.ndarray], gc) -> list[str]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from encdec.engine.arg_utils import EngineArgs
@@ -49,46 +49,54 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
         if priority is not None and len(priority) != n:
             raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True)
+        engine = self.llm_engine
+        start = time.perf_counter()
+        in0, out0 = engine.num_prompt_tokens, engine.num_generated_tokens
+
+        def progress(_: RequestOutput) -> None:
+            dt = max(time.perf_counter() - start, 1e-6)
+            bar.set_postfix_str(f"input: {(engine.num_prompt_tokens - in0) / dt:.1f} toks/s, "
+                                f"output: {(engine.num_generated_tokens - out0) / dt:.1f} toks/s")
+            bar.update(1)
+
+        try:
+            return self._generate(prompts, params_list, priority, progress if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
+                  priority: list[int] | None,
+                  on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        """Queue the prompts and step the engine until they finish; ``on_finished``
+        sees each output as it completes (progress bars)."""
         engine = self.llm_engine
         # Validate everything first: one bad prompt refuses the call, queues nothing.
         processed = [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
         ids = []
         for i, (inputs, params) in enumerate(processed):
-            rid = str(self._request_counter)
+            rid = f"{self._request_counter}"
             self._request_counter += 1
             engine.add_processed_request(rid, inputs, params, priority=priority[i] if priority else 0)
             ids.append(rid)
-        return self._run_engine(ids, use_tqdm)
-
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        start = time.perf_counter()
-        in0, out0 = engine.num_prompt_tokens, engine.num_generated_tokens
         try:
             while len(done) < len(wanted) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id in wanted:
                         done[out.request_id] = out
-                        if bar is not None:
-                            dt = max(time.perf_counter() - start, 1e-6)
-                            bar.set_postfix_str(
-                                f"input: {(engine.num_prompt_tokens - in0) / dt:.1f} toks/s, "
-                                f"output: {(engine.num_generated_tokens - out0) / dt:.1f} toks/s")
-                            bar.update(1)
+                        if on_finished is not None:
+                            on_finished(out)
         except BaseException:
             # Leave the engine clean for the next call: drop what this call queued.
             engine.abort_request([i for i in ids if i not in done])
             raise
-        finally:
-            if bar is not None:
-                bar.close()
         return [done[i] for i in ids]
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
