@@ -53,7 +53,19 @@ def mixed_prompts(tokenizer, n: int = 28, seed: int = 0):
     return prompts, max_tokens
 
 
-def test_greedy_matches_hf_generate(bart_llm, hf_bart):
+@pytest.fixture(scope="module", params=["torch_sdpa", "xformers"])
+def any_backend_llm(request, bart_llm, tiny_bart):
+    """The session engine (torch SDPA), then one on the xFormers backend (its CPU reference path)."""
+    if request.param == "torch_sdpa":
+        return bart_llm
+    pytest.importorskip("xformers")
+    from encdec import LLM
+
+    return LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, attention_backend="xformers")
+
+
+def test_greedy_matches_hf_generate(any_backend_llm, hf_bart):
+    bart_llm = any_backend_llm
     tok = bart_llm.get_tokenizer()
     prompts, max_tokens = mixed_prompts(tok)
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
@@ -103,7 +115,8 @@ class _Recorder(torch.nn.Module):
         return self.sampler(logits, md)
 
 
-def test_prefill_and_decode_logits_match_hf(tmp_path):
+@pytest.mark.parametrize("backend", ["torch_sdpa", "xformers"])
+def test_prefill_and_decode_logits_match_hf(tmp_path, backend):
     """On weights at BART's own init scale (logits of order 1), where 1e-4 is a
     meaningful float32 tolerance."""
     from transformers import BartForConditionalGeneration
@@ -113,7 +126,10 @@ def test_prefill_and_decode_logits_match_hf(tmp_path):
 
     path = make_random_bart(str(tmp_path), seed=3, init_std=0.02, position_std=0.02)
     hf_bart = BartForConditionalGeneration.from_pretrained(path).eval()
-    llm = LLM(path, kv_cache_memory=16 << 20, swap_space=0.01)
+    if backend == "xformers":
+        pytest.importorskip("xformers")
+    llm = LLM(path, kv_cache_memory=16 << 20, swap_space=0.01, attention_backend=backend)
+    assert llm.llm_engine.backend.get_name() == backend
     runner = llm.llm_engine.model_runner
     rec = _Recorder(runner.sampler, runner.input_batch)
     runner.sampler = rec
