@@ -109,7 +109,8 @@ def _run(llm: Any, prompts: list[dict], params: Any, seconds: list[float], use_t
         return llm._generate(prompts, [params] * len(prompts), None, None)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=round(sum(seconds), 1), desc="Transcribed audio", unit="s", dynamic_ncols=True)
+    total = round(sum(seconds), 1)
+    bar = tqdm(total=total, desc="Transcribed audio", unit="s", dynamic_ncols=True)
     start = time.perf_counter()
     first_id = llm._request_counter  # ids are consecutive integers from here
     done = [0.0]
@@ -117,7 +118,8 @@ def _run(llm: Any, prompts: list[dict], params: Any, seconds: list[float], use_t
     def progress(out: Any) -> None:
         sec = seconds[int(out.request_id) - first_id]
         done[0] += sec
-        bar.update(round(sec, 1))
+        bar.n = min(round(done[0], 1), total)  # no float drift past the total
+        bar.refresh()
         rtf = (time.perf_counter() - start) / max(done[0], 1e-9)
         bar.set_postfix_str(f"RTF {rtf:.3f} ({1 / max(rtf, 1e-9):.1f}x real time)")
 
