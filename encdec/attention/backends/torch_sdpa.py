@@ -86,6 +86,10 @@ class TorchSDPAMetadata(AttentionMetadata):
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
           causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
     """q: (..., Lq, H, D), k/v: (..., Lk, H, D) -> (..., Lq, H, D)."""
+    if q.dim() == 3:
+        # A batch dim of 1: on CPU, 3-D inputs miss the flash kernel (measured 2.7x
+        # slower at 300 tokens, 3.2x at 512).
+        return _sdpa(q[None], k[None], v[None], scale, causal=causal, mask=mask)[0]
     out = F.scaled_dot_product_attention(
         q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
         attn_mask=mask, is_causal=causal, scale=scale,
