@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import glob  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="alternate HF/encdec this many times")
     args = ap.parse_args()
 
     import soundfile as sf
@@ -114,12 +116,22 @@ def main() -> None:
     from encdec.models.ct2_loader import save_as_hf
 
     rows = []
+    hf_times, our_times, ours, hf_tokens = [], [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = save_as_hf(model_dir, tmp)
-        hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
+        for _ in range(args.repeats):
+            # Alternate the sides so slow drifts of a shared host hit both.
+            hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
+            hf_times.append(hf_dt)
+            ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
+            our_times.append(dt)
+    hf_dt, dt = statistics.median(hf_times), statistics.median(our_times)
     rows.append(("hf generate (batch %d)" % args.batch, hf_dt, hf_other))
-    ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
     rows.append(("encdec", dt, other))
+    if args.repeats > 1:
+        print("per run: HF " + ", ".join(f"{t:.2f}" for t in hf_times) + " s; encdec "
+              + ", ".join(f"{t:.2f}" for t in our_times) + " s; ratios "
+              + ", ".join(f"{h / o:.2f}" for h, o in zip(hf_times, our_times)) + " (medians below)")
     same = sum(a[:-1] == b for a, b in zip(ours, hf_tokens))
     fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch)
     if fw is not None:
