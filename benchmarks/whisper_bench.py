@@ -113,7 +113,7 @@ def main() -> None:
     print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
 
-    from encdec.models.ct2_loader import save_as_hf
+    from encdec.models.ct2_writer import save_as_hf
 
     rows = []
     hf_times, our_times, ours, hf_tokens = [], [], None, None

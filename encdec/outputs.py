@@ -5,7 +5,7 @@ keeps text cost per step constant instead of growing with the output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from encdec.sequence import Logprob, RequestMetrics, Sequence, SequenceGroup, SequenceStatus

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from encdec.attention.backends.abstract import AttentionBackend
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine

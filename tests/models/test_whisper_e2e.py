@@ -52,7 +52,7 @@ def hf(tmp_path_factory):
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers import WhisperProcessor
 
-    from encdec.models.ct2_loader import save_as_hf
+    from encdec.models.ct2_writer import save_as_hf
 
     out = save_as_hf(str(mnm.get_model_path()), tmp_path_factory.mktemp("whisper_hf"))
     return HFWhisper.from_pretrained(out).eval(), WhisperProcessor.from_pretrained(out)

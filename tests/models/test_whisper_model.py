@@ -43,7 +43,7 @@ def ours(ct2_dir):
 def hf(ct2_dir, tmp_path_factory):
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
-    from encdec.models.ct2_loader import save_as_hf
+    from encdec.models.ct2_writer import save_as_hf
 
     out = save_as_hf(ct2_dir, tmp_path_factory.mktemp("whisper_hf"))
     return HFWhisper.from_pretrained(out, attn_implementation="eager").eval()

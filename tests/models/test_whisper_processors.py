@@ -135,7 +135,8 @@ def multilingual(tmp_path_factory):
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    from encdec.models.ct2_loader import hf_to_ct2, load_ct2_whisper, write_model_bin
+    from encdec.models.ct2_loader import load_ct2_whisper
+    from encdec.models.ct2_writer import hf_to_ct2, write_model_bin
 
     cfg = WhisperConfig(vocab_size=51865, d_model=64, encoder_layers=2, decoder_layers=2,
                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
