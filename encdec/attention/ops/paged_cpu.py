@@ -44,17 +44,18 @@ def _library() -> ctypes.CDLL | None:
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"paged_attention_cpu_{key}.so")
     if not os.path.exists(path):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-        os.close(fd)
+        tmp = ""
         try:
+            os.makedirs(_cache_dir(), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+            os.close(fd)
             subprocess.run([cc, _SRC, "-o", tmp, *_FLAGS], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
         except (subprocess.SubprocessError, OSError) as e:
             detail = getattr(e, "stderr", b"") or b""
             logger.warning("building the CPU attention kernel failed (%s %s): decode attention "
                            "gathers KV (slower)", e, detail.decode(errors="replace")[:500])
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
             return None
     lib = ctypes.CDLL(path)
