@@ -49,7 +49,7 @@ class RequestOutput:
         want_lp = params is not None and params.logprobs is not None
         outputs = [
             CompletionOutput(
-                index=getattr(s.data, "sample_index", i),
+                index=s.data.sample_index,
                 text=s.output_text,
                 token_ids=list(s.get_output_token_ids()),
                 cumulative_logprob=s.get_cumulative_logprob() if want_lp else None,
@@ -57,7 +57,7 @@ class RequestOutput:
                 finish_reason=SequenceStatus.get_finished_reason(s.status),
                 stop_reason=s.stop_reason,
             )
-            for i, s in enumerate(seqs)
+            for s in seqs
         ]
         enc_ids = group.encoder_prompt_token_ids
         if "encoder_features" in group.seqs[0].inputs:

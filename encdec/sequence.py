@@ -7,7 +7,7 @@ manager and the scheduler only see token counts and ids.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from encdec.inputs import EncoderDecoderLLMInputs
@@ -56,6 +56,9 @@ class SequenceData:
         self.cumulative_logprob = 0.0
         # Tokens whose KV is in the cache; the rest are computed next step.
         self._num_computed_tokens = 0
+        # Which of its request's n / best_of samples this is: the output index and
+        # the seed offset of a seeded request (vLLM's seed + index).
+        self.sample_index = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -103,6 +106,7 @@ class SequenceData:
         new = SequenceData(self._prompt_token_ids, self._output_token_ids)
         new.cumulative_logprob = self.cumulative_logprob
         new._num_computed_tokens = self._num_computed_tokens
+        new.sample_index = self.sample_index
         return new
 
 
@@ -313,8 +317,6 @@ class SequenceGroupMetadata:
     encoder_seq_data: SequenceData | None = None  # encoder prompt tokens (static)
     cross_block_table: list[int] | None = None  # device block numbers of the cross KV
     encoder_inputs: Any = None  # model-specific encoder input (e.g. audio features)
-    do_sample: bool = True
-    computed_block_nums: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:

@@ -126,7 +126,6 @@ class BartForConditionalGeneration(nn.Module):
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.shared.weight  # tied
         self.vocab_size = cfg.vocab_size
-        self.num_decoder_layers = cfg.decoder_layers
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads

@@ -166,7 +166,6 @@ class WhisperForConditionalGeneration(nn.Module):
         self.encoder = WhisperEncoder(cfg)
         self.decoder = WhisperDecoder(cfg, backend)
         self.vocab_size = cfg.vocab_size
-        self.num_decoder_layers = cfg.decoder_layers
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads

@@ -177,7 +177,7 @@ class EncoderDecoderModelRunner:
                 sid, _, m = rows[i]
                 sd = m.seq_data[sid]
                 ib.add_request(key, m.sampling_params, sd.prompt_token_ids, sd.output_token_ids,
-                               seed_index=getattr(sd, "sample_index", 0))
+                               seed_index=sd.sample_index)
         ib.condense()
         return [key_to_row[key] for key in ib.req_ids]
 

@@ -127,7 +127,7 @@ class Sim:
         self.pool.release(old)
 
 
-def check(outs: dict, tol: float = TOL) -> None:
+def assert_matches_naive(outs: dict, tol: float = TOL) -> None:
     ref = outs["naive"]
     for name, got in outs.items():
         for t in TYPES:
@@ -151,7 +151,7 @@ def edge_lens(bs: int) -> list[tuple[int, int]]:
 def test_prefill_matches_naive(block_size, seed):
     rng = random.Random(seed)
     sim = Sim(block_size=block_size, heads=[(4, 4), (4, 2)][seed % 2], scattered=bool(seed % 2), seed=seed)
-    check(sim.step(random_lens(rng, rng.randint(1, 8)), seed=seed))
+    assert_matches_naive(sim.step(random_lens(rng, rng.randint(1, 8)), seed=seed))
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
@@ -160,18 +160,18 @@ def test_decode_matches_naive(block_size, scattered):
     rng = random.Random(block_size + scattered)
     sim = Sim(block_size=block_size, scattered=scattered, seed=block_size)
     lens = random_lens(rng, rng.randint(1, 4)) + edge_lens(block_size)
-    check(sim.step(lens, seed=0))
+    assert_matches_naive(sim.step(lens, seed=0))
     for step in range(1, 4):
-        check(sim.step(decode=range(len(lens)), seed=step))
+        assert_matches_naive(sim.step(decode=range(len(lens)), seed=step))
 
 
 def test_mixed_steps_match_naive():
     rng = random.Random(7)
     sim = Sim(block_size=5, heads=(6, 3), scattered=True, seed=7)
-    check(sim.step(random_lens(rng, 3), seed=0))
-    check(sim.step(random_lens(rng, 2), decode=[0, 1, 2], seed=1))  # 2 prefills + 3 decodes
-    check(sim.step(random_lens(rng, 1), decode=[4, 1, 3], seed=2))  # decodes in any order
-    check(sim.step(decode=range(6), seed=3))
+    assert_matches_naive(sim.step(random_lens(rng, 3), seed=0))
+    assert_matches_naive(sim.step(random_lens(rng, 2), decode=[0, 1, 2], seed=1))  # 2 prefills + 3 decodes
+    assert_matches_naive(sim.step(random_lens(rng, 1), decode=[4, 1, 3], seed=2))  # decodes in any order
+    assert_matches_naive(sim.step(decode=range(6), seed=3))
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
@@ -186,7 +186,7 @@ def test_decode_after_swap_is_identical(block_size):
     assert all(a.self_blocks != b.self_blocks for a, b in zip(stay.seqs, swapped.seqs))
     for seed in (2, 3):
         a, b = stay.step(decode=range(len(lens)), seed=seed), swapped.step(decode=range(len(lens)), seed=seed)
-        check(b)
+        assert_matches_naive(b)
         for backend in BACKENDS:
             for t in TYPES:
                 assert torch.equal(a[backend.get_name()][t], b[backend.get_name()][t]), (backend, t)
@@ -253,8 +253,8 @@ def test_kernel_path_passes_xformers_layouts(monkeypatch):
     for heads in ((4, 4), (4, 2)):
         rng = random.Random(3)
         sim = Sim(block_size=5, heads=heads, scattered=True, seed=3, backends=(XFormersBackend,))
-        check(sim.step(random_lens(rng, 3), seed=0))
-        check(sim.step(random_lens(rng, 2), decode=[0, 1, 2], seed=1))
+        assert_matches_naive(sim.step(random_lens(rng, 3), seed=0))
+        assert_matches_naive(sim.step(random_lens(rng, 2), decode=[0, 1, 2], seed=1))
     assert {n for n, _ in seen} == {4, 5}
     assert {b for _, b in seen} == {BlockDiagonalMask, BlockDiagonalCausalMask}
 
@@ -277,8 +277,8 @@ def test_cuda_kernels_match_cpu_reference(block_size, heads, dtype, tol):
         if seed == 2:  # device -> host -> device through swap_blocks, as a preemption does
             sims["cuda"].swap_roundtrip()
         got = {dev: sim.step(**kwargs, seed=seed) for dev, sim in sims.items()}
-        check(got["cuda"], tol)
-        check(got["cpu"], tol)
+        assert_matches_naive(got["cuda"], tol)
+        assert_matches_naive(got["cpu"], tol)
         for t in TYPES:
             ours, ref = got["cuda"]["xformers"][t], got["cpu"]["xformers"][t]
             if ref.numel():

@@ -58,7 +58,7 @@ def _random_batch(params: list[SamplingParams], seed: int):
     return prompts, outputs, logits
 
 
-def _check_batch(params: list[SamplingParams], seed: int) -> None:
+def _assert_batch_matches_reference(params: list[SamplingParams], seed: int) -> None:
     prompts, outputs, logits = _random_batch(params, seed)
     ib = make_batch(params, prompts, outputs, VOCAB)
     md = ib.refresh_metadata()
@@ -93,19 +93,19 @@ def test_each_parameter_matches_reference(name: str, seed: int) -> None:
             SamplingParams(seed=7, temperature=1.3),  # a plain random row beside it
             SamplingParams(temperature=0.0),  # and a greedy one
             SamplingParams(**case)]  # the same case, unseeded
-    _check_batch(rows, seed)
+    _assert_batch_matches_reference(rows, seed)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_parameter_alone(name: str) -> None:
     case = CASES[name]
     seed = {} if case.get("temperature", 1.0) == 0.0 else {"seed": 5}
-    _check_batch([SamplingParams(**case, **seed), SamplingParams(**case, **seed)], 3)
+    _assert_batch_matches_reference([SamplingParams(**case, **seed), SamplingParams(**case, **seed)], 3)
 
 
 def test_bad_words_match_prefix_of_output() -> None:
     params = [_bad_words_params(temperature=0.0), _bad_words_params(seed=3)]
-    _check_batch(params, 4)
+    _assert_batch_matches_reference(params, 4)
     tok = FakeTokenizer()
     foo, bar, baz = tok.encode("foo")[0], tok.encode("bar")[0], tok.encode("bar baz")[1]
     ib = make_batch([params[0]], [[1]], [[bar]], VOCAB)
