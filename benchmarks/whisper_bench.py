@@ -6,7 +6,10 @@ on the same clips, same weights, same threads, in one process.
 Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
-Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads).
+Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads)
+and with glibc keeping freed memory (``encdec.worker.host_allocator``; our engine
+sets it process-wide, so the bench sets it before either side runs;
+``ENCDEC_RETAIN_FREED_MEMORY=0`` runs both sides without it).
 """
 from __future__ import annotations
 
@@ -100,6 +103,11 @@ def main() -> None:
     import soundfile as sf
     import torch
 
+    from encdec.worker.host_allocator import retain_freed_memory
+
+    # Our engine sets this process-wide when it starts; set it first so HF runs with it too.
+    retained = retain_freed_memory()
+
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
@@ -111,7 +119,8 @@ def main() -> None:
     wavs = (wavs * (args.clips // len(wavs) + 1))[: args.clips]
     audio_s = sum(len(w) for w in wavs) / 16000
     print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, glibc keeps freed memory "
+          f"(both sides): {'yes' if retained else 'no'}")
 
     from encdec.models.ct2_writer import save_as_hf
 

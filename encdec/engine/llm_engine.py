@@ -29,6 +29,7 @@ from encdec.sampling_params import SamplingParams
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec.worker.cache_engine import CacheEngine, cache_block_bytes, default_kv_cache_bytes
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
+from encdec.worker.host_allocator import retain_freed_memory
 from encdec.worker.input_batch import InputBatch
 
 logger = logging.getLogger("encdec")
@@ -69,6 +70,7 @@ class LLMEngine:
         self.args = args
         self.device = _resolve_device(args.device)
         if self.device.type == "cpu":
+            retain_freed_memory()
             torch.set_num_threads(args.num_threads or int(os.environ.get("ENCDEC_NUM_THREADS", "0"))
                                   or torch.get_num_threads())
         ckpt = open_checkpoint(args.model)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.ops.dense_cpu import dense_attention
 from encdec.models.layers import Linear
 
 N_FRAMES = 3000  # 30 s of 10 ms mel frames; the encoder input length
@@ -96,10 +97,12 @@ class WhisperEncoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 1500, d)
         B, T, d = h.shape
-        qkv = self.qkv_proj(self.self_attn_layer_norm(h))  # (B, T, 3d)
-        q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D)
-        a = F.scaled_dot_product_attention(q, k, v)  # (B, H, T, D)
-        h = h + self.out_proj(a.transpose(1, 2).reshape(B, T, d))
+        qkv = self.qkv_proj(self.self_attn_layer_norm(h)).view(B, T, 3, self.num_heads, self.head_dim)
+        a = dense_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.head_dim**-0.5)  # (B, T, H, D)
+        if a is None:  # no C kernel for this machine / dtype / device
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D); 4-D takes torch's flash kernel
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        h = h + self.out_proj(a.reshape(B, T, d))
         return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
 
@@ -138,12 +141,40 @@ class WhisperEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, n_mels, 3000)
-        x = F.gelu(self.conv1(features))
-        x = F.gelu(self.conv2(x)).transpose(1, 2)  # (B, 1500, d)
+        x = self.frontend(features).transpose(1, 2)  # (B, 1500, d)
         h = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             h = layer(h)
         return self.layer_norm(h)
+
+
+    def frontend(self, features: torch.Tensor) -> torch.Tensor:
+        """gelu(conv2(gelu(conv1(features)))) -> (B, d, 1500), computed only where it varies.
+
+        A window shorter than 30 s is zero audio after its end, so its trailing
+        mel frames are one constant column; every conv output whose inputs all
+        lie in that run is one constant column too. For a 4 s clip that is 85%
+        of the frontend, so only the varying head, one constant column and the
+        zero-padded last column are computed, and the constant is broadcast.
+        """
+        B, _, n = features.shape
+        same = (features == features[:, :, -1:]).all(dim=1)  # (B, n) column equals the last one
+        run = int(same.flip(1).cumprod(1).sum(1).min())  # shortest trailing constant run
+        m = n - run  # from column m on, every clip's columns are its last column
+        if run < 16 or n % 2 or n < 16:
+            return F.gelu(self.conv2(F.gelu(self.conv1(features))))
+        w1, b1, w2, b2 = self.conv1.weight, self.conv1.bias, self.conv2.weight, self.conv2.bias
+        # conv1 output t reads inputs t-1..t+1: t in [m+1, n-2] is constant, n-1 sees the zero pad.
+        y_head = F.gelu(F.conv1d(F.pad(features[:, :, : m + 3], (1, 0)), w1, b1))  # cols 0..m+1
+        y_last = F.gelu(F.conv1d(F.pad(features[:, :, n - 2:], (0, 1)), w1, b1))  # col n-1
+        y_const = y_head[:, :, -1:]
+        # conv2 output s reads conv1 outputs 2s-1..2s+1: s in [s0, n/2-2] is constant.
+        s0 = (m + 3) // 2
+        y = torch.cat([y_head, y_const.expand(-1, -1, 2 * s0 + 2 - (m + 2))], dim=2)  # cols 0..2*s0+1
+        x_head = F.gelu(F.conv1d(F.pad(y, (1, 0)), w2, b2, stride=2))  # outputs 0..s0
+        x_last = F.gelu(F.conv1d(torch.cat([y_const, y_const, y_last], dim=2), w2, b2))  # output n/2-1
+        x_const = x_head[:, :, -1:].expand(-1, -1, n // 2 - 2 - s0)  # outputs s0+1..n/2-2
+        return torch.cat([x_head, x_const, x_last], dim=2)
 
 
 class WhisperDecoder(nn.Module):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -97,13 +99,14 @@ def _advise_hugepages(t: torch.Tensor) -> None:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed cache. On CPU, numpy's calloc maps zero pages lazily, so a cache of
-    many GiB costs nothing until blocks are written (torch.zeros would touch
-    every page up front: seconds, and all of it resident)."""
-    if device.type == "cpu" and dtype == torch.float32:
-        import numpy as np
-
-        t = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+    """Zeroed cache. On CPU an anonymous mmap maps zero pages lazily, so a cache
+    of many GiB costs nothing until blocks are written (torch.zeros would touch
+    every page up front: seconds, and all of it resident). mmap rather than
+    calloc: with ``retain_freed_memory`` glibc would take it from its heap."""
+    if device.type == "cpu":
+        numel = math.prod(shape)
+        buf = mmap.mmap(-1, max(1, numel * dtype.itemsize))  # the tensor keeps it alive
+        t = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
         _advise_hugepages(t)
         return t
     return torch.zeros(shape, dtype=dtype, device=device)
