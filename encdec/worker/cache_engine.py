@@ -103,9 +103,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     of many GiB costs nothing until blocks are written (torch.zeros would touch
     every page up front: seconds, and all of it resident). mmap rather than
     calloc: with ``retain_freed_memory`` glibc would take it from its heap."""
-    if device.type == "cpu":
-        numel = math.prod(shape)
-        buf = mmap.mmap(-1, max(1, numel * dtype.itemsize))  # the tensor keeps it alive
+    numel = math.prod(shape)
+    if device.type == "cpu" and numel:
+        buf = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps it alive
         t = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
         _advise_hugepages(t)
         return t
