@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.common import OtherCPUMonitor, timed
+from benchmarks.common import OtherCPUMonitor, allocator_for_both_sides, timed
 
 
 def make_workload(n: int, vocab: int, seed: int):
@@ -113,7 +113,7 @@ def main() -> None:
     enc, out_lens = make_workload(args.requests, 50265, args.seed)
     print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
           f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {allocator_for_both_sides()}")
     ratios = []
     for rep in range(args.repeats):
         # Alternate the two sides so slow drifts of a shared host hit both.

@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: thread settings applied to both sides, and a
+"""Shared benchmark plumbing: thread and allocator settings applied to both sides, and a
 monitor of other processes' CPU use (this machine is shared)."""
 from __future__ import annotations
 
@@ -9,6 +9,16 @@ import time
 # Both sides run in this process, so these apply to our engine and HF alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def allocator_for_both_sides() -> str:
+    """Our engine makes glibc keep freed memory process-wide when it starts
+    (``encdec.worker.host_allocator``); apply it before either side runs so HF
+    gets it on every repeat too. ``ENCDEC_RETAIN_FREED_MEMORY=0`` turns it off
+    for both. Returns a line for the header."""
+    from encdec.worker.host_allocator import retain_freed_memory
+
+    return f"glibc keeps freed memory (both sides): {'yes' if retain_freed_memory() else 'no'}"
 
 
 class OtherCPUMonitor:

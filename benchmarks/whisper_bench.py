@@ -7,9 +7,7 @@ Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
 Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads)
-and with glibc keeping freed memory (``encdec.worker.host_allocator``; our engine
-sets it process-wide, so the bench sets it before either side runs;
-``ENCDEC_RETAIN_FREED_MEMORY=0`` runs both sides without it).
+and with glibc keeping freed memory (``benchmarks.common.allocator_for_both_sides``).
 """
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
-from benchmarks.common import OtherCPUMonitor  # noqa: E402
+from benchmarks.common import OtherCPUMonitor, allocator_for_both_sides  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEECH = os.path.join(HERE, "..", "tests", "data", "speech")
@@ -103,10 +101,7 @@ def main() -> None:
     import soundfile as sf
     import torch
 
-    from encdec.worker.host_allocator import retain_freed_memory
-
-    # Our engine sets this process-wide when it starts; set it first so HF runs with it too.
-    retained = retain_freed_memory()
+    allocator = allocator_for_both_sides()
 
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -119,8 +114,7 @@ def main() -> None:
     wavs = (wavs * (args.clips // len(wavs) + 1))[: args.clips]
     audio_s = sum(len(w) for w in wavs) / 16000
     print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, glibc keeps freed memory "
-          f"(both sides): {'yes' if retained else 'no'}")
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
 
     from encdec.models.ct2_writer import save_as_hf
 
