@@ -118,12 +118,19 @@ def log_mel_spectrogram(audios: Sequence[np.ndarray | torch.Tensor], n_mels: int
     """16 kHz mono waveforms -> (B, n_mels, 3000) log-mel features, one batched STFT."""
     if len(audios) == 0:
         return torch.empty(0, n_mels, N_FRAMES)
-    wav = torch.stack([pad_or_trim(torch.as_tensor(a, dtype=torch.float32)) for a in audios])
-    wav = wav.to(device)  # (B, 480000)
+    # The window is zero audio after the longest input; frames whose 400-sample
+    # window lies in that zero run have zero power, so the STFT runs only up to
+    # a margin past it (exact: the reflect padding there mirrors zeros too).
+    longest = max(min(int(np.shape(a)[-1]), N_SAMPLES) for a in audios)
+    used = min(N_SAMPLES, -(-(longest + 3 * N_FFT // 2) // HOP_LENGTH) * HOP_LENGTH)
+    wav = torch.stack([pad_or_trim(torch.as_tensor(a, dtype=torch.float32), used) for a in audios])
+    wav = wav.to(device)  # (B, used)
     window = torch.hann_window(N_FFT, device=wav.device)
-    stft = torch.stft(wav, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # (B, 201, 3001)
-    power = (stft[..., :-1].abs() ** 2).contiguous()  # (B, 201, 3000)
-    mel = mel_filters(n_mels, str(wav.device)) @ power  # (B, n_mels, 3000)
+    stft = torch.stft(wav, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # (B, 201, used/160 + 1)
+    frames = min(N_FRAMES, stft.shape[-1])
+    power = (stft[..., :frames].abs() ** 2).contiguous()  # (B, 201, frames)
+    mel = power.new_zeros(len(audios), n_mels, N_FRAMES)
+    mel[..., :frames] = mel_filters(n_mels, str(wav.device)) @ power  # (B, n_mels, 3000)
     log_spec = mel.clamp(min=1e-10).log10()
     floor = log_spec.amax(dim=(1, 2), keepdim=True) - 8.0  # per input
     return (torch.maximum(log_spec, floor) + 4.0) / 4.0

@@ -32,6 +32,10 @@ def test_log_mel_matches_hf_feature_extractor(n_mels):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     # Batched equals one at a time (the floor is per input, not per batch).
     torch.testing.assert_close(log_mel_spectrogram(audios[1:2], n_mels=n_mels)[0], ours[1])
+    # Short batches take the path that skips the zero tail of the window.
+    short = log_mel_spectrogram([audios[0], audios[3]], n_mels=n_mels)
+    torch.testing.assert_close(short, ref[[0, 3]], atol=1e-4, rtol=0)
+    torch.testing.assert_close(short, ours[[0, 3]], atol=1e-6, rtol=0)
 
 
 def test_load_file_any_rate_and_channels(tmp_path):
