@@ -17,8 +17,6 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from encdec.attention.ops import paged_cpu
-from encdec.attention.ops.dense_cpu import dense_attention
 from encdec.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -26,6 +24,8 @@ from encdec.attention.backends.abstract import (
     AttentionType,
     write_to_cache,
 )
+from encdec.attention.ops import paged_cpu
+from encdec.attention.ops.dense_cpu import dense_attention
 
 
 def contiguous_start(table: list[int]) -> int:

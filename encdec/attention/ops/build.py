@@ -17,7 +17,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ def _cache_dir() -> str:
     return os.environ.get("ENCDEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "encdec")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(source: str, fallback: str) -> ctypes.CDLL | None:
     """The compiled ``source`` (a file name in this folder), or None; ``fallback``
     says in the warning what runs instead."""
@@ -42,7 +44,8 @@ def load(source: str, fallback: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found for %s: %s", source, fallback)
         return None
     src_path = os.path.join(_DIR, source)
-    src = open(src_path, "rb").read()
+    with open(src_path, "rb") as f:
+        src = f.read()
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}_{key}.so")
     if not os.path.exists(path):
@@ -61,3 +64,14 @@ def load(source: str, fallback: str) -> ctypes.CDLL | None:
                 os.unlink(tmp)
             return None
     return ctypes.CDLL(path)
+
+
+def load_function(source: str, name: str, argtypes: Sequence[Any], restype: Any,
+                  fallback: str) -> Any | None:
+    """Function ``name`` of the compiled ``source`` with its ctypes signature, or None."""
+    lib = load(source, fallback)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn

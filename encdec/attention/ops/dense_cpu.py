@@ -20,22 +20,20 @@ logger = logging.getLogger(__name__)
 HEAD_SIZE = 64
 
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    lib = build.load("dense_attention_cpu.c", "dense attention runs torch SDPA")
-    if lib is None:
-        return None
-    fn = lib.dense_attention_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p] + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+def _kernel():
+    return build.load_function("dense_attention_cpu.c", "dense_attention_f32",
+                               [_P] * 4 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int], ctypes.c_int,
+                               "dense attention runs torch SDPA")
 
 
 @lru_cache(maxsize=1)
 def available() -> bool:
     """Whether the kernel is built with its vector path (a 1-token probe call)."""
-    if _library() is None:
+    if _kernel() is None:
         return False
     x = torch.zeros(1, 1, 1, HEAD_SIZE)
     ok = _call(x, x, x, 1.0) is not None
@@ -47,7 +45,7 @@ def available() -> bool:
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     B, tq, H, D = q.shape
     out = torch.empty(B, tq, H, D, dtype=q.dtype)
-    rc = _library().dense_attention_f32(
+    rc = _kernel()(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scale, torch.get_num_threads())

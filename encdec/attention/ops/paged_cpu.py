@@ -13,21 +13,19 @@ import torch
 
 from encdec.attention.ops import build
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
 
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    lib = build.load("paged_attention_cpu.c", "decode attention gathers KV (slower)")
-    if lib is None:
-        return None
-    fn = lib.paged_attention_decode_f32
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = None
-    return lib
+def _kernel():
+    return build.load_function(
+        "paged_attention_cpu.c", "paged_attention_decode_f32",
+        [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
+        None, "decode attention gathers KV (slower)")
 
 
 def available() -> bool:
-    return _library() is not None
+    return _kernel() is not None
 
 
 def paged_decode_attention(
@@ -38,13 +36,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     scale: float,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
-    lib = _library()
-    assert lib is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+    kernel = _kernel()
+    assert kernel is not None and q.dtype == torch.float32 and q.device.type == "cpu"
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    lib.paged_attention_decode_f32(
+    kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, torch.get_num_threads())
