@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionType,
+)
 from encdec.attention.ops.dense_cpu import dense_attention
 from encdec.models.layers import Linear
 
@@ -146,7 +151,6 @@ class WhisperEncoder(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.layer_norm(h)
-
 
     def frontend(self, features: torch.Tensor) -> torch.Tensor:
         """gelu(conv2(gelu(conv1(features)))) -> (B, d, 1500), computed only where it varies.
