@@ -63,11 +63,6 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class DeviceConfig:
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     model: str  # local directory or hub id
     tokenizer: str | None

@@ -99,9 +99,6 @@ class SequenceData:
     def reset_state_for_recompute(self) -> None:
         self._num_computed_tokens = 0
 
-    def get_num_uncomputed_tokens(self) -> int:
-        return self.get_len() - self._num_computed_tokens
-
     def copy(self) -> SequenceData:
         new = SequenceData(self._prompt_token_ids, self._output_token_ids)
         new.cumulative_logprob = self.cumulative_logprob

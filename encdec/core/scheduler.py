@@ -30,68 +30,26 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import CacheConfig, PreemptionMode, SchedulerConfig
+from encdec.core.scheduler_outputs import (
+    ScheduledSequenceGroup,
+    SchedulerOutputs,
+    SchedulerStats,
+    StepBlocks,
+)
 from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
-
-@dataclass
-class ScheduledSequenceGroup:
-    seq_group: SequenceGroup
-    token_chunk_size: int  # decoder tokens computed this step per sequence
+__all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "SchedulerStats"]
 
 
-@dataclass
-class SchedulerOutputs:
-    scheduled_seq_groups: list[ScheduledSequenceGroup]  # prefills first, then decodes
-    num_prefill_groups: int
-    num_batched_tokens: int  # decoder tokens this step
-    blocks_to_swap_in: list[tuple[int, int]]  # CPU -> device block number
-    blocks_to_swap_out: list[tuple[int, int]]  # device -> CPU block number
-    blocks_to_copy: list[tuple[int, int]]  # device -> device (copy-on-write)
-    preempted: int  # groups preempted this step
-    ignored_seq_groups: list[SequenceGroup]  # can never run; finished with an error
-
-    def is_empty(self) -> bool:
-        return not (self.scheduled_seq_groups or self.blocks_to_swap_in
-                    or self.blocks_to_swap_out or self.blocks_to_copy)
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since the scheduler was built (``llm.llm_engine.scheduler.stats``)."""
-
-    num_preempted_swap: int = 0  # preemptions that swapped a group to CPU
-    num_preempted_recompute: int = 0  # preemptions that dropped a group's KV to recompute it
-    num_preempted_for_priority: int = 0  # of those, made for a higher-priority waiting group
-    num_swapped_in: int = 0  # swapped groups resumed
-    num_blocks_swapped_out: int = 0  # device -> CPU block copies asked for
-    num_blocks_swapped_in: int = 0  # CPU -> device block copies asked for
-    num_ignored: int = 0  # requests finished with an error (never fit, no swap space)
-    num_aborted: int = 0  # requests aborted by the user
-    admitted_at_step: dict[str, int] = field(default_factory=dict)  # request id -> step
-
-    @property
-    def num_preempted(self) -> int:
-        return self.num_preempted_swap + self.num_preempted_recompute
-
-
-@dataclass
-class _StepBlocks:
-    """What one ``schedule()`` accumulates for the cache engine and the engine."""
-
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # CPU -> device
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> CPU
-    copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
-    ignored: list[SequenceGroup] = field(default_factory=list)  # finished with an error
+# Admissions SchedulerStats.admitted_at_step remembers (oldest dropped first).
+ADMITTED_HISTORY = 4096
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, lora_config=None):
-        if lora_config is not None:
-            raise NotImplementedError("LoRA is not supported")
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_manager = BlockSpaceManager(
@@ -138,15 +96,11 @@ class Scheduler:
         self.stats.num_aborted += len(aborted)
         return aborted
 
-    def _free_seq_group_cross_attn_blocks(self, seq_group: SequenceGroup) -> None:
-        if seq_group.is_encoder_decoder():
-            self.block_manager.free_cross(seq_group)
-
     def _free_group(self, group: SequenceGroup) -> None:
         """Every block the group holds, self and cross, on either device."""
         for seq in group.get_seqs():
             self.block_manager.free(seq)
-        self._free_seq_group_cross_attn_blocks(group)
+        self.block_manager.free_cross(group)
         self._add_order.pop(group.request_id, None)
 
     def free_seq(self, seq) -> None:
@@ -177,7 +131,7 @@ class Scheduler:
 
     # -- failure ---------------------------------------------------------------
     def _fail(self, group: SequenceGroup, error: str, status: SequenceStatus,
-              blocks: _StepBlocks) -> None:
+              blocks: StepBlocks) -> None:
         """Finish a group that cannot run, with ``error`` for its output. The
         caller has already taken it out of its queue."""
         for seq in group.get_seqs():
@@ -197,7 +151,7 @@ class Scheduler:
         return -(-num_tokens // self.cache_config.block_size)
 
     # -- preemption ------------------------------------------------------------
-    def _preempt(self, group: SequenceGroup, blocks: _StepBlocks) -> None:
+    def _preempt(self, group: SequenceGroup, blocks: StepBlocks) -> None:
         """Take a running group off the device. The caller removes it from
         ``running``; this puts it in ``swapped`` or ``waiting``.
 
@@ -235,11 +189,11 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING
                 bm.free(seq)
                 seq.reset_state_for_recompute()
-            self._free_seq_group_cross_attn_blocks(group)
+            bm.free_cross(group)
             self.waiting.appendleft(group)  # fcfs: it arrived before every waiting group
             self.stats.num_preempted_recompute += 1
 
-    def _preempt_for_waiting(self, blocks: _StepBlocks) -> int:
+    def _preempt_for_waiting(self, blocks: StepBlocks) -> int:
         """Priority policy (vLLM V0's priority preemption): while the most urgent
         waiting group does not fit, preempt running groups of strictly lower
         priority, least urgent first. Runs before the running groups get their
@@ -268,7 +222,7 @@ class Scheduler:
         return preempted
 
     # -- schedule --------------------------------------------------------------
-    def _schedule_running(self, blocks: _StepBlocks) -> tuple[list[SequenceGroup], int]:
+    def _schedule_running(self, blocks: StepBlocks) -> tuple[list[SequenceGroup], int]:
         """Give each running group, most urgent first, the slot of its next token.
         When the cache is full, preempt from the least urgent end, which is the
         group itself once it is the least urgent one left."""
@@ -294,7 +248,7 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
-    def _schedule_swapped(self, blocks: _StepBlocks) -> list[SequenceGroup]:
+    def _schedule_swapped(self, blocks: StepBlocks) -> list[SequenceGroup]:
         """Resume swapped groups, most urgent first, stopping at the first that
         does not fit (so a big group is not starved by smaller ones behind it).
         Under the priority policy, stop before a group a waiting one outranks."""
@@ -334,7 +288,7 @@ class Scheduler:
             self.stats.num_blocks_swapped_in += len(pairs)
         return resumed
 
-    def _schedule_waiting(self, blocks: _StepBlocks) -> list[SequenceGroup]:
+    def _schedule_waiting(self, blocks: StepBlocks) -> list[SequenceGroup]:
         bm = self.block_manager
         cfg = self.scheduler_config
         budget = cfg.max_num_batched_tokens
@@ -372,13 +326,20 @@ class Scheduler:
             budget -= tokens
             self.running.append(group)
             admitted.append(group)
-            self.stats.admitted_at_step.setdefault(group.request_id, self.num_steps)
+            self._record_admission(group.request_id)
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.time()
         return admitted
 
+    def _record_admission(self, request_id: str) -> None:
+        admitted = self.stats.admitted_at_step
+        if request_id not in admitted:  # a recomputed group keeps its first step
+            admitted[request_id] = self.num_steps
+            if len(admitted) > ADMITTED_HISTORY:
+                del admitted[next(iter(admitted))]
+
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        blocks = _StepBlocks()
+        blocks = StepBlocks()
         preempted = self._preempt_for_waiting(blocks) if self._by_priority else 0
         decodes, num_out_of_slots = self._schedule_running(blocks)
         preempted += num_out_of_slots

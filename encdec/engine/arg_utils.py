@@ -28,7 +28,9 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
-    num_threads: int | None = None  # CPU: torch threads; None = measured default
+    # CPU torch threads, process-wide: applied by ``LLM`` (configure_cpu_runtime);
+    # LLMEngine itself never changes process state. None = leave as is.
+    num_threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -44,6 +46,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool)
+                                             or not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         # Cache options are validated by CacheConfig itself.

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from encdec.attention.selector import get_attn_backend
-from encdec.config import ModelConfig, SchedulerConfig
+from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
 from encdec.core.scheduler import Scheduler, SchedulerOutputs
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.stop_checker import StopChecker
@@ -27,9 +27,15 @@ from encdec.outputs import Detokenizer, RequestOutput
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
-from encdec.worker.cache_engine import CacheEngine, cache_block_bytes, default_kv_cache_bytes
+from encdec.worker.cache_engine import (
+    MAX_PREFAULT_BYTES,
+    CacheEngine,
+    cache_block_bytes,
+    default_cpu_kv_cache_bytes,
+    default_gpu_kv_cache_bytes,
+    typical_decoder_len,
+)
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
-from encdec.worker.host_allocator import retain_freed_memory
 from encdec.worker.input_batch import InputBatch
 
 logger = logging.getLogger("encdec")
@@ -56,6 +62,24 @@ def _resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dt
     return torch.bfloat16 if ckpt == "bfloat16" else torch.float16
 
 
+class SkipParameterInit(TorchFunctionMode):
+    """Skip ``torch.nn.init`` while a model is built on the meta device: the
+    checkpoint overwrites every weight, and meta-device init ops import
+    torch._refs and sympy (measured: 1.6 s and +76 MiB RSS for a tiny BART).
+    A torch function mode is local to the thread that enters it."""
+
+    _SKIPPED = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.normal_,
+                torch.nn.init.uniform_, torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_,
+                torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_,
+                torch.nn.init.xavier_normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 class _EngineConfig:
     """What logits processors see: ``scheduler_config`` and ``model_config``."""
 
@@ -66,20 +90,39 @@ class _EngineConfig:
 
 
 class LLMEngine:
+    """Requests in, one scheduled forward per ``step()``, outputs out.
+
+    Not thread-safe: one thread drives an engine (``LLM`` serialises its
+    callers with a lock). Building one changes no process-wide state: torch's
+    threads, its global RNG and the allocator are the program's to set
+    (``encdec.configure_cpu_runtime``); random sampling draws from the
+    engine's own generator, seeded from ``EngineArgs.seed``.
+    """
+
     def __init__(self, args: EngineArgs):
         self.args = args
         self.device = _resolve_device(args.device)
-        if self.device.type == "cpu":
-            retain_freed_memory()
-            torch.set_num_threads(args.num_threads or int(os.environ.get("ENCDEC_NUM_THREADS", "0"))
-                                  or torch.get_num_threads())
+        self._init_model_config(args)
+        self._init_model()
+        self.cache_config = self._size_kv_cache(args)
+        self._init_scheduler(args)
+        self._init_sampling(args)
+        self._init_input_processing()
+        self.seq_counter = itertools.count()
+        self._num_request_ids = 0  # next id new_request_id() gives
+        self.groups: dict[str, SequenceGroup] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- construction steps, in order ------------------------------------------
+    def _init_model_config(self, args: EngineArgs) -> None:
+        """Checkpoint, tokenizer and the resolved lengths and dtype."""
         ckpt = open_checkpoint(args.model)
         self.checkpoint = ckpt
-        module = get_model_module(ckpt.architecture)
-        self.model_module = module
-        hf_config, gen_config = ckpt.hf_config, ckpt.generation_config
-        self.hf_config, self.generation_config = hf_config, gen_config
-        self.tokenizer = self._load_tokenizer(module, args.tokenizer or ckpt.path)
+        self.model_module = get_model_module(ckpt.architecture)
+        hf_config, self.generation_config = ckpt.hf_config, ckpt.generation_config
+        self.hf_config = hf_config
+        self.tokenizer = self._load_tokenizer(self.model_module, args.tokenizer or ckpt.path)
         self.dtype = _resolve_dtype(args.dtype, self.device, hf_config)
         max_dec = getattr(hf_config, "max_target_positions", None) or hf_config.max_position_embeddings
         max_enc = getattr(hf_config, "max_source_positions", None) or hf_config.max_position_embeddings
@@ -88,17 +131,22 @@ class LLMEngine:
                 raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
                                  f"{max_dec} decoder positions")
             max_dec = args.max_model_len
+            if not hasattr(self.model_module, "make_audio_processor"):
+                # A text encoder's prompt is bounded by max_model_len too (as in vLLM);
+                # an audio encoder's length is fixed by the model.
+                max_enc = min(max_enc, args.max_model_len)
         self.model_config = ModelConfig(
             model=args.model, tokenizer=args.tokenizer, dtype=str(self.dtype).removeprefix("torch."),
             seed=args.seed, architecture=ckpt.architecture, hf_config=hf_config,
             max_model_len=max_dec, max_encoder_len=max_enc, enforce_eager=args.enforce_eager)
-        torch.manual_seed(args.seed)
 
-        # Model.
-        self.backend = get_attn_backend(args.attention_backend, self.device.type)
+    def _init_model(self) -> None:
+        """Build the model on the meta device, load the checkpoint, prepack linears."""
+        ckpt = self.checkpoint
+        self.backend = get_attn_backend(self.args.attention_backend, self.device.type)
         model_cls = get_model_cls(ckpt.architecture)
-        with torch.device("meta"):
-            model = model_cls(hf_config, self.backend)
+        with torch.device("meta"), SkipParameterInit():
+            model = model_cls(self.hf_config, self.backend)
         model = model.to_empty(device="cpu").to(torch.float32)
         for buf in model.buffers():  # buffers a checkpoint may omit start at zero
             buf.zero_()
@@ -108,62 +156,97 @@ class LLMEngine:
         logger.info("prepacked %d linear layers for oneDNN", num_packed)
         self.vocab_size = model.vocab_size
 
-        # KV cache.
-        cache_cfg = args.cache_config()
-        block_bytes = cache_block_bytes(model.num_cache_layers, cache_cfg.block_size,
+    def _size_kv_cache(self, args: EngineArgs) -> CacheConfig:
+        """Number of device and swap blocks; refuses a cache that cannot hold one
+        request of the longest kind (a ``max_model_len`` decoder sequence and
+        a cross table for the longest encoder input)."""
+        cfg = args.cache_config()
+        model, mc = self.model, self.model_config
+        block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
                                         model.num_kv_heads, model.head_size, self.dtype)
-        kv_bytes = cache_cfg.kv_cache_memory or default_kv_cache_bytes(
-            self.device, cache_cfg.gpu_memory_utilization)
-        cache_cfg.num_gpu_blocks = kv_bytes // block_bytes
-        if cache_cfg.num_gpu_blocks < 1:
+        dec_blocks = -(-mc.max_model_len // cfg.block_size)
+        cross_blocks = -(-mc.max_encoder_len // cfg.block_size)
+        needed = dec_blocks + cross_blocks
+        typical_request = (-(-typical_decoder_len(mc.max_model_len) // cfg.block_size)
+                           + cross_blocks) * block_bytes
+        # CPU: commit at start what the first requests write (see CacheEngine._prefault);
+        # all of an explicitly sized cache up to 1 GiB, the first 16 typical requests'
+        # worth of a default one, so that LLM() costs little more than its model.
+        self.kv_prefault_bytes = MAX_PREFAULT_BYTES
+        if cfg.kv_cache_memory is not None:
+            kv_bytes = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            kv_bytes = default_gpu_kv_cache_bytes(self.device, cfg.gpu_memory_utilization)
+        else:
+            kv_bytes = default_cpu_kv_cache_bytes(args.max_num_seqs * typical_request,
+                                                  minimum=needed * block_bytes)
+            self.kv_prefault_bytes = 16 * typical_request
+        cfg.num_gpu_blocks = kv_bytes // block_bytes
+        if cfg.num_gpu_blocks < 1:
             raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
                              f"(one block is {block_bytes} bytes)")
-        cache_cfg.num_cpu_blocks = int(cache_cfg.swap_space * _GiB) // block_bytes
+        if cfg.num_gpu_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes, {block_bytes} bytes "
+                f"per block of {cfg.block_size} tokens) but one request needs {needed} blocks "
+                f"({needed * block_bytes} bytes): {dec_blocks} for a max_model_len={mc.max_model_len} "
+                f"decoder sequence and {cross_blocks} for its cross-attention table of "
+                f"{mc.max_encoder_len} encoder tokens; raise kv_cache_memory or lower max_model_len")
+        cfg.num_cpu_blocks = int(cfg.swap_space * _GiB) // block_bytes
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.1f MiB each)",
-                    cache_cfg.num_gpu_blocks, cache_cfg.num_cpu_blocks, cache_cfg.block_size,
-                    block_bytes / 2**20)
-        self.cache_config = cache_cfg
+                    cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size, block_bytes / 2**20)
+        return cfg
+
+    def _init_scheduler(self, args: EngineArgs) -> None:
+        """The scheduler (block bookkeeping) and the cache engine (the KV tensors)."""
+        mc, cache_cfg, model = self.model_config, self.cache_config, self.model
         self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens or max(32768, max_dec + max_enc),
-            max_num_seqs=args.max_num_seqs, max_model_len=max_dec, max_encoder_len=max_enc,
-            preemption_mode=args.preemption(), policy=args.scheduling_policy)
+            max_num_batched_tokens=args.max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len),
+            max_num_seqs=args.max_num_seqs, max_model_len=mc.max_model_len,
+            max_encoder_len=mc.max_encoder_len, preemption_mode=args.preemption(),
+            policy=args.scheduling_policy)
         self.scheduler = Scheduler(self.scheduler_config, cache_cfg)
         self.cache_engine = CacheEngine(
             num_layers=model.num_cache_layers, num_kv_heads=model.num_kv_heads,
             head_size=model.head_size, block_size=cache_cfg.block_size,
             num_gpu_blocks=cache_cfg.num_gpu_blocks, num_cpu_blocks=cache_cfg.num_cpu_blocks,
-            dtype=self.dtype, device=self.device, backend=self.backend)
+            dtype=self.dtype, device=self.device, backend=self.backend,
+            prefault_bytes=self.kv_prefault_bytes)
 
-        # Sampling.
+    def _init_sampling(self, args: EngineArgs) -> None:
+        """Logits processors, the persistent batch, the engine's generator and the runner."""
         pin = self.device.type == "cuda"
-        model_procs = list(getattr(module, "logits_processors", lambda: [])())
+        model_procs = list(getattr(self.model_module, "logits_processors", lambda: [])())
         user_procs = [resolve_logitsproc_class(p) for p in (args.logits_processors or [])]
         self.processor_classes = model_procs + user_procs
-        self.processor_config = _EngineConfig(self.scheduler_config, self.model_config, gen_config)
+        self.processor_config = _EngineConfig(self.scheduler_config, self.model_config,
+                                              self.generation_config)
         logitsprocs = build_logitsprocs(self.processor_config, self.device, pin, self.processor_classes)
         self.input_batch = InputBatch(max_num_reqs=args.max_num_seqs, vocab_size=self.vocab_size,
                                       device=self.device, logitsprocs=logitsprocs, is_pin_memory=pin)
+        # Unseeded random sampling draws from this, not torch's global RNG: two
+        # engines (or an engine and the user's own torch code) do not disturb
+        # each other, and an engine's unseeded outputs follow from its seed.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(args.seed)
         self.model_runner = EncoderDecoderModelRunner(self.model, self.backend, self.cache_engine,
-                                                      self.input_batch, self.device)
+                                                      self.input_batch, self.device,
+                                                      generator=self.generator)
 
-        # Requests.
-        dec_start = hf_config.decoder_start_token_id
+    def _init_input_processing(self) -> None:
+        """Prompt preprocessing, detokenizer and stop checks."""
+        module, hf_config, gen_config = self.model_module, self.hf_config, self.generation_config
         default_prompt = module.default_decoder_prompt(hf_config, gen_config, self.tokenizer)
         audio = getattr(module, "make_audio_processor", None)
         prepare = getattr(module, "prepare_decoder_prompt", None)
         self.input_preprocessor = InputPreprocessor(
-            self.tokenizer, dec_start, lambda: list(default_prompt),
+            self.tokenizer, hf_config.decoder_start_token_id, lambda: list(default_prompt),
             audio(hf_config) if audio else None,
             (lambda ids: prepare(ids, gen_config)) if prepare else None)
         eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else hf_config.eos_token_id
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.stop_checker = StopChecker(max_dec)
-        self.seq_counter = itertools.count()
-        self.request_counter = itertools.count()
-        self.groups: dict[str, SequenceGroup] = {}
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
+        self.stop_checker = StopChecker(self.model_config.max_model_len)
 
     @staticmethod
     def _load_tokenizer(module, path: str):
@@ -173,6 +256,15 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
+
+    def new_request_id(self) -> str:
+        """A request id not in use ("0", "1", ...), so callers keep no counter of
+        their own and never collide with each other's ids."""
+        while True:
+            request_id = str(self._num_request_ids)
+            self._num_request_ids += 1
+            if request_id not in self.groups:
+                return request_id
 
     # -- requests ----------------------------------------------------------------
     def process_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[dict, SamplingParams]:

@@ -1,8 +1,10 @@
 """The offline API: ``LLM(model).generate(prompts, params)``."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from encdec.engine.arg_utils import EngineArgs
@@ -13,6 +15,15 @@ from encdec.sampling_params import SamplingParams
 
 
 class LLM:
+    """One engine behind a lock: ``generate`` and ``transcribe`` may be called
+    from several threads; calls run one at a time, each with correct results.
+
+    ``num_threads`` sets torch's threads for the whole process, as
+    ``encdec.configure_cpu_runtime(num_threads=...)`` does (kept for the CLI);
+    without it the process's settings are left alone. For full CPU speed call
+    ``encdec.configure_cpu_runtime()`` once before building an ``LLM``.
+    """
+
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -30,11 +41,29 @@ class LLM:
             logits_processors=logits_processors, attention_backend=attention_backend,
             enforce_eager=enforce_eager, scheduling_policy=scheduling_policy,
             num_threads=num_threads)
+        if num_threads is not None:
+            from encdec.worker.cpu_runtime import configure_cpu_runtime
+
+            configure_cpu_runtime(num_threads, retain_freed_memory=False)
         self.llm_engine = LLMEngine(self.engine_args)
-        self._request_counter = 0
+        self._lock = threading.RLock()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @contextlib.contextmanager
+    def engine_lock(self) -> Iterator[LLMEngine]:
+        """Hold the engine for a block of calls: code that drives ``llm_engine``
+        itself (``add_request``/``step``) runs under the lock ``generate`` and
+        ``transcribe`` take, so concurrent calls never share its steps. Reentrant."""
+        with self._lock:
+            yield self.llm_engine
+
+    @property
+    def _request_counter(self) -> int:
+        """Deprecated (encdec.transcribe reads it until it uses its own driver):
+        the number the engine's next request id will have."""
+        return self.llm_engine._num_request_ids
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -49,39 +78,45 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
         if priority is not None and len(priority) != n:
             raise ValueError(f"got {len(priority)} priorities for {n} prompts")
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+        with self._lock:
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True)
+                bar = tqdm(total=n, desc="Processed prompts", dynamic_ncols=True)
+            engine = self.llm_engine
+            start = time.perf_counter()
+            in0, out0 = engine.num_prompt_tokens, engine.num_generated_tokens
+
+            def progress(_: RequestOutput) -> None:
+                dt = max(time.perf_counter() - start, 1e-6)
+                bar.set_postfix_str(f"input: {(engine.num_prompt_tokens - in0) / dt:.1f} toks/s, "
+                                    f"output: {(engine.num_generated_tokens - out0) / dt:.1f} toks/s")
+                bar.update(1)
+
+            try:
+                return self._run(prompts, params_list, priority, progress if bar else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+
+    def _process_all(self, prompts: list[PromptType],
+                     params_list: list[SamplingParams | None]) -> list[tuple[dict, SamplingParams]]:
+        """Validate the whole call before anything is queued: one bad prompt
+        refuses it. (Becomes ``engine.process_requests(prompts, params_list)``.)"""
         engine = self.llm_engine
-        start = time.perf_counter()
-        in0, out0 = engine.num_prompt_tokens, engine.num_generated_tokens
+        return [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
 
-        def progress(_: RequestOutput) -> None:
-            dt = max(time.perf_counter() - start, 1e-6)
-            bar.set_postfix_str(f"input: {(engine.num_prompt_tokens - in0) / dt:.1f} toks/s, "
-                                f"output: {(engine.num_generated_tokens - out0) / dt:.1f} toks/s")
-            bar.update(1)
-
-        try:
-            return self._generate(prompts, params_list, priority, progress if bar else None)
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
-                  priority: list[int] | None,
-                  on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
+             priority: list[int] | None,
+             on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
         """Queue the prompts and step the engine until they finish; ``on_finished``
-        sees each output as it completes (progress bars)."""
+        sees each output as it completes (progress bars). Call under the lock."""
         engine = self.llm_engine
-        # Validate everything first: one bad prompt refuses the call, queues nothing.
-        processed = [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
+        processed = self._process_all(prompts, params_list)
         ids = []
         for i, (inputs, params) in enumerate(processed):
-            rid = f"{self._request_counter}"
-            self._request_counter += 1
+            rid = engine.new_request_id()
             engine.add_processed_request(rid, inputs, params, priority=priority[i] if priority else 0)
             ids.append(rid)
         wanted = set(ids)
@@ -99,10 +134,18 @@ class LLM:
             raise
         return [done[i] for i in ids]
 
+    def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
+                  priority: list[int] | None,
+                  on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        """Deprecated (encdec.transcribe calls it until it uses its own driver)."""
+        with self._lock:
+            return self._run(prompts, params_list, priority, on_finished)
+
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, prompt: str | None = None,
                    sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
         from encdec.transcribe import transcribe
 
-        return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                          prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        with self._lock:  # the whole job: its requests never share steps with another call's
+            return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
+                              prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm)

@@ -120,13 +120,15 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
     return logits.scatter_(-1, logits_idx, logits_sort)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  generator: torch.Generator | None = None) -> torch.Tensor:
     """Exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)``, draws from ``probs``
     without a CPU-GPU sync. Seeded rows draw their ``q`` row from their own
-    generator, so their tokens do not depend on the rest of the batch."""
+    generator, so their tokens do not depend on the rest of the batch; the
+    others from ``generator`` (the engine's; None = torch's global one)."""
     q = torch.empty_like(probs)  # (num_reqs, vocab)
     if len(generators) != probs.shape[0]:
-        q.exponential_()
+        q.exponential_(generator=generator)
     for row, gen in generators.items():  # one draw per seeded row; no batched API exists
         q[row].exponential_(generator=gen)
     return probs.div_(q).argmax(dim=-1)
@@ -151,6 +153,10 @@ class Sampler(nn.Module):
     An all-greedy batch with no logprobs, penalties, allowed ids or bad words
     costs steps 2, 5 (no-ops for idle processors) and one argmax.
     """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        super().__init__()
+        self.generator = generator  # unseeded rows draw from it; None = torch's global RNG
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         md = sampling_metadata
@@ -193,7 +199,7 @@ class Sampler(nn.Module):
         greedy = None if md.all_random else logits.argmax(dim=-1)  # (num_reqs,)
         logits = self.apply_sampling_filters(logits, md)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # (num_reqs, vocab)
-        sampled = random_sample(probs, md.generators)
+        sampled = random_sample(probs, md.generators, self.generator)
         if greedy is None:
             return sampled
         return torch.where(md.temperature < _SAMPLING_EPS, greedy, sampled)

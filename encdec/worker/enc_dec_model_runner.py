@@ -14,10 +14,11 @@ batch's order, which is what the logits processors index by.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
-from encdec.attention.backends.abstract import AttentionBackend
+from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, packed_slots
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
@@ -35,6 +36,25 @@ class SampledToken:
 class ModelRunnerOutput:
     samples: list[SampledToken]  # one per sampled decoder sequence
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+
+class SampledRow(NamedTuple):
+    """A decoder sequence sampled this step."""
+
+    seq_id: int
+    hidden_index: int  # row of the step's packed hidden states whose logits it samples from
+    meta: SequenceGroupMetadata  # its group's scheduler metadata
+
+
+@dataclass
+class ModelInput:
+    """One step's packed model inputs, built by ``prepare`` (scheduler -> model)."""
+
+    input_ids: torch.Tensor  # (num_tokens,) int64 decoder tokens: prefill sequences', then one per decode
+    positions: torch.Tensor  # (num_tokens,) int64 decoder position of each token
+    attn_metadata: AttentionMetadata  # where each sequence's tokens and KV live; shared by all layers
+    encoder_inputs: dict[str, Any]  # keyword args of the model's encoder for the step's prefills; {} if none
+    sampled_rows: list[SampledRow]  # every sequence sampled this step, prefills first
 
 
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
@@ -55,42 +75,32 @@ def _prefix_sum(lens: list[int]) -> list[int]:
 
 class EncoderDecoderModelRunner:
     def __init__(self, model: torch.nn.Module, backend: type[AttentionBackend], cache: CacheEngine,
-                 input_batch: InputBatch, device: torch.device):
+                 input_batch: InputBatch, device: torch.device, *,
+                 generator: torch.Generator | None = None):
         self.model = model
         self.backend = backend
         self.cache = cache
         self.input_batch = input_batch
         self.device = device
         self.block_size = cache.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
 
     # -- inputs --------------------------------------------------------------
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _cross_slots(self, table: list[int], n: int) -> torch.Tensor:
-        bs = self.block_size
-        pos = torch.arange(n)
-        return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
-
-    def prepare(self, metas: list[SequenceGroupMetadata]):
-        """Returns (input_ids, positions, AttentionMetadata, encoder kwargs,
-        sampled rows as (seq_id, hidden index, meta))."""
+    def prepare(self, metas: list[SequenceGroupMetadata]) -> ModelInput:
+        """Pack the step's prefills and decodes (see the module docstring)."""
         dev = self.device
         prefills = [m for m in metas if m.is_prompt]
         decodes = [m for m in metas if not m.is_prompt]
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        table_rows: list[int] = []  # per token: its sequence's row in the block tables
         seq_lens: list[int] = []
         enc_lens: list[int] = []
         tables: list[list[int]] = []
         cross_tables: list[list[int]] = []
-        rows: list[tuple[int, int, SequenceGroupMetadata]] = []
+        rows: list[SampledRow] = []
         enc_tokens: list[list[int]] = []
         enc_features: list = []
-        cross_slots: list[torch.Tensor] = []
         q_lens: list[int] = []
         for m in prefills:
             # A group's sequences share their prompt (n > 1 forks it): compute
@@ -99,44 +109,46 @@ class EncoderDecoderModelRunner:
             sid0, sd = next(iter(m.seq_data.items()))
             ids = sd.get_token_ids()
             n = len(ids)
+            table_rows += [len(tables)] * n
             tokens += ids
             positions += range(n)
-            table = m.block_tables[sid0]
-            slots += self._slots(table, 0, n)
             seq_lens.append(n)
             q_lens.append(n)
-            tables.append(table)
+            tables.append(m.block_tables[sid0])
             enc = m.encoder_seq_data.prompt_token_ids
             enc_lens.append(len(enc))
             cross_tables.append(m.cross_block_table)
             enc_tokens.append(enc)
             enc_features.append(m.encoder_inputs)
-            cross_slots.append(self._cross_slots(m.cross_block_table, len(enc)))
             last = len(tokens) - 1
-            rows += [(sid, last, m) for sid in m.seq_data]
+            rows += [SampledRow(sid, last, m) for sid in m.seq_data]
         num_prefill_tokens = len(tokens)
-        bs = self.block_size
         for m in decodes:
             enc_len = len(m.encoder_seq_data.prompt_token_ids)
             for sid, sd in m.seq_data.items():
                 n = sd.get_len()
-                table = m.block_tables[sid]
-                rows.append((sid, len(tokens), m))
+                rows.append(SampledRow(sid, len(tokens), m))
+                table_rows.append(len(tables))
                 tokens.append(sd.get_last_token_id())
                 positions.append(n - 1)
-                slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
                 seq_lens.append(n)
-                tables.append(table)
+                tables.append(m.block_tables[sid])
                 enc_lens.append(enc_len)
                 cross_tables.append(m.cross_block_table)
         num_decode = len(tokens) - num_prefill_tokens
         q_start = _prefix_sum(q_lens)
         e_start = _prefix_sum(enc_lens[: len(prefills)])
+        block_tables = _padded(tables, dev)
+        cross_block_tables = _padded(cross_tables, dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_mapping = cache_slots(block_tables.to(torch.long), _i32(table_rows, dev), pos, self.block_size)
+        cross_slot_mapping = packed_slots(cross_block_tables[: len(prefills)], enc_lens[: len(prefills)],
+                                          self.block_size)
         md = self.backend.make_metadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             seq_lens_tensor=_i32(seq_lens, dev),
             max_prefill_seq_len=max(q_lens, default=0),
@@ -145,26 +157,24 @@ class EncoderDecoderModelRunner:
             query_start_loc=_i32(q_start, dev),
             seq_start_loc=_i32(q_start, dev),
             context_lens_tensor=_i32([0] * len(prefills) + [n - 1 for n in seq_lens[len(prefills):]], dev),
-            block_tables=_padded(tables, dev),
+            block_tables=block_tables,
             encoder_seq_lens=enc_lens,
             encoder_seq_lens_tensor=_i32(enc_lens, dev),
             encoder_seq_start_loc=_i32(e_start, dev),
             max_encoder_seq_len=max(enc_lens, default=0),
             num_encoder_tokens=e_start[-1],
-            cross_slot_mapping=(torch.cat(cross_slots) if cross_slots
-                                else torch.empty(0, dtype=torch.long)).to(dev),
-            cross_block_tables=_padded(cross_tables, dev),
+            cross_slot_mapping=cross_slot_mapping,
+            cross_block_tables=cross_block_tables,
             block_size=self.block_size,
             block_tables_list=tables,
             cross_block_tables_list=cross_tables,
         )
         enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if prefills else {}
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return input_ids, pos, md, enc_kwargs, rows
+        return ModelInput(input_ids=torch.tensor(tokens, dtype=torch.long, device=dev), positions=pos,
+                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=rows)
 
     # -- persistent batch ----------------------------------------------------
-    def _update_batch(self, rows: list[tuple[int, int, SequenceGroupMetadata]]) -> list[int]:
+    def _update_batch(self, rows: list[SampledRow]) -> list[int]:
         """Make the persistent batch hold exactly this step's sequences; return,
         for each batch row, the index into ``rows``."""
         ib = self.input_batch
@@ -190,8 +200,10 @@ class EncoderDecoderModelRunner:
         self.cache.copy(list(blocks_to_copy))
         if not metas:
             return ModelRunnerOutput(samples=[])
-        input_ids, positions, md, enc_kwargs, rows = self.prepare(metas)
-        hidden = self.model(input_ids, positions, self.cache.gpu_cache, md, **enc_kwargs)
+        inp = self.prepare(metas)
+        rows = inp.sampled_rows
+        hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
+                            **inp.encoder_inputs)
         order = self._update_batch(rows)
         sampling_md = self.input_batch.refresh_metadata()
         index = torch.tensor([rows[i][1] for i in order], dtype=torch.long, device=self.device)

@@ -18,6 +18,9 @@ BLOCK_BYTES = 2 * 2 * 16 * 64 * 4
 # Largest request of the workload: encoder 100 tokens (7 cross blocks) and
 # n=3 x 42 decoder tokens (3 x 3 self blocks) = 16 blocks; a typical one is 4-8.
 TIGHT_BLOCKS = 24
+# LLM() refuses a cache that cannot hold one longest request: with max_model_len
+# 128 (it bounds BART's encoder prompt too) that is 8 self + 8 cross blocks.
+TIGHT_MAX_LEN = 128
 WORDS = "rain spain falls mainly plain quick brown fox jumps lazy dog blocks pages batch".split()
 
 
@@ -42,6 +45,7 @@ def workload(n: int = 48, seed: int = 0) -> tuple[list, list[SamplingParams]]:
 
 
 def make_llm(path: str, num_blocks: int, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", TIGHT_MAX_LEN if num_blocks < 32 else None)
     return LLM(path, kv_cache_memory=num_blocks * BLOCK_BYTES, swap_space=0.01, num_threads=1, **kwargs)
 
 
@@ -164,29 +168,38 @@ def test_aborts_in_every_queue_leak_nothing_and_disturb_nobody(tiny_bart, refere
     assert_all_free(llm)
 
 
+def test_cache_too_small_for_one_longest_request_is_refused(tiny_bart):
+    with pytest.raises(ValueError, match=r"holds 24 blocks .* needs 32 blocks .*16 for a "
+                                         r"max_model_len=256 decoder sequence and 16 for its"):
+        make_llm(tiny_bart, TIGHT_BLOCKS, max_model_len=None)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_requests_that_can_never_fit_get_an_error_and_the_rest_complete(tiny_bart, reference, mode):
     prompts, params, ref = reference
-    llm = make_llm(tiny_bart, 12, preemption_mode=mode)
-    too_big = TokensPrompt(prompt_token_ids=[7] * 250)  # 16 cross blocks > 12
-    # 7 cross blocks: fits at admission, but 200 more tokens need 13 self blocks.
-    outgrows = TokensPrompt(prompt_token_ids=[9] * 100)
+    llm = make_llm(tiny_bart, 12, preemption_mode=mode, max_model_len=96)  # 6 self + 6 cross blocks
     picked = [1, 2, 4, 5, 7]
-    batch = [too_big, outgrows] + [prompts[i] for i in picked]
-    sps = [SamplingParams(temperature=0, max_tokens=5),
-           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] + [params[i] for i in picked]
-    outs = llm.generate(batch, sps, use_tqdm=False)
-    assert outs[0].finished and outs[0].outputs[0].token_ids == []
-    assert "needs 17 KV cache blocks but the cache has 12 blocks" in outs[0].error
-    assert outs[1].finished and "KV cache blocks" in outs[1].error and "kv_cache_memory" in outs[1].error
-    made = outs[1].outputs[0].token_ids
-    assert 16 * 4 < len(made) < 200  # what it made before it outgrew the cache is returned
-    alone = make_llm(tiny_bart, 64).generate(outgrows, SamplingParams(temperature=0, max_tokens=len(made),
-                                                                      ignore_eos=True), use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == made
-    for i, o in zip(picked, outs[2:]):
+    # Longer than max_model_len (which bounds the encoder prompt): refused before anything runs.
+    too_big = TokensPrompt(prompt_token_ids=[7] * 250)
+    with pytest.raises(ValueError, match="encoder prompt is 250 tokens"):
+        llm.generate([prompts[i] for i in picked[:2]] + [too_big], use_tqdm=False)
+    assert_all_free(llm)
+    # Fits at admission (6 cross blocks, one shared prompt block), but its three forked
+    # sequences need 3 x 6 more blocks than the 12 there are: it ends with an error.
+    outgrows = TokensPrompt(prompt_token_ids=[9] * 90)
+    grow = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=90, ignore_eos=True)
+    batch = [outgrows] + [prompts[i] for i in picked]
+    outs = llm.generate(batch, [grow] + [params[i] for i in picked], use_tqdm=False)
+    assert outs[0].finished and "KV cache blocks" in outs[0].error and "kv_cache_memory" in outs[0].error
+    made = [o.token_ids for o in outs[0].outputs]
+    assert all(16 < len(m) < 90 for m in made)  # what it made before it outgrew the cache is returned
+    alone = make_llm(tiny_bart, 64, max_model_len=96).generate(
+        outgrows, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=len(made[0]), ignore_eos=True),
+        use_tqdm=False)
+    assert sorted(o.token_ids for o in alone[0].outputs) == sorted(made)
+    for i, o in zip(picked, outs[1:]):
         assert o.error is None and summary(o) == summary(ref[i])
-    assert llm.llm_engine.scheduler.stats.num_ignored == 2
+    assert llm.llm_engine.scheduler.stats.num_ignored == 1
     assert_all_free(llm)
 
 

@@ -194,3 +194,27 @@ def write_to_cache(
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+
+
+def cache_slots(block_tables: torch.Tensor, rows: torch.Tensor | int,
+                positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of token ``positions`` of the sequences in ``rows`` of
+    ``block_tables`` (indices broadcast as in ``block_tables[rows, ...]``).
+    The one place Python computes ``slot = block * block_size + offset``; the
+    C kernels do the same in their own loops."""
+    blocks = block_tables[rows, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def packed_slots(block_tables: torch.Tensor, lens: list[int], block_size: int) -> torch.Tensor:
+    """Cache slots of every sequence's first ``lens[i]`` tokens, packed back to back
+    (row ``i`` of ``block_tables`` is sequence ``i``); int64, on the tables' device.
+
+    Built from Python lengths, so no device sync."""
+    device = block_tables.device
+    total = sum(lens)
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)  # (B,)
+    row = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
+    starts = torch.cumsum(lens_t, 0) - lens_t  # (B,)
+    pos = torch.arange(total, device=device) - starts[row]  # (total,) position inside its sequence
+    return cache_slots(block_tables.to(torch.long), row, pos, block_size)

@@ -22,6 +22,7 @@ from encdec.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionType,
+    cache_slots,
     write_to_cache,
 )
 from encdec.attention.ops import paged_cpu
@@ -60,9 +61,11 @@ class TorchSDPAMetadata(AttentionMetadata):
         lens = self.seq_lens_tensor.to(torch.long)
         max_len = self.max_decode_seq_len
         pos = torch.arange(max_len, device=lens.device)
-        blocks = self.block_tables.to(torch.long)
-        block_idx = (pos // self.block_size).clamp_(max=blocks.shape[1] - 1)
-        slots = blocks[:, block_idx] * self.block_size + pos % self.block_size
+        blocks = self.block_tables.to(torch.long)  # (num_decodes, max_blocks)
+        # Padding positions past a table's end read its last slot; masked below.
+        in_table = pos.clamp(max=blocks.shape[1] * self.block_size - 1)
+        rows = torch.arange(blocks.shape[0], device=lens.device)[:, None]
+        slots = cache_slots(blocks, rows, in_table[None, :], self.block_size)  # (num_decodes, max_len)
         mask = pos[None, :] < lens[:, None]
         slots = torch.where(mask, slots, torch.zeros_like(slots))
         return slots, mask[:, None, None, :]
@@ -80,9 +83,8 @@ class TorchSDPAMetadata(AttentionMetadata):
             if start >= 0:
                 out.append((start * self.block_size, n))
             else:
-                t = torch.tensor(table, dtype=torch.long)
-                pos = torch.arange(n)
-                out.append(t[pos // self.block_size] * self.block_size + pos % self.block_size)
+                out.append(cache_slots(torch.tensor([table], dtype=torch.long), 0, torch.arange(n),
+                                       self.block_size))
         return out
 
 

@@ -53,22 +53,9 @@ from encdec.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionType,
+    packed_slots,
     write_to_cache,
 )
-
-
-def packed_slots(block_tables: torch.Tensor, lens: list[int], block_size: int) -> torch.Tensor:
-    """Cache slots of every sequence's first ``lens[i]`` tokens, packed back to back.
-
-    Built on the tables' device from Python lengths, so no device sync."""
-    device = block_tables.device
-    total = sum(lens)
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)  # (B,)
-    row = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
-    starts = torch.cumsum(lens_t, 0) - lens_t  # (B,)
-    pos = torch.arange(total, device=device) - starts[row]  # (total,) position inside its sequence
-    blocks = block_tables.to(torch.long)[row, pos // block_size]  # (total,)
-    return blocks * block_size + pos % block_size
 
 
 class XFormersMetadata(AttentionMetadata):

@@ -1,0 +1,55 @@
+"""What the scheduler hands out each step, and its counters. Nothing here
+imports torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from encdec.sequence import SequenceGroup
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    seq_group: SequenceGroup
+    token_chunk_size: int  # decoder tokens computed this step per sequence
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[ScheduledSequenceGroup]  # prefills first, then decodes
+    num_prefill_groups: int
+    num_batched_tokens: int  # decoder tokens this step
+    blocks_to_swap_in: list[tuple[int, int]]  # CPU -> device block number
+    blocks_to_swap_out: list[tuple[int, int]]  # device -> CPU block number
+    blocks_to_copy: list[tuple[int, int]]  # device -> device (copy-on-write)
+    preempted: int  # groups preempted this step
+    ignored_seq_groups: list[SequenceGroup]  # can never run; finished with an error
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler was built (``llm.llm_engine.scheduler.stats``)."""
+
+    num_preempted_swap: int = 0  # preemptions that swapped a group to CPU
+    num_preempted_recompute: int = 0  # preemptions that dropped a group's KV to recompute it
+    num_preempted_for_priority: int = 0  # of those, made for a higher-priority waiting group
+    num_swapped_in: int = 0  # swapped groups resumed
+    num_blocks_swapped_out: int = 0  # device -> CPU block copies asked for
+    num_blocks_swapped_in: int = 0  # CPU -> device block copies asked for
+    num_ignored: int = 0  # requests finished with an error (never fit, no swap space)
+    num_aborted: int = 0  # requests aborted by the user
+    # request id -> step it was first admitted at; the last scheduler.ADMITTED_HISTORY only
+    admitted_at_step: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_preempted(self) -> int:
+        return self.num_preempted_swap + self.num_preempted_recompute
+
+
+@dataclass
+class StepBlocks:
+    """What one ``schedule()`` accumulates for the cache engine and the engine."""
+
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # CPU -> device
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> CPU
+    copy: list[tuple[int, int]] = field(default_factory=list)  # device -> device
+    ignored: list[SequenceGroup] = field(default_factory=list)  # finished with an error
