@@ -311,3 +311,18 @@ else:
     raise AssertionError("no error without xformers")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cache_slots_follow_the_paged_layout():
+    from encdec.attention.backends.abstract import cache_slots, packed_slots
+
+    bs, rng = 4, random.Random(0)
+    tables = [rng.sample(range(50), 5) for _ in range(3)]
+    lens = [7, 20, 1]
+    t = torch.tensor(tables)
+    want = [tables[i][p // bs] * bs + p % bs for i, n in enumerate(lens) for p in range(n)]
+    assert packed_slots(t, lens, bs).tolist() == want
+    rows = torch.tensor([1, 0, 2])
+    pos = torch.tensor([19, 6, 0])
+    assert cache_slots(t, rows, pos, bs).tolist() == [tables[1][4] * bs + 3, tables[0][1] * bs + 2,
+                                                      tables[2][0] * bs]

@@ -333,3 +333,14 @@ def test_forked_group_without_swap_space_fails_instead_of_raising():
 def test_scheduler_does_not_import_torch():
     code = "import sys, encdec.core.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_admitted_at_step_keeps_only_recent_admissions(monkeypatch):
+    import encdec.core.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "ADMITTED_HISTORY", 3)
+    sched = make_scheduler(num_gpu=64)
+    for i in range(5):
+        sched.add_seq_group(make_group(str(i), arrival=float(i)))
+        step(sched)
+    assert list(sched.stats.admitted_at_step.items()) == [("2", 2), ("3", 3), ("4", 4)]
