@@ -200,8 +200,9 @@ class LLMEngine:
     def _init_scheduler(self, args: EngineArgs) -> None:
         """The scheduler (block bookkeeping) and the cache engine (the KV tensors)."""
         mc, cache_cfg, model = self.model_config, self.cache_config, self.model
+        one_request = mc.max_model_len + mc.max_encoder_len
         self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len),
+            max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
             max_num_seqs=args.max_num_seqs, max_model_len=mc.max_model_len,
             max_encoder_len=mc.max_encoder_len, preemption_mode=args.preemption(),
             policy=args.scheduling_policy)

@@ -142,8 +142,9 @@ class EncoderDecoderModelRunner:
         cross_block_tables = _padded(cross_tables, dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         slot_mapping = cache_slots(block_tables.to(torch.long), _i32(table_rows, dev), pos, self.block_size)
-        cross_slot_mapping = packed_slots(cross_block_tables[: len(prefills)], enc_lens[: len(prefills)],
-                                          self.block_size)
+        cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc_lens[: len(prefills)],
+                                           self.block_size) if prefills  # written at prefill only
+                              else torch.empty(0, dtype=torch.long, device=dev))
         md = self.backend.make_metadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,

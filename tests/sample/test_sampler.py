@@ -197,7 +197,7 @@ def test_greedy_forces_filters_off() -> None:
 def test_half_precision_logits_are_sampled_in_float32(monkeypatch) -> None:
     seen = []
     real = sampler_mod.random_sample
-    monkeypatch.setattr(sampler_mod, "random_sample", lambda p, g: seen.append(p.dtype) or real(p, g))
+    monkeypatch.setattr(sampler_mod, "random_sample", lambda p, g, *rest: seen.append(p.dtype) or real(p, g, *rest))
     ib = make_batch([SamplingParams(seed=1)], [[1]], [[]], VOCAB)
     out = Sampler()(torch.randn(1, VOCAB, dtype=torch.bfloat16), ib.refresh_metadata())
     assert seen == [torch.float32] and out.sampled_token_ids.dtype == torch.int64
