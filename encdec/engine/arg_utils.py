@@ -1,6 +1,7 @@
 """``EngineArgs``: the user's options, checked once, turned into frozen configs."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 
 @dataclass
 class EngineArgs:
-    model: str
+    model: str  # hub id or local directory (a pathlib.Path is accepted)
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -34,6 +35,10 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a hub id or a local directory, got {self.model!r}")
         if self.dtype not in _DTYPES:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ class LLM:
     ``encdec.configure_cpu_runtime()`` once before building an ``LLM``.
     """
 
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+    def __init__(self, model: str | os.PathLike, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", seed: int = 0, block_size: int = 16,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  swap_space: float = 4, max_num_seqs: int = 256,

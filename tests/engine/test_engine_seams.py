@@ -167,3 +167,11 @@ def test_prepare_packs_a_typed_model_input(tiny_bart):
         [cross[1][p // 4] * 4 + p % 4 for p in range(3)]
     assert [(r.seq_id, r.hidden_index) for r in inp.sampled_rows] == \
         [(s, 1) for s in metas[0].seq_data] + [(s, 3) for s in metas[1].seq_data]
+
+
+def test_model_may_be_a_path(tiny_bart):
+    import pathlib
+
+    llm = LLM(pathlib.Path(tiny_bart), tokenizer=pathlib.Path(tiny_bart), kv_cache_memory=16 << 20,
+              swap_space=0.01)
+    assert llm.llm_engine.model_config.model == tiny_bart
