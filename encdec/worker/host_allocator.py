@@ -11,7 +11,8 @@ clips 4.7 s vs 3.3 s (and HF's encoder 4.9-5.9 s vs 3.6-3.8 s).
 ``retain_freed_memory`` makes glibc serve them from its heap and keep the
 freed heap (``M_MMAP_MAX=0``, a 1 GiB ``M_TRIM_THRESHOLD``), the effect of a
 caching allocator. It is process-wide, so everything else in the process
-(HF models included) gets it too; the cost is that peak activation memory
+(HF models included) gets it too, and only programs apply it, through
+``encdec.configure_cpu_runtime()`` (an ``LLM`` never does by itself); the cost is that peak activation memory
 stays resident. ``ENCDEC_RETAIN_FREED_MEMORY=0`` turns it off; other processes
 get the same with ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824``.
 Buffers that must stay lazily mapped (the KV cache) use ``mmap`` directly.
