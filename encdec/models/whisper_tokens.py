@@ -40,7 +40,7 @@ class WhisperSpecialTokens:
     eot: int  # <|endoftext|>: eos_token_id
     no_timestamps: int  # <|notimestamps|>; timestamp tokens start right after it
     prev_sot: int  # <|startofprev|>: opens a previous-text prompt
-    transcribe: int | None  # <|transcribe|> (None: not in an English-only checkpoint)
+    transcribe: int | None  # <|transcribe|> (None on English-only models, as HF takes no task there)
     translate: int | None  # <|translate|>
     is_multilingual: bool
     lang_to_id: Mapping[str, int] = field(default_factory=dict)  # "<|en|>" -> id; empty if English-only
@@ -94,6 +94,8 @@ class WhisperSpecialTokens:
                 lang_to_id = _languages_from_tokens(ids, sot, translate or 0)
             if not lang_to_id:
                 missing.append("lang_to_id (<|en|>, <|de|>, ...)")
+        else:
+            transcribe = translate = lang_to_id = None
         if missing:
             raise ValueError(f"Whisper checkpoint: the generation config and the tokenizer both lack "
                              f"{', '.join(missing)}; add them to generation_config.json or pass a "
