@@ -72,3 +72,18 @@ def whisper_base_dir() -> str:
                     shutil.copyfileobj(src, f, 1 << 22)
         os.replace(tmp, model_bin)
     return out
+
+
+@pytest.fixture(scope="session")
+def speech_clips() -> tuple[list[str], list[str], list]:
+    """The shipped English clips (tests/data/speech): (wav paths, their sentences, 16 kHz float32 arrays)."""
+    import glob
+
+    import soundfile as sf
+
+    speech = os.path.join(os.path.dirname(__file__), "data", "speech")
+    files = sorted(glob.glob(os.path.join(speech, "s*.wav")))
+    with open(os.path.join(speech, "sentences.txt")) as f:
+        texts = [line.strip() for line in f if line.strip()]
+    assert len(files) == len(texts) >= 30
+    return files, texts, [sf.read(f, dtype="float32")[0] for f in files]

@@ -4,15 +4,11 @@ tokens identical to HF ``generate`` on the same weights for a handful, and the
 language HF's ``detect_language`` picks."""
 from __future__ import annotations
 
-import glob
-import os
-
 import numpy as np
 import pytest
 import torch
 
 torch.set_num_threads(1)
-SPEECH = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
 MAX_NEW = 96
 PARITY_CLIPS = 6  # base is ~4x tiny: HF runs on a few clips only
 EN_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
@@ -28,14 +24,9 @@ def wer(ref: str, hyp: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def clips():
-    import soundfile as sf
-
-    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
-    with open(os.path.join(SPEECH, "sentences.txt")) as f:
-        texts = [line.strip() for line in f if line.strip()]
-    assert len(files) == len(texts) >= 30
-    return texts, [sf.read(f, dtype="float32")[0] for f in files]
+def clips(speech_clips):
+    _, texts, wavs = speech_clips
+    return texts, wavs
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
