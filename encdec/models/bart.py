@@ -9,47 +9,19 @@ and k/v (cross) projections are fused at load time: one matmul instead of three.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
-from encdec.models.layers import Linear
+from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.models.layers import Linear, MultiHeadAttention, load_fused
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}
 
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reserves two rows
-
-
-class BartAttention(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType,
-                 backend: type[AttentionBackend]):
-        super().__init__()
-        self.d_model, self.num_heads = d_model, num_heads
-        self.head_dim = d_model // num_heads
-        self.attn_type = attn_type
-        if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = Linear(d_model, d_model)
-            self.kv_proj = Linear(d_model, 2 * d_model)  # fused k_proj, v_proj
-        else:
-            self.qkv_proj = Linear(d_model, 3 * d_model)  # fused q_proj, k_proj, v_proj
-        self.out_proj = Linear(d_model, d_model)
-        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5,
-                              backend=backend, attn_type=attn_type)
-
-    def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor | None,
-                md: AttentionMetadata, encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if self.attn_type == AttentionType.ENCODER_DECODER:
-            q = self.q_proj(hidden)
-            k = v = None
-            if encoder_hidden is not None and encoder_hidden.shape[0]:
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)
-        else:
-            q, k, v = self.qkv_proj(hidden).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q, k, v, kv_cache, md))
 
 
 class _FFNInput:
@@ -61,7 +33,7 @@ class BartEncoderLayer(_FFNInput, nn.Module):
     def __init__(self, cfg, backend):
         super().__init__()
         d = cfg.d_model
-        self.self_attn = BartAttention(d, cfg.encoder_attention_heads, AttentionType.ENCODER, backend)
+        self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, AttentionType.ENCODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.encoder_ffn_dim)
         self.fc2 = Linear(cfg.encoder_ffn_dim, d)
@@ -78,9 +50,9 @@ class BartDecoderLayer(_FFNInput, nn.Module):
     def __init__(self, cfg, backend):
         super().__init__()
         d = cfg.d_model
-        self.self_attn = BartAttention(d, cfg.decoder_attention_heads, AttentionType.DECODER, backend)
+        self.self_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, AttentionType.DECODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = BartAttention(d, cfg.decoder_attention_heads,
+        self.encoder_attn = MultiHeadAttention(d, cfg.decoder_attention_heads,
                                           AttentionType.ENCODER_DECODER, backend)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.decoder_ffn_dim)
@@ -162,45 +134,28 @@ class BartForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours; q/k/v fused; missing tied embeddings taken from ``shared``."""
         self.lm_head.weight = self.shared.weight  # re-tie: materialising from meta unties
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name in ("lm_head.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-                if "shared.weight" not in loaded:
-                    params["shared.weight"].data.copy_(tensor)
-                    loaded.add("shared.weight")
-                continue
-            if name == "final_logits_bias":
-                buffers[name].copy_(tensor.view(1, -1))
-                loaded.add(name)
-                continue
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                if f".{proj}." in name:
-                    prefix, kind = name.split(f".{proj}.")
-                    pending.setdefault(f"{prefix}.{kind}", {})[proj] = tensor
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} for BART")
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-        for key, parts in pending.items():
-            prefix, kind = key.rsplit(".", 1)
-            if f"{prefix}.qkv_proj.{kind}" in params:
-                target = f"{prefix}.qkv_proj.{kind}"
-                params[target].data.copy_(torch.cat([parts["q_proj"], parts["k_proj"], parts["v_proj"]]))
-            else:
-                params[f"{prefix}.q_proj.{kind}"].data.copy_(parts["q_proj"])
-                target = f"{prefix}.kv_proj.{kind}"
-                params[target].data.copy_(torch.cat([parts["k_proj"], parts["v_proj"]]))
-                loaded.add(f"{prefix}.q_proj.{kind}")
-            loaded.add(target)
-        missing = [n for n in params if n not in loaded and not n.endswith("embed_tokens.weight")]
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for BART: {missing[:5]}")
+        tied = ("lm_head.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+        seen_shared = False
+
+        def rename(name: str) -> str | None:
+            nonlocal seen_shared
+            if name in tied:
+                if seen_shared:
+                    return None  # one of the tied copies already filled ``shared``
+                name = "shared.weight"
+            seen_shared |= name == "shared.weight"
+            return name
+
+        def parameters_only() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = name.removeprefix("model.")
+                if name == "final_logits_bias":  # a buffer, not a parameter
+                    self.final_logits_bias.copy_(tensor.view(1, -1))
+                else:
+                    yield name, tensor
+
+        load_fused(self, parameters_only(), rename, model="BART",
+                   optional=lambda name, part, parts: name.endswith("embed_tokens.weight"))
 
 
 def default_decoder_prompt(hf_config, generation_config, tokenizer) -> list[int]:

@@ -33,11 +33,23 @@ BINARY_VERSION = 6
 # CT2 dtype id -> (numpy dtype used to read the bytes, CT2 name)
 DTYPES = {0: ("float32", "float32"), 1: ("int8", "int8"), 2: ("int16", "int16"),
           3: ("int32", "int32"), 4: ("float16", "float16"), 5: ("uint16", "bfloat16")}
-# Spec scalars: decoding options CT2 stores with the weights; fixed for Whisper.
-SCALAR_NAMES = {"decoder/activation", "decoder/alibi", "decoder/alignment_heads",
-                "decoder/alignment_layer", "decoder/num_heads", "decoder/pre_norm",
-                "decoder/scale_embeddings", "decoder/start_from_zero_embedding",
-                "encoder/num_heads"}
+# Spec scalars: options CT2 stores with the weights. Each known one -> the values
+# under which Whisper's architecture (what we run) holds; None: any value (heads,
+# alignment heads, and ALiBi's modifiers, which mean nothing while ALiBi is off).
+# Older converters omit the ALiBi modifiers; a scalar not listed here is refused.
+SCALARS: dict[str, tuple[int, ...] | None] = {
+    "decoder/activation": (3,),  # GELU
+    "decoder/alibi": (0,),  # learned positions, no ALiBi
+    "decoder/alibi_use_positive_positions": None,
+    "decoder/scale_alibi": None,
+    "decoder/alignment_heads": None,
+    "decoder/alignment_layer": None,
+    "decoder/num_heads": None,
+    "decoder/pre_norm": (1,),
+    "decoder/scale_embeddings": (0,),  # token embeddings not scaled by sqrt(d)
+    "decoder/start_from_zero_embedding": (0,),
+    "encoder/num_heads": None,
+}
 
 
 def is_ct2_whisper_dir(path: str | os.PathLike) -> bool:
@@ -167,10 +179,16 @@ def load_ct2_whisper(path: str | os.PathLike):
     spec, _revision, variables = read_model_bin(os.path.join(path, "model.bin"))
     if spec != "WhisperSpec":
         raise ValueError(f"{path}: spec {spec!r} is not WhisperSpec")
-    unknown = [n for n in variables if ct2_to_hf(n) is None and n not in SCALAR_NAMES
+    unknown = [n for n in variables if ct2_to_hf(n) is None and n not in SCALARS
                and not n.endswith("weight_scale")]
     if unknown:
         raise ValueError(f"{path}: variables this loader does not understand: {unknown[:5]}")
+    for name, allowed in SCALARS.items():
+        if allowed is not None and name in variables:
+            value = int(np.asarray(variables[name]).reshape(-1)[0])
+            if value not in allowed:
+                raise ValueError(f"{path}: {name} = {value} is not Whisper's architecture "
+                                 f"(this loader runs {name} in {list(allowed)})")
     shapes = {n: tuple(v.shape) for n, v in variables.items()}
     heads = {side: int(np.asarray(variables[f"{side}/num_heads"]).reshape(-1)[0]) for side in ("encoder", "decoder")}
     ct2_cfg = _read_config(path)
@@ -192,38 +210,25 @@ def load_ct2_whisper(path: str | os.PathLike):
     return hf_config, gen_config, weights()
 
 
-def _token_ids(vocab: list[str]) -> dict[str, int]:
-    return {tok: i for i, tok in enumerate(vocab) if tok.startswith("<|") and tok.endswith("|>")}
-
-
 def generation_config_from_ct2(hf_config, ct2_cfg: dict, vocab: list[str]):
     """The ``GenerationConfig`` HF ships for the same checkpoint (openai/whisper-*),
     rebuilt from CT2's config.json and the vocabulary."""
     from transformers import GenerationConfig
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    ids = _token_ids(vocab)
-    sot, eot = ids["<|startoftranscript|>"], ids["<|endoftext|>"]
-    no_ts, transcribe, translate = ids["<|notimestamps|>"], ids["<|transcribe|>"], ids["<|translate|>"]
-    multilingual = hf_config.vocab_size >= 51865
-    kw = dict(
+    from encdec.models.whisper_tokens import WhisperSpecialTokens, special_token_ids
+
+    gc = GenerationConfig(
         alignment_heads=[list(h) for h in ct2_cfg.get("alignment_heads") or []],
         begin_suppress_tokens=list(ct2_cfg.get("suppress_ids_begin") or []),
         suppress_tokens=list(ct2_cfg.get("suppress_ids") or []),
-        bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, decoder_start_token_id=sot,
-        no_timestamps_token_id=no_ts, prev_sot_token_id=ids["<|startofprev|>"],
-        max_initial_timestamp_index=50, max_length=hf_config.max_target_positions,
-        is_multilingual=multilingual, return_timestamps=False,
+        max_initial_timestamp_index=50, max_length=hf_config.max_target_positions, return_timestamps=False,
     )
-    if multilingual:
-        # Language tokens sit between <|startoftranscript|> and <|translate|>.
-        kw["lang_to_id"] = {f"<|{code}|>": ids[f"<|{code}|>"] for code in LANGUAGES
-                            if f"<|{code}|>" in ids and sot < ids[f"<|{code}|>"] < translate}
-        kw["task_to_id"] = {"transcribe": transcribe, "translate": translate}
-        kw["forced_decoder_ids"] = [[1, None], [2, transcribe]]
-    else:
-        kw["forced_decoder_ids"] = [[1, no_ts]]
-    return GenerationConfig(**kw)
+    tokens = WhisperSpecialTokens.resolve(hf_config, gc, special_token_ids(vocab))
+    tokens.fill(gc)
+    gc.bos_token_id = gc.pad_token_id = tokens.eot
+    gc.forced_decoder_ids = [[1, None], [2, tokens.transcribe]] if tokens.is_multilingual \
+        else [[1, tokens.no_timestamps]]
+    return gc
 
 
 def load_ct2_tokenizer(path: str | os.PathLike):
@@ -337,7 +342,9 @@ def whisper_config_from_shapes(shapes: dict[str, tuple], heads: dict[str, int], 
                     if n.startswith(f"{side}/layer_") and n.split("/")[1][6:].isdigit()})
 
     vocab_size, d_model = shapes["decoder/embeddings/weight"]
-    ids = _token_ids(vocab)
+    from encdec.models.whisper_tokens import special_token_ids
+
+    ids = special_token_ids(vocab)
     eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
     return WhisperConfig(
         vocab_size=vocab_size, num_mel_bins=shapes["encoder/conv1/weight"][1], d_model=d_model,

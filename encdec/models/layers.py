@@ -1,4 +1,7 @@
-"""``Linear``: nn.Linear whose CPU float32 matmul can run on a prepacked oneDNN weight.
+"""Layers BART and Whisper share: ``Linear`` (oneDNN-prepacked on CPU) and
+``MultiHeadAttention`` with its checkpoint name map.
+
+``Linear``: nn.Linear whose CPU float32 matmul can run on a prepacked oneDNN weight.
 
 Measured on this project's 2-core AMD EPYC machine (torch 2.13, 2 threads),
 oneDNN with a weight packed once beats the default sgemm at every decode
@@ -10,10 +13,14 @@ rounding. Parameter names are nn.Linear's, so checkpoints load unchanged.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.ops.dense_cpu import dense_attention
 
 
 def onednn_available() -> bool:
@@ -61,3 +68,98 @@ def pack_linears(model: nn.Module) -> int:
     """Prepack every ``Linear`` of ``model`` (after its weights are loaded and it
     is on its device); returns how many were packed."""
     return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
+
+
+class MultiHeadAttention(nn.Module):
+    """BART's and Whisper's attention block (as openai/whisper's ``MultiHeadAttention``
+    serves both self and cross attention): self-attention projects q/k/v in one
+    fused matmul (``qkv_proj``), cross-attention projects q (``q_proj``) from the
+    decoder and k/v (``kv_proj``) once from the encoder output. Checkpoints' HF
+    ``q_proj``/``k_proj``/``v_proj`` map onto these rows (``fused_projection``);
+    Whisper's bias-free ``k_proj`` leaves its part of the fused bias zero.
+
+    ``forward`` runs over packed tokens through ``encdec.attention`` (paged KV for
+    the decoder); ``forward_encoder`` runs unpacked self-attention over a fixed-length
+    batch ``(B, T, d)`` (Whisper's 30 s encoder), on the dense C kernel where it can.
+    ``backend=None`` builds a block that runs only ``forward_encoder``.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType,
+                 backend: type[AttentionBackend] | None):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.scale = self.head_dim**-0.5
+        self.attn_type = attn_type
+        if attn_type == AttentionType.ENCODER_DECODER:
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)  # fused k_proj, v_proj
+        else:
+            self.qkv_proj = Linear(d_model, 3 * d_model)  # fused q_proj, k_proj, v_proj
+        self.out_proj = Linear(d_model, d_model)
+        self.attn = None if backend is None else Attention(
+            num_heads, self.head_dim, self.scale, backend=backend, attn_type=attn_type)
+
+    def forward(self, h: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata,
+                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:  # (num_tokens, d)
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            q, k, v = self.q_proj(h), None, None  # k/v only at prefill: decode steps read the cache
+            if encoder_hidden is not None and encoder_hidden.shape[0]:
+                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)  # (num_encoder_tokens, d) each
+        else:
+            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, d) each
+        return self.out_proj(self.attn(q, k, v, kv_cache, md))
+
+    def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
+        B, T, d = h.shape
+        qkv = self.qkv_proj(h).view(B, T, 3, self.num_heads, self.head_dim)
+        a = dense_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.scale)  # (B, T, H, D)
+        if a is None:  # no C kernel for this machine / dtype / device
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D); 4-D takes torch's flash kernel
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return self.out_proj(a.reshape(B, T, d))
+
+
+def fused_projection(name: str) -> tuple[str, int, int]:
+    """An HF parameter name -> (our parameter, row chunk, chunks): ``*.{q,k,v}_proj.*``
+    of a self-attention go to rows 0/1/2 of ``qkv_proj``, cross-attention's
+    (``encoder_attn``) ``k_proj``/``v_proj`` to rows 0/1 of ``kv_proj``; any other
+    name maps to itself."""
+    for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        if f".{proj}." not in name:
+            continue
+        prefix, kind = name.split(f".{proj}.")
+        if prefix.endswith(".encoder_attn"):
+            return (name, 0, 1) if proj == "q_proj" else (f"{prefix}.kv_proj.{kind}", i - 1, 2)
+        return f"{prefix}.qkv_proj.{kind}", i, 3
+    return name, 0, 1
+
+
+def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str | None],
+               *, model: str, optional: Callable[[str, int, int], bool]) -> None:
+    """Copy HF-named ``weights`` into ``module``: ``rename`` maps a checkpoint name to
+    an HF name relative to ``module`` (None: skip it), ``fused_projection`` to the
+    rows of our fused parameter. Unknown names, wrong shapes and parameters left
+    unfilled (except where ``optional(name, part, parts)``) raise ValueError."""
+    params = dict(module.named_parameters())
+    loaded: set[tuple[str, int]] = set()
+    for ckpt_name, tensor in weights:
+        hf_name = rename(ckpt_name)
+        if hf_name is None:
+            continue
+        name, part, parts = fused_projection(hf_name)
+        if name not in params:
+            raise ValueError(f"unexpected weight {ckpt_name!r} for {model}")
+        target = params[name].data
+        rows = target.shape[0] // parts
+        if tuple(tensor.shape) != (rows, *target.shape[1:]):
+            raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {(rows, *target.shape[1:])}")
+        target[part * rows:(part + 1) * rows].copy_(tensor)
+        loaded.add((name, part))
+    missing = []
+    for name in params:
+        parts = 3 if ".qkv_proj." in name else 2 if ".kv_proj." in name else 1
+        missing += [f"{name}[{p}/{parts}]" if parts > 1 else name for p in range(parts)
+                    if (name, p) not in loaded and not optional(name, p, parts)]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {model}: {missing[:5]}")

@@ -44,12 +44,16 @@ def resolve_model_path(model: str) -> str:
                          f"download failed ({type(e).__name__}: {e})") from e
 
 
-def open_checkpoint(model: str) -> Checkpoint:
-    from transformers import AutoConfig, GenerationConfig
+def open_checkpoint(model: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None) -> Checkpoint:
+    """Configs of ``model``; ``tokenizer`` (default: the checkpoint's own) is read
+    only where the model module must complete the generation config from it
+    (Whisper ids a checkpoint's generation config lacks)."""
+    from transformers import AutoConfig
 
-    path = resolve_model_path(model)
     from encdec.models import ct2_loader
+    from encdec.models.registry import get_model_module
 
+    path = resolve_model_path(os.fspath(model))
     if ct2_loader.is_ct2_whisper_dir(path):
         hf_config, gen_config, _ = ct2_loader.load_ct2_whisper(path)
         return Checkpoint(path, hf_config, gen_config, "WhisperForConditionalGeneration", "ct2")
@@ -58,11 +62,22 @@ def open_checkpoint(model: str) -> Checkpoint:
     hf_config = AutoConfig.from_pretrained(path)
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else type(hf_config).__name__.replace("Config", "ForConditionalGeneration")
-    try:
-        gen_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        gen_config = GenerationConfig.from_model_config(hf_config)
+    gen_config = load_generation_config(path)
+    complete = getattr(get_model_module(arch), "complete_generation_config", None)
+    if complete is not None:
+        complete(hf_config, gen_config, os.fspath(tokenizer) if tokenizer is not None else path)
     return Checkpoint(path, hf_config, gen_config, arch, "hf")
+
+
+def load_generation_config(path: str):
+    """The generation config HF's ``from_pretrained`` gives the model:
+    ``generation_config.json``, else the generation fields of ``config.json``."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
 
 
 def iterate_weights(ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:

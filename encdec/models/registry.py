@@ -3,8 +3,11 @@
 Each model module is imported only when a checkpoint asks for it. Besides the
 model class, a module may define the hooks the engine needs to build requests:
 ``default_decoder_prompt(hf_config, generation_config, tokenizer) -> list[int]``,
-``make_audio_processor(hf_config)`` (audio models) and ``logits_processors()``
-(processors every request of this model gets, e.g. Whisper's suppress tokens).
+``make_audio_processor(hf_config)`` (audio models), ``logits_processors()``
+(processors every request of this model gets, e.g. Whisper's suppress tokens),
+``load_tokenizer(path)`` and ``complete_generation_config(hf_config,
+generation_config, tokenizer_path)`` (checkpoint load: fill in what the
+generation config lacks, e.g. Whisper's special-token ids).
 """
 from __future__ import annotations
 

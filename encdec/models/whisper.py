@@ -7,22 +7,18 @@ each decoder layer projects them to cross-attention keys/values that the
 ``Attention`` layer writes into the paged cross cache once, at prefill; decode
 steps read only the cache. Decoder self-attention is paged as usual.
 
-Engine-facing surface (besides the model class, which mirrors BART's):
+Engine-facing surface (besides the model class, which mirrors BART's), as registry hooks:
 
-- ``default_decoder_prompt(hf_config, generation_config, tokenizer=None, *,
-  language=None, task="transcribe", timestamps=False) -> list[int]``:
-  ``<|startoftranscript|>`` + language + task (+ ``<|notimestamps|>``) for
-  multilingual models, ``<|startoftranscript|>`` (+ ``<|notimestamps|>``) for
-  ``.en`` models.
+- ``default_decoder_prompt`` and ``prepare_decoder_prompt`` (from
+  ``whisper_tokens``): ``<|startoftranscript|>`` + language + task
+  (+ ``<|notimestamps|>``); a user's decoder prompt gets ``<|startoftranscript|>``
+  prepended unless it starts with it or with ``<|startofprev|>``.
+- ``complete_generation_config(hf_config, generation_config, tokenizer_path)``
+  (checkpoint load): the special-token ids the generation config lacks, from the tokenizer.
 - ``load_tokenizer(path)`` (CT2 directories carry only ``tokenizer.json``) and
-  ``logits_processors() -> [WhisperLogitsProcessor]`` (registry hooks).
-- ``prepare_decoder_prompt(ids, generation_config) -> list[int]``: a user's
-  decoder prompt gets ``<|startoftranscript|>`` prepended unless it starts with
-  it or with ``<|startofprev|>`` (previous-text prompts carry their own SOT later).
+  ``logits_processors() -> [WhisperLogitsProcessor]``.
 - ``make_audio_processor(hf_config) -> callable(audio) -> ((n_mels, 3000) features, 1500)``
   for ``InputPreprocessor``; audio past 30 s is cut (``encdec.transcribe`` windows it).
-- ``detect_language(model, input_features, generation_config) -> list[str]``:
-  one decoder step on ``<|startoftranscript|>``, argmax over the language tokens.
 """
 from __future__ import annotations
 
@@ -33,81 +29,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encdec.attention import (
-    Attention,
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionType,
+from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.models.layers import Linear, MultiHeadAttention, load_fused
+from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
+    WhisperSpecialTokens,
+    default_decoder_prompt,
+    language_token,
+    prepare_decoder_prompt,
+    special_token_ids,
 )
-from encdec.attention.ops.dense_cpu import dense_attention
-from encdec.models.layers import Linear
 
 N_FRAMES = 3000  # 30 s of 10 ms mel frames; the encoder input length
 N_POSITIONS = 1500  # encoder outputs per 30 s window (conv2 has stride 2)
-
-
-class WhisperAttention(nn.Module):
-    """Decoder self (fused q/k/v) or cross (q, fused k/v) attention; Whisper's
-    ``k_proj`` has no bias, so the k part of the fused bias stays zero."""
-
-    def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType,
-                 backend: type[AttentionBackend]):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.attn_type = attn_type
-        if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = Linear(d_model, d_model)
-            self.kv_proj = Linear(d_model, 2 * d_model)
-        else:
-            self.qkv_proj = Linear(d_model, 3 * d_model)
-        self.out_proj = Linear(d_model, d_model)
-        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5,
-                              backend=backend, attn_type=attn_type)
-
-    def forward(self, h: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata,
-                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if self.attn_type == AttentionType.ENCODER_DECODER:
-            q, k, v = self.q_proj(h), None, None
-            if encoder_hidden is not None and encoder_hidden.shape[0]:
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)  # (B * 1500, d) each
-        else:
-            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, d) each
-        return self.out_proj(self.attn(q, k, v, kv_cache, md))
-
-    def forward_dense(self, h: torch.Tensor, enc: torch.Tensor | None = None) -> torch.Tensor:
-        """Unpaged attention over ``(B, T, d)``, for one-off steps (language detection)."""
-        B, T, d = h.shape
-        if self.attn_type == AttentionType.ENCODER_DECODER:
-            q = self.q_proj(h)
-            k, v = self.kv_proj(enc).chunk(2, dim=-1)  # (B, S, d)
-        else:
-            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)
-        split = lambda x: x.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
-        causal = self.attn_type == AttentionType.DECODER
-        out = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=causal)
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, d))
 
 
 class WhisperEncoderLayer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d = cfg.d_model
-        self.num_heads, self.head_dim = cfg.encoder_attention_heads, d // cfg.encoder_attention_heads
+        self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, AttentionType.ENCODER, None)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.qkv_proj = Linear(d, 3 * d)
-        self.out_proj = Linear(d, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.encoder_ffn_dim)
         self.fc2 = Linear(cfg.encoder_ffn_dim, d)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 1500, d)
-        B, T, d = h.shape
-        qkv = self.qkv_proj(self.self_attn_layer_norm(h)).view(B, T, 3, self.num_heads, self.head_dim)
-        a = dense_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.head_dim**-0.5)  # (B, T, H, D)
-        if a is None:  # no C kernel for this machine / dtype / device
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D); 4-D takes torch's flash kernel
-            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-        h = h + self.out_proj(a.reshape(B, T, d))
+        h = h + self.self_attn.forward_encoder(self.self_attn_layer_norm(h))
         return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
 
@@ -115,9 +62,9 @@ class WhisperDecoderLayer(nn.Module):
     def __init__(self, cfg, backend):
         super().__init__()
         d, heads = cfg.d_model, cfg.decoder_attention_heads
-        self.self_attn = WhisperAttention(d, heads, AttentionType.DECODER, backend)
+        self.self_attn = MultiHeadAttention(d, heads, AttentionType.DECODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = WhisperAttention(d, heads, AttentionType.ENCODER_DECODER, backend)
+        self.encoder_attn = MultiHeadAttention(d, heads, AttentionType.ENCODER_DECODER, backend)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.decoder_ffn_dim)
         self.fc2 = Linear(cfg.decoder_ffn_dim, d)
@@ -127,11 +74,6 @@ class WhisperDecoderLayer(nn.Module):
         # Self and cross KV share the layer's cache tensor (distinct block numbers).
         h = h + self.self_attn(self.self_attn_layer_norm(h), kv_cache, md)
         h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), kv_cache, md, encoder_hidden)
-        return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
-
-    def forward_dense(self, h: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn.forward_dense(self.self_attn_layer_norm(h))
-        h = h + self.encoder_attn.forward_dense(self.encoder_attn_layer_norm(h), enc)
         return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
 
 
@@ -239,116 +181,36 @@ class WhisperForConditionalGeneration(nn.Module):
             h = layer(h, kv_caches[i], attn_metadata, enc)
         return self.decoder.layer_norm(h)
 
-    def forward_dense(self, decoder_ids: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
-        """Unpaged: (B, T) ids over (B, 1500, d) encoder output -> (B, T, vocab) logits."""
-        T = decoder_ids.shape[1]
-        h = self.decoder.embed_tokens(decoder_ids) + self.decoder.embed_positions.weight[:T]
-        for layer in self.decoder.layers:
-            h = layer.forward_dense(h, enc)
-        return self.compute_logits(self.decoder.layer_norm(h))
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)
-
-    @staticmethod
-    def _param_slot(name: str) -> tuple[str, int, int]:
-        """HF name (without ``model.``) -> (our parameter, row-chunk index, chunks)."""
-        if name == "proj_out.weight":
-            return "decoder.embed_tokens.weight", 0, 1
-        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-            if f".{proj}." not in name:
-                continue
-            prefix, kind = name.split(f".{proj}.")
-            if prefix.endswith(".encoder_attn"):
-                if proj == "q_proj":
-                    return name, 0, 1
-                return f"{prefix}.kv_proj.{kind}", i - 1, 2
-            if prefix.startswith("encoder."):
-                prefix = prefix.removesuffix(".self_attn")
-            return f"{prefix}.qkv_proj.{kind}", i, 3
-        if name.startswith("encoder.layers.") and ".self_attn.out_proj." in name:
-            return name.replace(".self_attn.out_proj.", ".out_proj."), 0, 1
-        return name, 0, 1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
         self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties
-        params = dict(self.named_parameters())
-        for name, p in params.items():
+        for name, p in self.named_parameters():
             if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
                 p.data.zero_()
-        loaded: set[tuple[str, int]] = set()
-        for hf_name, tensor in weights:
-            name, part, parts = self._param_slot(hf_name.removeprefix("model."))
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} for Whisper")
-            if (name, part) in loaded and name == "decoder.embed_tokens.weight":
-                continue  # proj_out after embed_tokens: tied
-            target = params[name].data
-            rows = target.shape[0] // parts
-            if tuple(tensor.shape) != (rows, *target.shape[1:]):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {(rows, *target.shape[1:])}")
-            target[part * rows:(part + 1) * rows].copy_(tensor)
-            loaded.add((name, part))
-        missing = []
-        for name, p in params.items():
-            parts = 3 if ".qkv_proj." in name else 2 if ".kv_proj." in name else 1
-            for part in range(parts):
-                is_k_bias = name.endswith("_proj.bias") and parts > 1 and part == parts - 2
-                if (name, part) not in loaded and not is_k_bias:
-                    missing.append(f"{name}[{part}/{parts}]" if parts > 1 else name)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for Whisper: {missing[:5]}")
+        seen_embed = False
+
+        def rename(name: str) -> str | None:
+            nonlocal seen_embed
+            name = name.removeprefix("model.")
+            if name in ("proj_out.weight", "decoder.embed_tokens.weight"):
+                if seen_embed:
+                    return None  # tied: the first of the two fills both
+                seen_embed = True
+                return "decoder.embed_tokens.weight"
+            return name
+
+        load_fused(self, weights, rename, model="Whisper", optional=_is_k_bias)
 
 
-# ---- prompts, audio and language detection ----
-
-def language_token(generation_config, language: str) -> int:
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-    lang_to_id = getattr(generation_config, "lang_to_id", None) or {}
-    key = language.lower().strip()
-    code = key.strip("<|>") if key.startswith("<|") else TO_LANGUAGE_CODE.get(key, key)
-    token = f"<|{code}|>"
-    if token not in lang_to_id:
-        raise ValueError(f"language {language!r} is not one this model knows; "
-                         f"use a code or name such as 'en', 'english', 'de'")
-    return lang_to_id[token]
+def _is_k_bias(name: str, part: int, parts: int) -> bool:
+    """Whisper's k_proj has no bias: the k rows of a fused bias are never loaded."""
+    return name.endswith("_proj.bias") and parts > 1 and part == parts - 2
 
 
-def default_decoder_prompt(hf_config, generation_config, tokenizer: Any = None, *,
-                           language: str | None = None, task: str = "transcribe",
-                           timestamps: bool = False) -> list[int]:
-    """The decoder prompt HF ``generate`` builds for these options (the registry hook
-    calls it with the first three arguments: English or language-less transcription,
-    no timestamps)."""
-    if task not in ("transcribe", "translate"):
-        raise ValueError(f"task must be 'transcribe' or 'translate', got {task!r}")
-    gc = generation_config
-    ids = [gc.decoder_start_token_id]
-    if getattr(gc, "is_multilingual", False):
-        if language is not None:
-            ids.append(language_token(gc, language))
-        ids.append(gc.task_to_id[task])
-    else:
-        if language is not None and language.lower().strip("<|>") not in ("en", "english"):
-            raise ValueError(f"this is an English-only model; language={language!r} is not available")
-        if task != "transcribe":
-            raise ValueError("this is an English-only model; task='translate' is not available")
-    if not timestamps:
-        ids.append(gc.no_timestamps_token_id)
-    return ids
-
-
-def prepare_decoder_prompt(ids: list[int], generation_config) -> list[int]:
-    """Prepend ``<|startoftranscript|>`` unless the prompt starts with it or ``<|startofprev|>``."""
-    sot = generation_config.decoder_start_token_id
-    prev = getattr(generation_config, "prev_sot_token_id", None)
-    if ids and ids[0] in (sot, prev):
-        return list(ids)
-    return [sot, *ids]
-
+# ---- registry hooks: tokenizer, generation config, prompts, audio ----
 
 def load_tokenizer(path: str):
     """Registry hook: CT2 directories carry only ``tokenizer.json``."""
@@ -359,6 +221,23 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def complete_generation_config(hf_config, generation_config, tokenizer_path: str) -> WhisperSpecialTokens:
+    """Registry hook, at checkpoint load: set the special-token ids ``generation_config``
+    lacks from the tokenizer (read only when something is missing)."""
+    try:
+        tokens = WhisperSpecialTokens.resolve(hf_config, generation_config)
+    except ValueError:
+        try:
+            tokenizer = load_tokenizer(tokenizer_path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Whisper checkpoint: its generation config lacks special-token ids "
+                             f"and no tokenizer could be read from {tokenizer_path!r} to find them "
+                             f"({type(e).__name__}: {e})") from e
+        tokens = WhisperSpecialTokens.resolve(hf_config, generation_config, special_token_ids(tokenizer))
+    tokens.fill(generation_config)
+    return tokens
 
 
 def logits_processors() -> list[type]:
@@ -378,23 +257,6 @@ def make_audio_processor(hf_config) -> Callable[[Any], tuple[torch.Tensor, int]]
         return log_mel_spectrogram([load_audio(audio)], n_mels=n_mels)[0], n_pos
 
     return process
-
-
-@torch.inference_mode()
-def detect_language(model: WhisperForConditionalGeneration, input_features: torch.Tensor,
-                    generation_config) -> list[str]:
-    """(B, n_mels, 3000) -> language codes, as HF ``detect_language`` decides them."""
-    lang_to_id = getattr(generation_config, "lang_to_id", None)
-    if not lang_to_id:
-        raise ValueError("this model has no language tokens (English-only); language detection "
-                         "needs a multilingual Whisper")
-    enc = model.encode(input_features)  # (B, 1500, d)
-    sot = torch.full((enc.shape[0], 1), generation_config.decoder_start_token_id, device=enc.device)
-    logits = model.forward_dense(sot, enc)[:, -1].float()  # (B, vocab)
-    tokens = list(lang_to_id)
-    ids = torch.tensor([lang_to_id[t] for t in tokens], device=logits.device)
-    best = logits[:, ids].argmax(-1).tolist()
-    return [tokens[i][2:-2] for i in best]
 
 
 def default_whisper_model() -> str:

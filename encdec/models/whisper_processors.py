@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from encdec.models.whisper_tokens import WhisperSpecialTokens
 from encdec.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 _NEG_INF = float("-inf")
@@ -46,15 +47,14 @@ class _Row:
 class WhisperLogitsProcessor(LogitsProcessor):
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         gc = _generation_config(config)
+        tokens = WhisperSpecialTokens.of(gc)
         vocab = config.model_config.hf_config.vocab_size
         self.device = device
-        self.sot = gc.decoder_start_token_id
-        self.eos = gc.eos_token_id if isinstance(gc.eos_token_id, int) else gc.eos_token_id[0]
-        self.no_ts = gc.no_timestamps_token_id
-        self.ts_begin = self.no_ts + 1
-        self.max_initial = getattr(gc, "max_initial_timestamp_index", None)
-        self.task_ids = set((getattr(gc, "task_to_id", None) or {}).values())
-        self.multilingual = bool(getattr(gc, "is_multilingual", False))
+        self.sot, self.eos, self.no_ts = tokens.sot, tokens.eot, tokens.no_timestamps
+        self.ts_begin = tokens.timestamp_begin
+        self.max_initial = getattr(gc, "max_initial_timestamp_index", None)  # HF: None if unset
+        self.task_ids = set(tokens.task_to_id.values())
+        self.multilingual = tokens.is_multilingual
         self.suppress_mask = self._mask(gc.suppress_tokens, vocab)  # (vocab,) True = suppress
         self.begin_mask = self._mask(gc.begin_suppress_tokens, vocab)
         self.rows: dict[int, _Row] = {}

@@ -7,7 +7,6 @@ import json
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -179,24 +178,3 @@ def test_multilingual_generation_config_and_prompts(multilingual):
     proc = make_proc(cfg, gen)
     assert not proc.wants_timestamps([50258])  # language detection, not a transcript
     assert proc.wants_timestamps([50258, 50261, 50359])
-
-
-def test_detect_language_matches_hf(multilingual):
-    from encdec.attention.backends.torch_sdpa import TorchSDPABackend
-    from encdec.audio import log_mel_spectrogram
-    from encdec.models.whisper import WhisperForConditionalGeneration, detect_language
-
-    hf, cfg, gen, weights = multilingual
-    model = WhisperForConditionalGeneration(cfg, TorchSDPABackend).eval()
-    model.load_weights(weights.items())
-    rng = np.random.default_rng(0)
-    t = np.arange(16000 * 5) / 16000
-    audio = [np.sin(2 * np.pi * f * t).astype(np.float32) * 0.3 for f in (150, 700, 2500)]
-    audio += [rng.standard_normal(16000 * (i + 2)).astype(np.float32) * 0.1 for i in range(3)]
-    feats = log_mel_spectrogram(audio)
-    ours = detect_language(model, feats, gen)
-    with torch.inference_mode():
-        ref = hf.detect_language(feats, generation_config=gen).view(-1).tolist()
-    by_id = {v: k[2:-2] for k, v in gen.lang_to_id.items()}
-    assert ours == [by_id[i] for i in ref]
-    assert len(set(ours)) >= 2  # not one answer for everything
