@@ -117,7 +117,7 @@ class LLMEngine:
     # -- construction steps, in order ------------------------------------------
     def _init_model_config(self, args: EngineArgs) -> None:
         """Checkpoint, tokenizer and the resolved lengths and dtype."""
-        ckpt = open_checkpoint(args.model)
+        ckpt = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.checkpoint = ckpt
         self.model_module = get_model_module(ckpt.architecture)
         hf_config, self.generation_config = ckpt.hf_config, ckpt.generation_config
