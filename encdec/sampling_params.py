@@ -202,7 +202,9 @@ class SamplingParams:
 
     def verify_against(self, vocab_size: int) -> None:
         """Check every token id the user gave against the model's vocabulary; the
-        engine calls this at request entry, before anything is scheduled."""
+        engine calls this at request entry, before anything is scheduled. The
+        other fields are checked again too, in case they were set after construction."""
+        self._verify()
         fields = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],

@@ -36,8 +36,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompts: list = list(args.prompts)
     if args.input_file:
-        with open(args.input_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.input_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            print(f"encdec generate: error: cannot read --input-file {args.input_file!r}: {reason}",
+                  file=sys.stderr)
+            return 2
     if not prompts:
         print("encdec generate: give prompts as arguments or --input-file", file=sys.stderr)
         return 2
