@@ -138,13 +138,6 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.stop = _str_list("stop", self.stop)
-        self.bad_words = _str_list("bad_words", self.bad_words)
-        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
-        self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
-        if self.best_of is None:
-            self.best_of = self.n
-        self.logit_bias = _logit_bias(self.logit_bias)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off.
@@ -152,7 +145,14 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        """Types first (normalising numpy scalars to Python ones), then ranges."""
+        """Types first (normalising numpy scalars and arrays to Python ones), then ranges."""
+        self.stop = _str_list("stop", self.stop)
+        self.bad_words = _str_list("bad_words", self.bad_words)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
+        self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.best_of is None:
+            self.best_of = self.n
         for name in ("n", "best_of", "top_k", "min_tokens"):
             setattr(self, name, _int(name, getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
@@ -205,6 +205,7 @@ class SamplingParams:
         engine calls this at request entry, before anything is scheduled. The
         other fields are checked again too, in case they were set after construction."""
         self._verify()
+        self._all_stop_token_ids.update(self.stop_token_ids)
         fields = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],

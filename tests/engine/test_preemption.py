@@ -165,28 +165,47 @@ def test_aborts_in_every_queue_leak_nothing_and_disturb_nobody(tiny_bart, refere
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_requests_that_can_never_fit_get_an_error_and_the_rest_complete(tiny_bart, reference, mode):
+def test_requests_that_can_never_fit_are_refused_or_fail_and_the_rest_complete(tiny_bart, reference, mode):
     prompts, params, ref = reference
     llm = make_llm(tiny_bart, 12, preemption_mode=mode)
+    engine = llm.llm_engine
     too_big = TokensPrompt(prompt_token_ids=[7] * 250)  # 16 cross blocks > 12
     # 7 cross blocks: fits at admission, but 200 more tokens need 13 self blocks.
     outgrows = TokensPrompt(prompt_token_ids=[9] * 100)
+    grow = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     picked = [1, 2, 4, 5, 7]
     batch = [too_big, outgrows] + [prompts[i] for i in picked]
-    sps = [SamplingParams(temperature=0, max_tokens=5),
-           SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] + [params[i] for i in picked]
-    outs = llm.generate(batch, sps, use_tqdm=False)
-    assert outs[0].finished and outs[0].outputs[0].token_ids == []
-    assert "needs 17 KV cache blocks but the cache has 12 blocks" in outs[0].error
-    assert outs[1].finished and "KV cache blocks" in outs[1].error and "kv_cache_memory" in outs[1].error
-    made = outs[1].outputs[0].token_ids
+    sps = [SamplingParams(temperature=0, max_tokens=5), grow] + [params[i] for i in picked]
+    # Refused at entry, naming the sizes; nothing of the call is queued.
+    with pytest.raises(ValueError, match=r"^(prompt 0: )?the request can never fit the KV cache: it needs "
+                                         r"up to 17 blocks .* but the cache has 12 blocks"):
+        llm.generate(batch, sps, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt 1: .*needs up to 20 blocks .*has 12 blocks"):
+        engine.process_requests([prompts[1], outgrows], [params[1], grow])
+    assert_all_free(llm)
+    # Past the entry check (a request whose max_tokens was raised after it), the
+    # scheduler still fails it mid-run with an error and keeps what it made.
+    inputs, checked = engine.process_request(outgrows, SamplingParams(temperature=0, max_tokens=5,
+                                                                      ignore_eos=True))
+    checked.max_tokens = 200
+    engine.add_processed_request("outgrows", inputs, checked)
+    for i in picked:
+        engine.add_request(str(i), prompts[i], params[i])
+    outs = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        outs.update((o.request_id, o) for o in engine.step())
+    assert outs["outgrows"].finished and "KV cache blocks" in outs["outgrows"].error
+    assert "kv_cache_memory" in outs["outgrows"].error
+    made = outs["outgrows"].outputs[0].token_ids
     assert 16 * 4 < len(made) < 200  # what it made before it outgrew the cache is returned
     alone = make_llm(tiny_bart, 64).generate(outgrows, SamplingParams(temperature=0, max_tokens=len(made),
                                                                       ignore_eos=True), use_tqdm=False)
     assert alone[0].outputs[0].token_ids == made
-    for i, o in zip(picked, outs[2:]):
-        assert o.error is None and summary(o) == summary(ref[i])
-    assert llm.llm_engine.scheduler.stats.num_ignored == 2
+    for i in picked:
+        assert outs[str(i)].error is None and summary(outs[str(i)]) == summary(ref[i])
+    assert engine.scheduler.stats.num_ignored == 1
     assert_all_free(llm)
 
 
