@@ -21,6 +21,7 @@ from encdec.attention.selector import get_attn_backend
 from encdec.config import ModelConfig, SchedulerConfig
 from encdec.core.scheduler import Scheduler, SchedulerOutputs
 from encdec.engine.arg_utils import EngineArgs
+from encdec.engine.capacity import kv_blocks_needed
 from encdec.engine.stop_checker import StopChecker
 from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.layers import pack_linears
@@ -269,43 +270,20 @@ class LLMEngine:
     def _check_fits(self, dec_len: int, enc_len: int, params: SamplingParams) -> None:
         """Refuse a request that could never finish in this KV cache, which the
         scheduler would otherwise end mid-run with an error and an empty or cut
-        output. The worst case follows the block manager's arithmetic:
-
-          self     the prompt's full blocks, shared by the best_of sequences, plus
-                   each sequence's own blocks up to prompt + max_tokens - 1 tokens
-                   (the last sampled token's KV is never written); the first
-                   decode step asks for a copy of a shared partial block per
-                   sequence (can_append_slots counts the last sharer too)
-          cross    the encoder length, once per request
-          reserve  a preempted group with one live sequence may be recomputed:
-                   prompt + outputs + cross must then leave the watermark free
-                   (can_allocate); a swapped group of several sequences resumes
-                   only with a spare block per sequence (can_swap_in)
-        """
+        output (arithmetic in ``encdec.engine.capacity``)."""
         bm, bs, b = self.scheduler.block_manager, self.cache_config.block_size, params.best_of
         if b > self.scheduler_config.max_num_seqs:
             raise ValueError(f"best_of (or n) is {b}, more sequences than max_num_seqs="
                              f"{self.scheduler_config.max_num_seqs} can run at once; raise max_num_seqs")
-        blocks = lambda tokens: -(-tokens // bs)  # noqa: E731
-        cross, prompt_blocks = blocks(enc_len), blocks(dec_len)
-        last = dec_len + params.max_tokens - 1
-        full = dec_len // bs
-        if params.max_tokens == 1:  # the prefill samples every sequence; no decode step
-            self_peak = prompt_blocks
-        else:
-            self_peak = full + b * (blocks(last) - full)
-            if b > 1 and dec_len % bs:
-                self_peak = max(self_peak, prompt_blocks + b)
-        spare = b if b > 1 else 0
-        need = max(self_peak + cross + spare, blocks(last) + cross + bm.watermark_blocks)
-        total = bm.num_total_gpu_blocks
-        if need > total:
+        need = kv_blocks_needed(dec_len, enc_len, max_tokens=params.max_tokens, best_of=b,
+                                block_size=bs, watermark_blocks=bm.watermark_blocks)
+        if need.total > bm.num_total_gpu_blocks:
             raise ValueError(
-                f"the request can never fit the KV cache: it needs up to {need} blocks of {bs} tokens "
-                f"({self_peak} for decoder self-attention: a {dec_len}-token prompt + max_tokens="
-                f"{params.max_tokens}, best_of={b}; {cross} for cross-attention over {enc_len} encoder "
-                f"positions; {need - self_peak - cross} the scheduler keeps in reserve) but the cache "
-                f"has {total} blocks; lower max_tokens or raise kv_cache_memory")
+                f"the request can never fit the KV cache: it needs up to {need.total} blocks of {bs} "
+                f"tokens ({need.self_attention} for decoder self-attention: a {dec_len}-token prompt + "
+                f"max_tokens={params.max_tokens}, best_of={b}; {need.cross_attention} for cross-attention "
+                f"over {enc_len} encoder positions; {need.reserve} the scheduler keeps in reserve) but "
+                f"the cache has {bm.num_total_gpu_blocks} blocks; lower max_tokens or raise kv_cache_memory")
 
     def add_processed_request(self, request_id: str, inputs: dict, params: SamplingParams,
                               arrival_time: float | None = None, priority: int = 0) -> None:
