@@ -12,6 +12,8 @@ clamped at 1e-10, floored at max - 8 per input, then ``(x + 4) / 4``.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -63,9 +65,21 @@ def _to_mono_float(arr: Any, where: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def _sample_rate(sr: Any) -> int:
+    """Hz as an int; ``16000.0`` (as soundfile and some libraries give) is fine,
+    a fractional, non-positive or non-numeric rate is refused."""
+    if isinstance(sr, (bool, np.bool_)) or not isinstance(sr, numbers.Real):
+        raise ValueError(f"audio sample_rate must be a positive integer number of Hz, "
+                         f"got {type(sr).__name__} {sr!r}")
+    if not (math.isfinite(sr) and sr > 0 and float(sr).is_integer()):
+        raise ValueError(f"audio sample_rate must be a positive integer number of Hz, got {sr!r}")
+    return int(sr)
+
+
 def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Path, ``(array, sample_rate)`` or 1-D array (already at ``sampling_rate``) ->
-    mono float32 at ``sampling_rate``."""
+    """Path (str or ``os.PathLike``), ``(array, sample_rate)`` (any integral rate,
+    int or float) or 1-D array (already at ``sampling_rate``) -> mono float32 at
+    ``sampling_rate``."""
     import librosa
 
     where = _describe(audio)
@@ -84,11 +98,10 @@ def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
         if len(audio) != 2:
             raise ValueError(f"audio tuple must be (array, sample_rate), got {len(audio)} items")
         arr, sr = audio
-        if isinstance(sr, bool) or not isinstance(sr, (int, np.integer)) or sr <= 0:
-            raise ValueError(f"audio sample_rate must be a positive int, got {sr!r}")
+        sr = _sample_rate(sr)
         arr = _to_mono_float(arr, "audio array")
         if sr != sampling_rate:
-            arr = librosa.resample(arr, orig_sr=int(sr), target_sr=sampling_rate).astype(np.float32)
+            arr = librosa.resample(arr, orig_sr=sr, target_sr=sampling_rate).astype(np.float32)
         return arr
     if isinstance(audio, (np.ndarray, torch.Tensor)):
         return _to_mono_float(audio, "audio array")

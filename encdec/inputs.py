@@ -3,13 +3,21 @@
 A request names an encoder input (text, tokens or audio) and optionally a
 decoder prompt. Singleton prompts go to the encoder and the decoder gets the
 model's default prompt (BART: ``[<DEC>, <BOS>]``); an explicit decoder prompt
-gets ``<DEC>`` prepended unless it already starts with it.
+is tokenized as vLLM tokenizes it (seed 002: any sub-prompt that is not a token
+list, with the tokenizer's defaults) and gets ``<DEC>`` prepended unless it
+already starts with it. Token ids may be lists of ints, numpy integers or 1-D
+integer arrays. A batch of prompts is validated whole before any audio becomes
+features, and its audio becomes features in one batched call.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import numbers
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, TypedDict, Union
 
+import numpy as np
 from typing_extensions import NotRequired
 
 
@@ -74,31 +82,63 @@ def is_explicit_encoder_decoder_prompt(prompt: Any) -> bool:
     return isinstance(prompt, dict) and "encoder_prompt" in prompt
 
 
-def _check_singleton(prompt: Any, where: str) -> None:
-    if isinstance(prompt, str):
-        return
-    if not isinstance(prompt, dict):
-        raise TypeError(
-            f"{where} must be a str, TextPrompt or TokensPrompt, got {type(prompt).__name__}"
-        )
-    if "prompt_token_ids" in prompt:
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise TypeError(f"{where}.prompt_token_ids must be a list of ints")
-    elif "prompt" in prompt:
-        if not isinstance(prompt["prompt"], str):
-            raise TypeError(f"{where}.prompt must be a str, got {type(prompt['prompt']).__name__}")
-    else:
-        raise ValueError(f"{where} needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+@contextlib.contextmanager
+def prompt_errors(index: int | None) -> Iterator[None]:
+    """Prefix a ValueError/TypeError raised inside with ``prompt {index}: `` (kept
+    as is for ``None``), so a refused batch says which prompt was bad."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if index is None:
+            raise
+        cls = TypeError if isinstance(e, TypeError) else ValueError
+        raise cls(f"prompt {index}: {e}") from None
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    """A list or tuple of ints (numpy integers too) or a 1-D integer numpy array -> list[int]."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise TypeError(f"{where} must be a 1-D array of integers, got shape "
+                            f"{value.shape} and dtype {value.dtype}")
+        return value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where} must be a list of ints, got {type(value).__name__}")
+    bad = next((t for t in value if not _is_token_id(t)), None)
+    if bad is not None:
+        raise TypeError(f"{where} must be a list of ints, got an item {bad!r} of type {type(bad).__name__}")
+    return [int(t) for t in value]
+
+
+@dataclass
+class _Parsed:
+    """One prompt taken apart, before its audio (if any) becomes features."""
+
+    enc_ids: list[int]  # encoder token ids; replaced by placeholders when audio is given
+    enc_text: str | None
+    audio: Any  # the raw audio input (path, (array, rate), array) or None
+    dec_ids: list[int] | None  # None: the model's default decoder prompt
+    dec_text: str | None
 
 
 class InputPreprocessor:
     """Turns any prompt form into ``EncoderDecoderLLMInputs`` for one model.
 
+    Text is tokenized as vLLM does, with the tokenizer's defaults unless the
+    caller passes ``tokenization_kwargs`` (the engine passes
+    ``add_special_tokens=False`` for Whisper, as vLLM does); then the decoder
+    prompt gets ``<DEC>`` prepended unless it starts with it. For BART a decoder
+    text ``"Hi"`` becomes ``[2, 0, <Hi>, 2]``.
+
     The model-specific parts (default decoder prompt, audio features) come in
-    as callables so that this module stays model-agnostic.
+    as callables so that this module stays model-agnostic. ``audio_processor``
+    takes a list of audio inputs and ``labels=`` (how errors name each input)
+    and returns one ``(features, number of encoder positions)`` per input; a
+    model with an audio processor needs audio in every prompt.
     """
 
     def __init__(
@@ -106,7 +146,7 @@ class InputPreprocessor:
         tokenizer: Any,
         decoder_start_token_id: int,
         default_decoder_prompt: Callable[[], list[int]],
-        audio_processor: Callable[[Any], Any] | None = None,
+        audio_processor: Callable[..., list[tuple[Any, int]]] | None = None,
         prepare_decoder_prompt: Callable[[list[int]], list[int]] | None = None,
     ):
         self.tokenizer = tokenizer
@@ -115,35 +155,49 @@ class InputPreprocessor:
         self.default_decoder_prompt = default_decoder_prompt
         self.audio_processor = audio_processor
 
-    def _tokenize(self, text: str, *, decoder: bool) -> list[int]:
-        if decoder:
-            # A user's decoder text is control tokens and a continuation, not a
-            # document: no <s> ... </s> wrapping.
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(text)
+    def _tokenize(self, text: str, kwargs: dict[str, Any]) -> list[int]:
+        return list(self.tokenizer.encode(text, **kwargs))
 
-    def _singleton(self, prompt: SingletonPrompt, where: str, *, decoder: bool):
-        _check_singleton(prompt, where)
+    def _singleton(self, prompt: Any, where: str, kwargs: dict[str, Any], *,
+                   tokenize_empty: bool) -> tuple[list[int], str | None, Any]:
+        """-> (token ids, text, audio or None). Empty text tokenizes to [] unless
+        ``tokenize_empty`` (a decoder ``""`` is still special tokens for BART)."""
         if isinstance(prompt, str):
-            prompt = TextPrompt(prompt=prompt)
-        mm = prompt.get("multi_modal_data")
+            return (self._tokenize(prompt, kwargs) if prompt or tokenize_empty else []), prompt, None
+        if not isinstance(prompt, dict):
+            raise TypeError(f"{where} must be a str, TextPrompt or TokensPrompt, got {type(prompt).__name__}")
+        if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+            raise ValueError(f"{where} needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+        audio = self._audio(prompt.get("multi_modal_data"), where)
         if "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        else:
-            text = prompt["prompt"]
-            ids = self._tokenize(text, decoder=decoder) if text or decoder else []
-        return ids, text, mm
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"{where}.prompt must be a str, got {type(text).__name__}")
+            return _token_ids(prompt["prompt_token_ids"], f"{where}.prompt_token_ids"), text, audio
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise TypeError(f"{where}.prompt must be a str, got {type(text).__name__}")
+        if audio is not None:
+            return [], text, audio  # the caller decides what the text is for
+        return (self._tokenize(text, kwargs) if text or tokenize_empty else []), text, None
 
-    def _features(self, mm: dict[str, Any] | None, where: str) -> tuple[Any, int]:
-        """Audio -> (features, number of encoder output positions)."""
-        if not mm:
-            return None, 0
+    def _audio(self, mm: Any, where: str) -> Any:
+        if mm is None:
+            return None
+        if not isinstance(mm, dict):
+            raise TypeError(f"{where}.multi_modal_data must be a dict such as {{'audio': ...}}, "
+                            f"got {type(mm).__name__}")
         unknown = set(mm) - {"audio"}
         if unknown:
             raise ValueError(f"{where}.multi_modal_data supports only 'audio', got {sorted(unknown)}")
+        if mm.get("audio") is None:
+            return None
         if self.audio_processor is None:
             raise ValueError(f"{where} carries audio, but this model takes no audio input")
-        return self.audio_processor(mm["audio"])
+        return mm["audio"]
 
     def _prepare_decoder(self, ids: list[int]) -> list[int]:
         """<DEC> first, unless the model has its own rule (Whisper: a
@@ -154,58 +208,90 @@ class InputPreprocessor:
             ids = [self.decoder_start_token_id] + ids
         return ids
 
-    def process(self, prompt: PromptType) -> EncoderDecoderLLMInputs:
+    def _parse(self, prompt: Any, kwargs: dict[str, Any]) -> _Parsed:
         if is_explicit_encoder_decoder_prompt(prompt):
             unknown = set(prompt) - {"encoder_prompt", "decoder_prompt"}
             if unknown:
                 raise ValueError(f"ExplicitEncoderDecoderPrompt has unknown keys {sorted(unknown)}")
-            enc_ids, enc_text, enc_mm = self._singleton(prompt["encoder_prompt"], "encoder_prompt", decoder=False)
-            features, num_enc = self._features(enc_mm, "encoder_prompt")
-            if features is not None:
-                enc_ids = [0] * num_enc  # placeholders: one per encoder output position
+            enc_ids, enc_text, audio = self._singleton(prompt["encoder_prompt"], "encoder_prompt", kwargs,
+                                                       tokenize_empty=False)
             dec = prompt.get("decoder_prompt")
-            if dec is None:
-                dec_ids, dec_text = self.default_decoder_prompt(), None
-            else:
-                dec_ids, dec_text, dec_mm = self._singleton(dec, "decoder_prompt", decoder=True)
-                if dec_mm:
+            dec_ids = dec_text = None
+            if dec is not None:
+                if isinstance(dec, dict) and dec.get("multi_modal_data") is not None:
                     raise ValueError("decoder_prompt cannot carry multi_modal_data")
-                dec_ids = self._prepare_decoder(dec_ids)
+                ids, dec_text, _ = self._singleton(dec, "decoder_prompt", kwargs, tokenize_empty=True)
+                dec_ids = self._prepare_decoder(ids)
+            parsed = _Parsed(enc_ids, enc_text, audio, dec_ids, dec_text)
         else:
-            ids, text, mm = self._singleton(prompt, "prompt", decoder=False)
-            features, num_enc = self._features(mm, "prompt")
-            if features is not None:
-                # vLLM's audio form: the text is the decoder prompt, the audio the encoder input.
-                enc_ids, enc_text = [0] * num_enc, None
-                if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                    dec_ids, dec_text = list(prompt["prompt_token_ids"]), None
-                else:
-                    text = prompt["prompt"] if isinstance(prompt, dict) else prompt
-                    dec_ids = self._tokenize(text, decoder=True) if text else []
-                    dec_text = text or None
-                dec_ids = self._prepare_decoder(dec_ids) if dec_ids else self.default_decoder_prompt()
+            ids, text, audio = self._singleton(prompt, "prompt", kwargs, tokenize_empty=False)
+            if audio is None:
+                parsed = _Parsed(ids, text, None, None, None)
             else:
-                enc_ids, enc_text = ids, text
-                dec_ids, dec_text = self.default_decoder_prompt(), None
-        if features is None and not enc_ids:
-            raise ValueError("the encoder prompt is empty: give at least one token or some text")
-        out = EncoderDecoderLLMInputs(
-            prompt_token_ids=dec_ids,
-            prompt=dec_text,
-            encoder_prompt_token_ids=enc_ids,
-            encoder_prompt=enc_text,
-        )
-        if features is not None:
-            out["encoder_features"] = features
-        return out
+                # vLLM's audio form: the text (or ids) is the decoder prompt, the
+                # audio the encoder input; an empty one means the model's default.
+                if not ids and text:
+                    ids = self._tokenize(text, kwargs)
+                dec_ids = self._prepare_decoder(ids) if ids else None
+                parsed = _Parsed([], None, audio, dec_ids, text or None)
+        if parsed.audio is None:
+            if self.audio_processor is not None:
+                raise ValueError("this model reads audio: the prompt needs multi_modal_data="
+                                 "{'audio': (array, sample_rate)} (or a path); LLM.transcribe takes "
+                                 "audio files directly")
+            if not parsed.enc_ids:
+                raise ValueError("the encoder prompt is empty: give at least one token or some text")
+        return parsed
+
+    def process(self, prompt: PromptType, *,
+                tokenization_kwargs: dict[str, Any] | None = None) -> EncoderDecoderLLMInputs:
+        """One prompt; errors are not prefixed with an index."""
+        return self._process([prompt], tokenization_kwargs, indexed=False)[0]
+
+    def process_batch(self, prompts: Sequence[PromptType], *,
+                      tokenization_kwargs: dict[str, Any] | None = None) -> list[EncoderDecoderLLMInputs]:
+        """Every prompt of a call, validated before any features are computed,
+        then the audio of all of them in one batched feature call. Errors name
+        the prompt's index ("prompt 3: ...")."""
+        return self._process(prompts, tokenization_kwargs, indexed=True)
+
+    def _process(self, prompts: Sequence[PromptType], tokenization_kwargs: dict[str, Any] | None,
+                 *, indexed: bool) -> list[EncoderDecoderLLMInputs]:
+        kwargs = dict(tokenization_kwargs or {})
+        parsed = []
+        for i, prompt in enumerate(prompts):
+            with prompt_errors(i if indexed else None):
+                parsed.append(self._parse(prompt, kwargs))
+        with_audio = [i for i, p in enumerate(parsed) if p.audio is not None]
+        features: dict[int, tuple[Any, int]] = {}
+        if with_audio:
+            labels = [f"prompt {i}: audio" if indexed else "audio" for i in with_audio]
+            computed = self.audio_processor([parsed[i].audio for i in with_audio], labels=labels)
+            features = dict(zip(with_audio, computed))
+        outs = []
+        for i, p in enumerate(parsed):
+            out = EncoderDecoderLLMInputs(
+                prompt_token_ids=p.dec_ids if p.dec_ids is not None else self.default_decoder_prompt(),
+                prompt=p.dec_text,
+                encoder_prompt_token_ids=p.enc_ids,
+                encoder_prompt=p.enc_text,
+            )
+            if i in features:
+                feats, num_positions = features[i]
+                out["encoder_prompt_token_ids"] = [0] * num_positions  # one per encoder output position
+                out["encoder_features"] = feats
+            outs.append(out)
+        return outs
 
 
 def normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """One prompt or a list of them -> a list (a list of ints is one token prompt)."""
+    """One prompt or a list of them -> a list (a list or 1-D array of ints is one token prompt)."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, np.ndarray):
+        return [TokensPrompt(prompt_token_ids=_token_ids(prompts, "prompts"))]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [TokensPrompt(prompt_token_ids=list(prompts))]
+        if prompts and all(_is_token_id(t) for t in prompts):
+            return [TokensPrompt(prompt_token_ids=[int(t) for t in prompts])]
         return list(prompts)
     raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")

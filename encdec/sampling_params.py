@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 _MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
@@ -23,33 +27,48 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 def derive_seed(seed: int | None, index: int) -> int | None:
     """Seed of the ``index``-th sequence of an ``n > 1`` request: ``seed + index``
-    (vLLM V1's rule), so each sequence samples differently yet reproducibly."""
-    return None if seed is None else seed + index
+    (vLLM V1's rule), so each sequence samples differently yet reproducibly.
+    Wrapped to 64 bits as torch reads a seed (a negative seed is its two's
+    complement), so every seed of the accepted range derives a valid one."""
+    return None if seed is None else (seed + index) % 2**64
 
 
-def _int(name: str, value: Any, *, none_ok: bool = False) -> None:
+def _int(name: str, value: Any, *, none_ok: bool = False) -> int | None:
+    """An int (numpy integers too, not bools or floats), as a Python int."""
     if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
-def _num(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _num(name: str, value: Any) -> float:
+    """A finite real number (numpy floats too, not bools), as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    """A bool (numpy's too); a truthy string such as "no" is a mistake, not True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def _int_list(name: str, value: Any) -> list[int] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
-    out = list(value)
-    for v in out:
-        _int(f"{name} entries", v)
-    return out
+    return [_int(f"{name} entries", v) for v in value]
 
 
 def _str_list(name: str, value: Any) -> list[str]:
@@ -60,6 +79,26 @@ def _str_list(name: str, value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
     return list(value)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """Token id -> bias, clamped to +-100 as OpenAI does. OpenAI clients send
+    string keys ("50256"); a key that is no integer, or a NaN/inf bias, is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict, got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        else:
+            token = _int("logit_bias keys", key)
+        out[token] = min(_MAX_BIAS, max(-_MAX_BIAS, _num(f"logit_bias[{key!r}]", bias)))
+    return out
 
 
 @dataclass(kw_only=True)
@@ -99,19 +138,6 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.stop = _str_list("stop", self.stop)
-        self.bad_words = _str_list("bad_words", self.bad_words)
-        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
-        self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
-        if self.best_of is None:
-            self.best_of = self.n
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"logit_bias must be a dict, got {type(self.logit_bias).__name__}")
-            # OpenAI clients send string keys; clamp like OpenAI does.
-            self.logit_bias = {
-                int(k): min(_MAX_BIAS, max(-_MAX_BIAS, float(v))) for k, v in self.logit_bias.items()
-            }
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off.
@@ -119,13 +145,24 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
+        """Types first (normalising numpy scalars and arrays to Python ones), then ranges."""
+        self.stop = _str_list("stop", self.stop)
+        self.bad_words = _str_list("bad_words", self.bad_words)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
+        self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.best_of is None:
+            self.best_of = self.n
         for name in ("n", "best_of", "top_k", "min_tokens"):
-            _int(name, getattr(self, name))
+            setattr(self, name, _int(name, getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
-            _int(name, getattr(self, name), none_ok=True)
+            setattr(self, name, _int(name, getattr(self, name), none_ok=True))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
-            _num(name, getattr(self, name))
+            setattr(self, name, _num(name, getattr(self, name)))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            setattr(self, name, _bool(name, getattr(self, name)))
         checks = [
             ("n", self.n >= 1, ">= 1"),
             ("best_of", self.best_of >= self.n, f">= n ({self.n})"),
@@ -136,6 +173,8 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("seed", self.seed is None or _SEED_MIN <= self.seed <= _SEED_MAX,
+             "a 64-bit integer, in [-2**63, 2**64 - 1]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
             ("min_tokens", self.min_tokens >= 0, ">= 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
@@ -150,6 +189,10 @@ class SamplingParams:
             )
         if any(s == "" for s in self.stop):
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            # vLLM's rule: stop strings are matched in the detokenized text.
+            raise ValueError(f"stop strings are only supported when detokenize is True, got "
+                             f"stop={self.stop!r} with detokenize=False; set detokenize=True to use stop")
         if any(not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must not contain blank words, got {self.bad_words!r}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
@@ -159,7 +202,10 @@ class SamplingParams:
 
     def verify_against(self, vocab_size: int) -> None:
         """Check every token id the user gave against the model's vocabulary; the
-        engine calls this at request entry, before anything is scheduled."""
+        engine calls this at request entry, before anything is scheduled. The
+        other fields are checked again too, in case they were set after construction."""
+        self._verify()
+        self._all_stop_token_ids.update(self.stop_token_ids)
         fields = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": self.allowed_token_ids or [],

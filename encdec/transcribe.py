@@ -117,14 +117,12 @@ def _submit(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]], ids: 
 
 
 def _process(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]]) -> list[tuple[dict, Any]]:
-    # TEMPORARY feature check: LLMEngine.process_requests (one batched log-mel for
-    # all audio of a call) is landing from another branch; once merged, call it directly.
-    batched = getattr(engine, "process_requests", None)
-    if batched is not None:
-        try:
-            return batched([r.prompt for _, r in batch], [r.params for _, r in batch])
-        except (ValueError, TypeError):
-            pass  # redo one by one below: that names the culprit's audio input (or succeeds)
+    # One batched call (one log-mel batch for all windows); on a bad request, redo
+    # one by one to name the culprit's audio input.
+    try:
+        return engine.process_requests([r.prompt for _, r in batch], [r.params for _, r in batch])
+    except (ValueError, TypeError):
+        pass
     out = []
     for job, req in batch:
         try:

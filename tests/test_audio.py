@@ -76,8 +76,11 @@ def test_load_file_any_rate_and_channels(tmp_path):
     ((np.zeros(0, np.float32), 16000), "empty"),
     ((np.zeros((3, 4, 5), np.float32), 16000), "1-D"),
     ((np.zeros((100, 200), np.float32), 16000), "at most 8 channels"),
-    ((np.zeros(10, np.float32), -1), "sample_rate must be a positive int"),
-    ((np.zeros(10, np.float32), 16000.0), "sample_rate must be a positive int"),
+    ((np.zeros(10, np.float32), -1), "sample_rate must be a positive integer number of Hz, got -1"),
+    ((np.zeros(10, np.float32), 16000.5), "sample_rate must be a positive integer number of Hz, got 16000.5"),
+    ((np.zeros(10, np.float32), float("nan")), "sample_rate must be a positive integer"),
+    ((np.zeros(10, np.float32), True), "sample_rate must be a positive integer"),
+    ((np.zeros(10, np.float32), "16000"), "sample_rate must be a positive integer number of Hz, got str"),
     ((np.zeros(10, np.float32), 16000, 1), r"\(array, sample_rate\)"),
     ((np.array(["a", "b"]), 16000), "dtype"),
     ((np.array([0.0, np.inf], np.float32), 16000), "NaN or infinite"),
@@ -87,6 +90,16 @@ def test_load_file_any_rate_and_channels(tmp_path):
 def test_bad_arrays(audio, message):
     with pytest.raises(ValueError, match=message):
         load_audio(audio)
+
+
+def test_paths_and_float_or_numpy_sample_rates(tmp_path):
+    wav = tone(1.0, 22050)
+    sf.write(tmp_path / "a.wav", wav, 22050)
+    ref = load_audio((wav, 22050))
+    assert abs(len(ref) - 16000) <= 1
+    for rate in (22050.0, np.int64(22050), np.float32(22050)):
+        np.testing.assert_array_equal(load_audio((wav, rate)), ref)
+    np.testing.assert_allclose(load_audio(tmp_path / "a.wav"), ref, atol=1e-4)  # pathlib.Path
 
 
 def test_bad_files(tmp_path):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -18,8 +21,9 @@ from encdec.attention.selector import get_attn_backend
 from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
 from encdec.core.scheduler import Scheduler, SchedulerOutputs
 from encdec.engine.arg_utils import EngineArgs
+from encdec.engine.capacity import kv_blocks_needed
 from encdec.engine.stop_checker import StopChecker
-from encdec.inputs import InputPreprocessor, PromptType
+from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.layers import pack_linears
 from encdec.models.loader import iterate_weights, open_checkpoint
 from encdec.models.registry import get_model_cls, get_model_module
@@ -185,6 +189,9 @@ class LLMEngine:
         if cfg.num_gpu_blocks < 1:
             raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
                              f"(one block is {block_bytes} bytes)")
+        # Admission keeps the block manager's default watermark (1%) free, so the
+        # longest request needs that on top (encdec.engine.capacity agrees).
+        needed += int(0.01 * cfg.num_gpu_blocks)
         if cfg.num_gpu_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes, {block_bytes} bytes "
@@ -268,19 +275,74 @@ class LLMEngine:
                 return request_id
 
     # -- requests ----------------------------------------------------------------
-    def process_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[dict, SamplingParams]:
-        """Validate and tokenize one request without touching engine state, so a
-        bad request in a batch is refused before any of the batch is queued."""
+    def process_requests(self, prompts: Sequence[PromptType],
+                         params_list: Sequence[SamplingParams | None], *,
+                         priority: Sequence[int] | None = None) -> list[tuple[dict, SamplingParams]]:
+        """Validate and tokenize a whole call without touching engine state: every
+        check that can run before scheduling runs here, so one bad prompt refuses
+        the call (the error names its index: "prompt 3: ...") before any of it is
+        queued. The audio of all prompts becomes features in one batched call."""
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._process(prompts, params_list, priority, indexed=True)
+
+    def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
+                        priority: int = 0) -> tuple[dict, SamplingParams]:
+        """``process_requests`` for one prompt (errors carry no index)."""
+        return self._process([prompt], [params], [priority], indexed=False)[0]
+
+    def _process(self, prompts: Sequence[PromptType], params_list: Sequence[SamplingParams | None],
+                 priority: Sequence[int] | None, *, indexed: bool) -> list[tuple[dict, SamplingParams]]:
+        checked: dict[int, SamplingParams] = {}  # id(user params) -> checked; a shared one is checked once
+        for i, params in enumerate(params_list):
+            with prompt_errors(i if indexed else None):
+                if priority is not None:
+                    self._check_priority(priority[i])
+                if id(params) not in checked:
+                    checked[id(params)] = self._check_params(params)
+        # The tokenizer's defaults, except for Whisper, whose special tokens the
+        # user gives (vLLM's rule; an added eos would end generation).
+        kwargs = {"add_special_tokens": False} if self.hf_config.model_type == "whisper" else None
+        preprocessor = self.input_preprocessor
+        all_inputs = preprocessor.process_batch(prompts, tokenization_kwargs=kwargs) if indexed \
+            else [preprocessor.process(prompts[0], tokenization_kwargs=kwargs)]
+        out = []
+        for i, (inputs, params) in enumerate(zip(all_inputs, params_list)):
+            with prompt_errors(i if indexed else None):
+                out.append((inputs, self._check_request(inputs, checked[id(params)])))
+        return out
+
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            # vLLM raises too, rather than ignore it.
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             f"(scheduling_policy={self.scheduler_config.policy!r}); pass "
+                             "scheduling_policy='priority' to LLM to use priorities")
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The checks that need the model: token ids against the vocabulary,
+        logits processors' own rules. Returns a private copy with the model's
+        eos ids folded in."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = params.clone()
         if params.bad_words:
-            params = params.clone()
             params.update_from_tokenizer(self.tokenizer)
         params.verify_against(self.vocab_size)
         self.input_batch.logitsprocs.validate_params(params)
-        inputs = self.input_preprocessor.process(prompt)
+        params.update_from_generation_config({"eos_token_id": self.generation_config.eos_token_id},
+                                             self.eos_token_id)
+        return params
+
+    def _check_request(self, inputs: dict, params: SamplingParams) -> SamplingParams:
+        """Lengths, token ids and KV capacity of one processed prompt; returns its
+        own params with ``max_tokens`` fitted to the decoder's positions."""
         dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
         cfg = self.model_config
         if enc_len > cfg.max_encoder_len:
@@ -289,21 +351,43 @@ class LLMEngine:
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")
-        bad = [t for t in inputs["encoder_prompt_token_ids"] + inputs["prompt_token_ids"]
-               if not 0 <= t < self.vocab_size]
-        if bad and "encoder_features" not in inputs:
+        # Audio requests carry placeholder encoder ids; the decoder's are real.
+        ids = inputs["prompt_token_ids"] if "encoder_features" in inputs \
+            else inputs["encoder_prompt_token_ids"] + inputs["prompt_token_ids"]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
         params = params.clone()
-        params.update_from_generation_config({"eos_token_id": self.generation_config.eos_token_id},
-                                             self.eos_token_id)
         if params.max_tokens is None or dec_len + params.max_tokens > cfg.max_model_len:
             params.max_tokens = cfg.max_model_len - dec_len
-        return inputs, params
+        self._check_fits(dec_len, enc_len, params)
+        return params
+
+    def _check_fits(self, dec_len: int, enc_len: int, params: SamplingParams) -> None:
+        """Refuse a request that could never finish in this KV cache, which the
+        scheduler would otherwise end mid-run with an error and an empty or cut
+        output (arithmetic in ``encdec.engine.capacity``)."""
+        bm, bs, b = self.scheduler.block_manager, self.cache_config.block_size, params.best_of
+        if b > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"best_of (or n) is {b}, more sequences than max_num_seqs="
+                             f"{self.scheduler_config.max_num_seqs} can run at once; raise max_num_seqs")
+        need = kv_blocks_needed(dec_len, enc_len, max_tokens=params.max_tokens, best_of=b,
+                                block_size=bs, watermark_blocks=bm.watermark_blocks)
+        if need.total > bm.num_total_gpu_blocks:
+            raise ValueError(
+                f"the request can never fit the KV cache: it needs up to {need.total} blocks of {bs} "
+                f"tokens ({need.self_attention} for decoder self-attention: a {dec_len}-token prompt + "
+                f"max_tokens={params.max_tokens}, best_of={b}; {need.cross_attention} for cross-attention "
+                f"over {enc_len} encoder positions; {need.reserve} the scheduler keeps in reserve) but "
+                f"the cache has {bm.num_total_gpu_blocks} blocks; lower max_tokens or raise kv_cache_memory")
 
     def add_processed_request(self, request_id: str, inputs: dict, params: SamplingParams,
                               arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue what ``process_requests`` returned. Pass the same ``priority`` to
+        both; it is checked here again before anything changes."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_priority(priority)
         block_size = self.cache_config.block_size
         seqs = []
         for i in range(params.best_of):
@@ -318,7 +402,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        inputs, params = self.process_request(prompt, params)
+        inputs, params = self.process_request(prompt, params, priority=priority)
         self.add_processed_request(request_id, inputs, params, arrival_time, priority)
 
     def abort_request(self, request_id: str | list[str]) -> None:

@@ -31,13 +31,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from encdec import LLM, SamplingParams
+    from encdec import LLM, SamplingParams, configure_cpu_runtime
     from encdec.inputs import ExplicitEncoderDecoderPrompt
 
     prompts: list = list(args.prompts)
     if args.input_file:
-        with open(args.input_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.input_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            print(f"encdec generate: error: cannot read --input-file {args.input_file!r}: {reason}",
+                  file=sys.stderr)
+            return 2
     if not prompts:
         print("encdec generate: give prompts as arguments or --input-file", file=sys.stderr)
         return 2
@@ -47,6 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
                             n=args.n, ignore_eos=args.ignore_eos)
+    configure_cpu_runtime()  # a program owns its process: full CPU speed
     llm = LLM(args.model, **engine_kwargs(args))
     for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
         if args.json:

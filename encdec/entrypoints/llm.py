@@ -60,12 +60,6 @@ class LLM:
         with self._lock:
             yield self.llm_engine
 
-    @property
-    def _request_counter(self) -> int:
-        """Deprecated (encdec.transcribe reads it until it uses its own driver):
-        the number the engine's next request id will have."""
-        return self.llm_engine._num_request_ids
-
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -101,20 +95,14 @@ class LLM:
                 if bar is not None:
                     bar.close()
 
-    def _process_all(self, prompts: list[PromptType],
-                     params_list: list[SamplingParams | None]) -> list[tuple[dict, SamplingParams]]:
-        """Validate the whole call before anything is queued: one bad prompt
-        refuses it. (Becomes ``engine.process_requests(prompts, params_list)``.)"""
-        engine = self.llm_engine
-        return [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
-
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
              priority: list[int] | None,
              on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
         """Queue the prompts and step the engine until they finish; ``on_finished``
         sees each output as it completes (progress bars). Call under the lock."""
         engine = self.llm_engine
-        processed = self._process_all(prompts, params_list)
+        # One bad prompt refuses the whole call before anything is queued.
+        processed = engine.process_requests(prompts, params_list, priority=priority)
         ids = []
         for i, (inputs, params) in enumerate(processed):
             rid = engine.new_request_id()
@@ -134,13 +122,6 @@ class LLM:
             engine.abort_request([i for i in ids if i not in done])
             raise
         return [done[i] for i in ids]
-
-    def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
-                  priority: list[int] | None,
-                  on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
-        """Deprecated (encdec.transcribe calls it until it uses its own driver)."""
-        with self._lock:
-            return self._run(prompts, params_list, priority, on_finished)
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, prompt: str | None = None,

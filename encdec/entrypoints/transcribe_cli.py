@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from encdec.transcribe import FORMATS, format_transcription
 
@@ -50,27 +51,46 @@ def _bytes(text: str) -> int:
     raise argparse.ArgumentTypeError(f"expected a size like 512MiB, 2GiB or a byte count, got {text!r}")
 
 
+def _usable_output_dir(path: str) -> str | None:
+    """Why ``path`` cannot take the output files, or None. Checked (and created)
+    before any work, so a typo does not cost a whole transcription."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def run_transcribe(args: argparse.Namespace) -> int:
     missing = [f for f in args.files if not os.path.isfile(f)]
     if missing:
         print(f"encdec transcribe: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
-    from encdec import LLM
-    from encdec.transcribe import transcribe
+    if args.num_threads is not None and args.num_threads < 1:
+        print(f"encdec transcribe: --num-threads must be >= 1, got {args.num_threads}", file=sys.stderr)
+        return 2
+    if args.output_dir:
+        why = _usable_output_dir(args.output_dir)
+        if why is not None:
+            print(f"encdec transcribe: cannot write to --output-dir {args.output_dir!r}: {why}",
+                  file=sys.stderr)
+            return 2
+    from encdec import LLM, configure_cpu_runtime
 
     from encdec.models.whisper import default_whisper_model
 
     timestamps = args.timestamps or args.format in ("srt", "vtt")
     try:
+        configure_cpu_runtime(args.num_threads)  # a program owns its process: full CPU speed
         llm = LLM(model=args.model or default_whisper_model(), device=args.device, num_threads=args.num_threads,
                   kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space)
-        results = transcribe(llm, list(args.files), language=args.language, task=args.task,
-                             timestamps=timestamps, prompt=args.prompt, use_tqdm=not args.no_progress)
-    except ValueError as e:
+        results = llm.transcribe(list(args.files), language=args.language, task=args.task,
+                                 timestamps=timestamps, prompt=args.prompt, use_tqdm=not args.no_progress)
+    except (ValueError, TypeError) as e:
         print(f"encdec transcribe: {e}", file=sys.stderr)
         return 2
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
     for path, result in zip(args.files, results):
         text = format_transcription(result, args.format)
         if args.output_dir:

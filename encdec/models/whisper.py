@@ -17,8 +17,9 @@ Engine-facing surface (besides the model class, which mirrors BART's), as regist
   (checkpoint load): the special-token ids the generation config lacks, from the tokenizer.
 - ``load_tokenizer(path)`` (CT2 directories carry only ``tokenizer.json``) and
   ``logits_processors() -> [WhisperLogitsProcessor]``.
-- ``make_audio_processor(hf_config) -> callable(audio) -> ((n_mels, 3000) features, 1500)``
-  for ``InputPreprocessor``; audio past 30 s is cut (``encdec.transcribe`` windows it).
+- ``make_audio_processor(hf_config) -> callable(audios, *, labels) -> [((n_mels, 3000), 1500)]``
+  for ``InputPreprocessor``: a batch of audio inputs, features in batched log-mel
+  calls; audio past 30 s is refused (``encdec.transcribe`` windows it).
 """
 from __future__ import annotations
 
@@ -247,14 +248,41 @@ def logits_processors() -> list[type]:
     return [WhisperLogitsProcessor]
 
 
-def make_audio_processor(hf_config) -> Callable[[Any], tuple[torch.Tensor, int]]:
-    """``audio`` (path, ``(array, sample_rate)`` or 16 kHz 1-D array) -> ((n_mels, 3000), 1500)."""
-    from encdec.audio import load_audio, log_mel_spectrogram
+def make_audio_processor(hf_config) -> Callable[..., list[tuple[torch.Tensor, int]]]:
+    """Registry hook for ``InputPreprocessor``: ``process(audios, *, labels=None)``
+    takes a list of audio inputs (path, ``(array, sample_rate)`` or 16 kHz 1-D
+    array) and returns one ``((n_mels, 3000) features, 1500)`` per input. All are
+    decoded and checked first, then the features come from batched log-mel calls.
+
+    A prompt's audio is one 30 s encoder window: longer audio is refused, not
+    cut (``LLM.transcribe`` windows audio of any length). ``labels`` name the
+    inputs in error messages (default ``audio 0``, ``audio 1``, ...).
+    """
+    from encdec.audio import N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_spectrogram
 
     n_mels, n_pos = hf_config.num_mel_bins, hf_config.max_source_positions
+    # A 30 s input holds ~10 MB during the STFT: batches of this many bound the
+    # peak on long transcriptions and cost within ~10% per input of one big call.
+    mel_batch = 32
 
-    def process(audio: Any) -> tuple[torch.Tensor, int]:
-        return log_mel_spectrogram([load_audio(audio)], n_mels=n_mels)[0], n_pos
+    def process(audios: list[Any], *, labels: list[str] | None = None) -> list[tuple[torch.Tensor, int]]:
+        labels = labels or [f"audio {i}" for i in range(len(audios))]
+        wavs = []
+        for audio, label in zip(audios, labels, strict=True):
+            try:
+                wav = load_audio(audio)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
+            if len(wav) > N_SAMPLES:
+                raise ValueError(f"{label} is {len(wav) / SAMPLE_RATE:.2f} s long, but a prompt's audio is "
+                                 f"one encoder window of at most {N_SAMPLES // SAMPLE_RATE} s; use "
+                                 "LLM.transcribe for longer audio (it windows audio of any length)")
+            wavs.append(wav)
+        out = []
+        for i in range(0, len(wavs), mel_batch):
+            feats = log_mel_spectrogram(wavs[i:i + mel_batch], n_mels=n_mels)  # (B, n_mels, 3000)
+            out += [(f, n_pos) for f in feats]
+        return out
 
     return process
 

@@ -175,31 +175,31 @@ def test_cache_too_small_for_one_longest_request_is_refused(tiny_bart):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_requests_that_can_never_fit_get_an_error_and_the_rest_complete(tiny_bart, reference, mode):
+def test_requests_that_can_never_fit_are_refused_or_fail_and_the_rest_complete(tiny_bart, reference, mode):
     prompts, params, ref = reference
     llm = make_llm(tiny_bart, 12, preemption_mode=mode, max_model_len=96)  # 6 self + 6 cross blocks
+    engine = llm.llm_engine
     picked = [1, 2, 4, 5, 7]
     # Longer than max_model_len (which bounds the encoder prompt): refused before anything runs.
-    too_big = TokensPrompt(prompt_token_ids=[7] * 250)
+    too_long = TokensPrompt(prompt_token_ids=[7] * 250)
     with pytest.raises(ValueError, match="encoder prompt is 250 tokens"):
-        llm.generate([prompts[i] for i in picked[:2]] + [too_big], use_tqdm=False)
+        llm.generate([prompts[i] for i in picked[:2]] + [too_long], use_tqdm=False)
     assert_all_free(llm)
-    # Fits at admission (6 cross blocks, one shared prompt block), but its three forked
-    # sequences need 3 x 6 more blocks than the 12 there are: it ends with an error.
+    # Fits at admission (6 cross blocks), but its three forked sequences need 3 x 6 self
+    # blocks: refused at entry, naming the sizes; nothing of the call is queued.
     outgrows = TokensPrompt(prompt_token_ids=[9] * 90)
     grow = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=90, ignore_eos=True)
-    batch = [outgrows] + [prompts[i] for i in picked]
-    outs = llm.generate(batch, [grow] + [params[i] for i in picked], use_tqdm=False)
-    assert outs[0].finished and "KV cache blocks" in outs[0].error and "kv_cache_memory" in outs[0].error
-    made = [o.token_ids for o in outs[0].outputs]
-    assert all(16 < len(m) < 90 for m in made)  # what it made before it outgrew the cache is returned
-    alone = make_llm(tiny_bart, 64, max_model_len=96).generate(
-        outgrows, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=len(made[0]), ignore_eos=True),
-        use_tqdm=False)
-    assert sorted(o.token_ids for o in alone[0].outputs) == sorted(made)
-    for i, o in zip(picked, outs[1:]):
+    batch = [prompts[i] for i in picked] + [outgrows]
+    with pytest.raises(ValueError, match=r"^(prompt 5: )?the request can never fit the KV cache: it needs "
+                                         r"up to \d+ blocks .* but the cache has 12 blocks"):
+        llm.generate(batch, [params[i] for i in picked] + [grow], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt 1: .*but the cache has 12 blocks"):
+        engine.process_requests([prompts[1], outgrows], [params[1], grow])
+    assert_all_free(llm)
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate([prompts[i] for i in picked], [params[i] for i in picked], use_tqdm=False)
+    for i, o in zip(picked, outs):
         assert o.error is None and summary(o) == summary(ref[i])
-    assert llm.llm_engine.scheduler.stats.num_ignored == 1
     assert_all_free(llm)
 
 

@@ -1,0 +1,53 @@
+"""How many KV blocks a request may hold at once, by the block manager's and the
+scheduler's own arithmetic, so the engine can refuse at entry a request that
+could never finish (the scheduler would end it mid-run with an error).
+Pure arithmetic on ints: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVNeed:
+    total: int  # blocks the request may need at once, reserve included
+    self_attention: int  # decoder self-attention blocks at the peak, all sequences
+    cross_attention: int  # cross-attention blocks (one table per request)
+
+    @property
+    def reserve(self) -> int:
+        """Blocks the scheduler's checks ask for beyond what the request holds."""
+        return self.total - self.self_attention - self.cross_attention
+
+
+def kv_blocks_needed(dec_len: int, enc_len: int, *, max_tokens: int, best_of: int,
+                     block_size: int, watermark_blocks: int) -> KVNeed:
+    """The worst case of one request (decoder prompt ``dec_len``, encoder length
+    ``enc_len``, ``best_of`` sequences of up to ``max_tokens`` new tokens):
+
+      self     the prompt's full blocks, shared by the best_of sequences, plus
+               each sequence's own blocks up to prompt + max_tokens - 1 tokens
+               (the last sampled token's KV is never written); the first
+               decode step asks for a copy of a shared partial block per
+               sequence (can_append_slots counts the last sharer too)
+      cross    the encoder length, once per request
+      reserve  a preempted group with one live sequence may be recomputed:
+               prompt + outputs + cross must then leave the watermark free
+               (can_allocate); a swapped group of several sequences resumes
+               only with a spare block per sequence (can_swap_in)
+    """
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    cross, prompt_blocks = blocks(enc_len), blocks(dec_len)
+    last = dec_len + max_tokens - 1
+    if max_tokens == 1:  # the prefill samples every sequence; no decode step
+        self_peak = prompt_blocks
+    else:
+        full = dec_len // block_size
+        self_peak = full + best_of * (blocks(last) - full)
+        if best_of > 1 and dec_len % block_size:
+            self_peak = max(self_peak, prompt_blocks + best_of)
+    spare = best_of if best_of > 1 else 0
+    total = max(self_peak + cross + spare, blocks(last) + cross + watermark_blocks)
+    return KVNeed(total, self_peak, cross)
