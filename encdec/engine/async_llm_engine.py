@@ -140,10 +140,12 @@ class AsyncLLMEngine:
         self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        queues = [asyncio.Queue() for _ in requests]
         for r in requests:
             if r.request_id in self._streams:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
-            self._streams[r.request_id] = asyncio.Queue()
+        # Registered before the engine sees them: outputs may come before ``done`` resolves.
+        self._streams.update((r.request_id, q) for r, q in zip(requests, queues))
         self._commands.put(("add", requests, done))
         try:
             await done
@@ -153,7 +155,7 @@ class AsyncLLMEngine:
             if not done.done():  # cancelled while the engine thread adds: abort what it adds
                 self._commands.put(("abort", [r.request_id for r in requests], None))
             raise
-        return [self._iterate(r.request_id) for r in requests]
+        return [self._iterate(r.request_id, q) for r, q in zip(requests, queues)]
 
     async def generate(self, prompt: Any, params: Any, request_id: str, *, priority: int = 0,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
@@ -168,10 +170,7 @@ class AsyncLLMEngine:
         if live:
             self._commands.put(("abort", live, None))
 
-    async def _iterate(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        q = self._streams.get(request_id)
-        if q is None:
-            raise EngineDeadError(f"request {request_id} lost its output stream")
+    async def _iterate(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:

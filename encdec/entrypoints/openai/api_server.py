@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 import time
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,20 @@ from encdec.entrypoints.openai.serving_completion import CompletionServer
 
 logger = logging.getLogger("encdec")
 _START = time.time()  # "created" of /v1/models
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its body iterator however the response ends (a client gone mid-stream
+    included), so the requests behind it are aborted now, not at garbage collection."""
+
+    def __init__(self, body):
+        super().__init__(body, media_type="text/event-stream")
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -141,7 +156,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
         result = await state.completions.create(req, raw.is_disconnected)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        return _SSEResponse(result)
 
     async def audio(raw: Request, task: str) -> Response:
         if state.transcriptions is None:
@@ -175,6 +190,10 @@ def serve(args: argparse.Namespace) -> int:
                     max_audio_mb=args.max_audio_mb, metrics=metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=60, access_log=False)
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler in
+    # place before it started: make that one a no-op, so a drained server exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.Server(config).run()
     return 0
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -186,38 +187,44 @@ class CompletionServer:
 
     async def _stream(self, req: CompletionRequest, base: str, created: int,
                       streams: list[AsyncIterator[RequestOutput]], hold: int) -> AsyncIterator[str]:
-        """One chunk per choice that moved; while a stop string could still end a
-        choice, its last ``hold`` characters wait (the stop string is cut from the text)."""
         head = {"id": base, "object": "text_completion", "created": created, "model": self.model_name}
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
-        closed: set[int] = set()  # choices whose finish_reason was sent
-        last: dict[int, RequestOutput] = {}
         try:
-            async for i, out in _merge(streams):
-                last[i] = out
-                if out.error:
-                    raise APIError(400, out.error, param="prompt")
-                for c in out.outputs:
-                    index = i * req.n + c.index
-                    chars, ntok = sent.get(index, (0, 0))
-                    done = c.finish_reason is not None
-                    end = len(c.text) if done else max(chars, len(c.text) - hold)
-                    if index in closed or (end == chars and len(c.token_ids) == ntok and not done):
-                        continue
-                    choice = {"index": index, "text": c.text[chars:end],
-                              "logprobs": self._logprobs(req, c, ntok, None, chars),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    sent[index] = (end, len(c.token_ids))
-                    if done:
-                        closed.add(index)
-                    yield _sse({**head, "choices": [choice]})
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(list(last.values()))})
+            async with contextlib.aclosing(_merge(streams)) as merged:
+                async for line in self._chunks(req, head, merged, hold):
+                    yield line
         except APIError as e:
             yield _sse(e.response_body())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
             yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_error").response_body())
         yield "data: [DONE]\n\n"
+
+    async def _chunks(self, req: CompletionRequest, head: dict, merged: AsyncIterator[tuple[int, RequestOutput]],
+                      hold: int) -> AsyncIterator[str]:
+        """One chunk per choice that moved; while a stop string could still end a
+        choice, its last ``hold`` characters wait (the stop string is cut from the text)."""
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        closed: set[int] = set()  # choices whose finish_reason was sent
+        last: dict[int, RequestOutput] = {}
+        async for i, out in merged:
+            last[i] = out
+            if out.error:
+                raise APIError(400, out.error, param="prompt")
+            for c in out.outputs:
+                index = i * req.n + c.index
+                chars, ntok = sent.get(index, (0, 0))
+                done = c.finish_reason is not None
+                end = len(c.text) if done else max(chars, len(c.text) - hold)
+                if index in closed or (end == chars and len(c.token_ids) == ntok and not done):
+                    continue
+                choice = {"index": index, "text": c.text[chars:end],
+                          "logprobs": self._logprobs(req, c, ntok, None, chars),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                sent[index] = (end, len(c.token_ids))
+                if done:
+                    closed.add(index)
+                yield _sse({**head, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": usage(list(last.values()))})
 
 
 def _sse(obj: dict) -> str:
@@ -234,8 +241,9 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
         return
     q: asyncio.Queue = asyncio.Queue()
 
