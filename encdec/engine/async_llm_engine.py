@@ -297,6 +297,14 @@ class AsyncLLMEngine:
         return stats
 
 
+async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last (finished) output of a request's stream."""
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
 def _arrival(finished: list[RequestOutput], request_id: str) -> float:
     out = next(o for o in finished if o.request_id == request_id)
     return out.metrics.arrival_time

@@ -91,7 +91,7 @@ def bart_server(tiny_bart, tmp_path_factory):
 @pytest.fixture(scope="session")
 def whisper_server(ct2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("whisper_server") / "server.log"
-    server = start_server(ct2_dir, log, "--served-model-name", "tiny.en", "--max-audio-mb", "1",
+    server = start_server(str(ct2_dir), log, "--served-model-name", "tiny.en", "--max-audio-mb", "2",
                           "--kv-cache-memory", str(256 << 20), "--swap-space", "0.1")
     yield server
     stop_server(server)
@@ -102,3 +102,28 @@ def client(bart_server):
     from openai import OpenAI
 
     return OpenAI(base_url=bart_server.v1, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+SPEECH = REPO / "tests" / "data" / "speech"
+
+
+@pytest.fixture(scope="session")
+def whisper_llm(ct2_dir):
+    from encdec import LLM
+
+    return LLM(str(ct2_dir), kv_cache_memory=256 << 20, swap_space=0.1)
+
+
+@pytest.fixture(scope="session")
+def long_wav(tmp_path_factory) -> Path:
+    """~45 s of speech (twelve clips with short pauses): more than one 30 s window."""
+    import numpy as np
+    import soundfile as sf
+
+    parts = []
+    for i in range(12):
+        wav, sr = sf.read(SPEECH / f"s{i:02d}.wav", dtype="float32")
+        parts += [wav, np.zeros(sr // 4, dtype=np.float32)]
+    path = tmp_path_factory.mktemp("long") / "long.wav"
+    sf.write(path, np.concatenate(parts), 16000, subtype="PCM_16")
+    return path

@@ -17,7 +17,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 import encdec
 from encdec.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
@@ -25,23 +25,10 @@ from encdec.entrypoints.openai.cli_args import engine_args_from
 from encdec.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from encdec.entrypoints.openai.protocol import APIError, CompletionRequest
 from encdec.entrypoints.openai.serving_completion import CompletionServer
+from encdec.entrypoints.openai.sse import SSEResponse
 
 logger = logging.getLogger("encdec")
 _START = time.time()  # "created" of /v1/models
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes its body iterator however the response ends (a client gone mid-stream
-    included), so the requests behind it are aborted now, not at garbage collection."""
-
-    def __init__(self, body):
-        super().__init__(body, media_type="text/event-stream")
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -156,7 +143,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
         result = await state.completions.create(req, raw.is_disconnected)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return _SSEResponse(result)
+        return SSEResponse(result)
 
     async def audio(raw: Request, task: str) -> Response:
         if state.transcriptions is None:

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from encdec import sampling_params as _sp
-from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest
+from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_output
 from encdec.entrypoints.openai.protocol import APIError, CompletionRequest
+from encdec.entrypoints.openai.sse import DONE, sse
 from encdec.inputs import ExplicitEncoderDecoderPrompt, TokensPrompt
 from encdec.outputs import CompletionOutput, RequestOutput
 from encdec.sampling_params import SamplingParams
@@ -137,7 +137,7 @@ class CompletionServer:
         if req.stream:
             hold = getattr(params, "output_text_buffer_length", 0)
             return self._stream(req, base, created, streams, hold)
-        collect = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+        collect = asyncio.ensure_future(asyncio.gather(*(final_output(s) for s in streams)))
         while not collect.done():
             await asyncio.wait([collect], timeout=1.0)
             if not collect.done() and await is_disconnected():
@@ -193,10 +193,10 @@ class CompletionServer:
                 async for line in self._chunks(req, head, merged, hold):
                     yield line
         except APIError as e:
-            yield _sse(e.response_body())
+            yield sse(e.response_body())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield _sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_error").response_body())
-        yield "data: [DONE]\n\n"
+            yield sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_error").response_body())
+        yield DONE
 
     async def _chunks(self, req: CompletionRequest, head: dict, merged: AsyncIterator[tuple[int, RequestOutput]],
                       hold: int) -> AsyncIterator[str]:
@@ -222,20 +222,9 @@ class CompletionServer:
                 sent[index] = (end, len(c.token_ids))
                 if done:
                     closed.add(index)
-                yield _sse({**head, "choices": [choice]})
+                yield sse({**head, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(list(last.values()))})
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    out = None
-    async for out in stream:
-        pass
-    return out
+            yield sse({**head, "choices": [], "usage": usage(list(last.values()))})
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

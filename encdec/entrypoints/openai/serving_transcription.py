@@ -1,0 +1,232 @@
+"""``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` over ``AsyncLLMEngine``.
+
+A file becomes a job (30 s windows, their prompts and params); the job's
+requests run on the shared engine next to everyone else's, and its result is
+written in the asked format: json, text, srt, vtt (text/plain bodies, so the
+``openai`` SDK returns ``str``) or verbose_json. ``stream=true`` sends
+``transcript.text.delta`` events as windows finish in order, then
+``transcript.text.done`` with the whole text and the usage, as the SDK's
+``TranscriptionStreamEvent`` parses them.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+
+from encdec.audio import load_audio
+from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_output
+from encdec.entrypoints.openai.metrics import ServerMetrics
+from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
+from encdec.entrypoints.openai.sse import DONE, SSEResponse, sse
+from encdec.entrypoints.openai.window_job import WindowJob
+from encdec.transcribe import Transcription, format_transcription
+
+_LANGUAGE_NAMES = {"en": "english"}  # verbose_json names the language in full, as OpenAI does
+
+
+def _form_fields(form: Any) -> dict[str, Any]:
+    """Multipart fields -> a dict for ``TranscriptionRequest`` (``x[]`` keys are lists)."""
+    out: dict[str, Any] = {}
+    for key in set(form.keys()) - {"file"}:
+        if key.endswith("[]"):
+            out[key[:-2]] = form.getlist(key)
+        else:
+            out[key] = form.get(key)
+    return out
+
+
+def _decode(data: bytes, filename: str) -> Any:
+    """Uploaded bytes -> 16 kHz samples (librosa reads paths: a temporary file)."""
+    suffix = os.path.splitext(filename)[1][:10]
+    with tempfile.NamedTemporaryFile(suffix=suffix) as f:
+        f.write(data)
+        f.flush()
+        try:
+            return load_audio(f.name)
+        except ValueError as e:
+            msg = str(e).replace(f"audio file {f.name!r}", "it")
+            raise APIError(400, f"could not decode the audio file {filename!r}: {msg}", param="file") from None
+
+
+class TranscriptionServer:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    @staticmethod
+    def supports(engine: AsyncLLMEngine) -> bool:
+        gc = getattr(engine.engine, "generation_config", None)
+        return getattr(gc, "no_timestamps_token_id", None) is not None
+
+    async def handle(self, raw: Request, task: str, state: Any) -> Response:
+        ctype = raw.headers.get("content-type", "")
+        if not ctype.startswith("multipart/form-data"):
+            raise APIError(415, f"send the audio as multipart/form-data (got content-type {ctype!r})",
+                           param="file")
+        limit = state.max_audio_bytes
+        length = raw.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit + (1 << 20):
+            raise APIError(413, f"the upload is {int(length)} bytes, over the server's limit of "
+                           f"{limit} bytes of audio (--max-audio-mb)", param="file")
+        try:
+            form = await raw.form(max_files=1, max_fields=64)
+        except Exception as e:  # noqa: BLE001 - starlette's multipart errors, malformed bodies
+            raise APIError(400, f"could not read the multipart form: {e}") from None
+        try:
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                raise APIError(400, "file is required: the audio as a multipart file field", param="file")
+            try:
+                req = TranscriptionRequest.model_validate(_form_fields(form))
+            except ValidationError as e:
+                raise _refusal(e) from None
+            state.check_model(req.model)
+            self._refuse_unsupported(req, task)
+            data = await upload.read()
+            if len(data) > limit:
+                raise APIError(413, f"the audio file is {len(data)} bytes, over the server's limit of "
+                               f"{limit} bytes (--max-audio-mb)", param="file")
+            if not data:
+                raise APIError(400, "the audio file is empty", param="file")
+            wav = await asyncio.to_thread(_decode, data, upload.filename or "audio")
+        finally:
+            await form.close()
+        try:
+            job = await asyncio.to_thread(self._job, wav, req, task)
+        except ValueError as e:
+            param = "language" if "language" in str(e) else "model" if "English-only" in str(e) else None
+            raise APIError(400, str(e), param=param) from None
+        base = f"trsc-{uuid.uuid4().hex}"
+        if req.stream:
+            return SSEResponse(self._stream(job, base))
+        result = await run_job(self.engine, job, base, raw.is_disconnected)
+        self.metrics.audio_seconds.inc(job.duration)
+        return self._format(result, job, req, task)
+
+    @staticmethod
+    def _refuse_unsupported(req: TranscriptionRequest, task: str) -> None:
+        if req.timestamp_granularities and req.response_format != "verbose_json":
+            raise APIError(400, "timestamp_granularities needs response_format=verbose_json",
+                           param="timestamp_granularities")
+        if "word" in req.timestamp_granularities:
+            raise APIError(400, "word timestamps are not available in this build",
+                           param="timestamp_granularities")
+        if req.stream and req.response_format not in ("json", "text"):
+            raise APIError(400, f"stream=true gives text events; response_format "
+                           f"{req.response_format!r} cannot be streamed", param="stream")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if not 0.0 <= req.temperature <= 1.0:
+            raise APIError(400, f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
+
+    def _job(self, wav: Any, req: TranscriptionRequest, task: str) -> WindowJob:
+        timestamps = req.response_format in ("srt", "vtt", "verbose_json")
+        return WindowJob(wav, engine=self.engine.engine, language=req.language, task=task,
+                         timestamps=timestamps, prompt=req.prompt, temperature=req.temperature)
+
+    def _format(self, t: Transcription, job: WindowJob, req: TranscriptionRequest, task: str) -> Response:
+        fmt = req.response_format
+        if fmt == "text":
+            return PlainTextResponse(format_transcription(t, "txt"))
+        if fmt in ("srt", "vtt"):
+            return PlainTextResponse(format_transcription(t, fmt))
+        usage = {"type": "duration", "seconds": round(job.duration, 3)}
+        if fmt == "json":
+            return JSONResponse({"text": t.text, "usage": usage})
+        segments = [{"id": i, **asdict(s)} for i, s in enumerate(t.segments)]
+        return JSONResponse({"task": task, "language": _LANGUAGE_NAMES.get(t.language, t.language),
+                             "duration": job.duration, "text": t.text, "segments": segments,
+                             "usage": usage})
+
+    async def _stream(self, job: WindowJob, base: str) -> AsyncIterator[str]:
+        sent = ""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def progress() -> None:
+            queue.put_nowait(job.committed_text())
+
+        task = asyncio.ensure_future(run_job(self.engine, job, base, None, progress))
+        try:
+            while not task.done() or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                text = getter.result()
+                if text.startswith(sent) and len(text) > len(sent):
+                    yield sse({"type": "transcript.text.delta", "delta": text[len(sent):]})
+                    sent = text
+            t = task.result()
+            if t.text != sent and t.text.startswith(sent):
+                yield sse({"type": "transcript.text.delta", "delta": t.text[len(sent):]})
+            self.metrics.audio_seconds.inc(job.duration)
+            audio_tokens = 1500 * len(job.windows)  # encoder positions per 30 s window
+            yield sse({"type": "transcript.text.done", "text": t.text, "usage": {
+                "type": "tokens", "input_tokens": audio_tokens + job.prompt_tokens,
+                "output_tokens": job.output_tokens,
+                "total_tokens": audio_tokens + job.prompt_tokens + job.output_tokens,
+                "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": job.prompt_tokens}}})
+        except APIError as e:
+            yield sse(e.response_body())
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse(APIError(500, f"{type(e).__name__}: {e}", type="internal_error").response_body())
+        finally:
+            task.cancel()
+        yield DONE
+
+
+def _refusal(e: ValidationError) -> APIError:
+    parts, first = [], None
+    for err in e.errors():
+        name = ".".join(str(x) for x in err.get("loc", ())) or "form"
+        first = first or name
+        parts.append(f"unsupported field {name!r}" if err.get("type") == "extra_forbidden"
+                     else f"{name}: {err.get('msg')}")
+    return APIError(400, "; ".join(parts), param=first)
+
+
+async def run_job(engine: AsyncLLMEngine, job: Any, base: str, is_disconnected: Callable | None,
+                  on_output: Callable[[], None] | None = None) -> Transcription:
+    """Submit the job's requests as it asks for them, feed back each output, return
+    its result. Leaving early (error, client gone) aborts what is still running."""
+    tasks: dict[asyncio.Future, Any] = {}
+    counter = 0
+    try:
+        while not job.done:
+            batch = job.next_requests()
+            if batch:
+                requests = [AsyncRequest(f"{base}-{counter + i}", p, sp) for i, (_, p, sp) in enumerate(batch)]
+                counter += len(batch)
+                try:
+                    streams = await engine.add_requests(requests)
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e)) from None
+                for (ticket, _, _), s in zip(batch, streams):
+                    tasks[asyncio.ensure_future(final_output(s))] = ticket
+            if not tasks:
+                raise RuntimeError("transcription job is not done but asks for no requests")
+            done, _ = await asyncio.wait(list(tasks), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if not done and is_disconnected is not None and await is_disconnected():
+                raise APIError(499, "client closed the request")
+            for t in done:
+                out = t.result()
+                if out.error:
+                    raise APIError(400, out.error, param="file")
+                job.add_output(out, tasks.pop(t))
+                if on_output is not None:
+                    on_output()
+        return job.result()
+    finally:
+        for t in tasks:
+            t.cancel()
