@@ -1,0 +1,41 @@
+"""Transcription as jobs: one audio input -> one ``Transcription``, expressed as
+a series of ordinary engine requests, so that any driver can run it.
+
+The protocol (``TranscriptionJob``)::
+
+    job = TranscriptionJob(engine, audio, options, index=i)  # decodes the audio once
+    while not job.done:
+        for req in job.next_requests():       # JobRequest(ticket, prompt, params)
+            submit req.prompt, req.params      # engine.process_request + add_processed_request
+        ... when a submitted request finishes with RequestOutput `out`:
+        job.add_output(out, req.ticket)        # may make new requests appear
+    job.result()                               # -> Transcription
+
+A job never touches the engine after construction (it reads ``tokenizer``,
+``hf_config`` and ``generation_config`` there): it only says what to run next
+and folds results in, so the same job runs under ``encdec.transcribe.run_jobs``
+(synchronous, all jobs of a call in one continuous batch) and under an asyncio
+server that owns the engine loop (submit a job's requests, route each finished
+output back by request id -> (job, ticket), ask ``next_requests()`` again after
+every ``add_output``, abort the job's open requests if the client goes away).
+``next_requests()`` hands each request out once; ``done`` is true when nothing
+is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds.
+
+Today's algorithm (``TranscriptionJob``): language detection on multilingual
+models when no language is given (one step restricted to language tokens), then
+all 30 s windows of the file at once, cut at the quietest 100 ms of each
+window's last 5 s. openai/whisper's sequential long-form algorithm (seek to the
+last timestamp, temperature fallback, conditioning on the previous text) fits
+the same protocol: a job that asks for one window at a time, and on each output
+either asks for a retry of that window (new ticket, higher temperature) or for
+the next window with the seek moved and the previous text in its prompt. The
+driver needs no change: it already admits a job's next request the step its
+previous one finishes, while other files' requests keep the batch full.
+"""
+from __future__ import annotations
+
+from encdec.transcription.job import JobRequest, TranscribeOptions, TranscriptionJob
+from encdec.transcription.result import FORMATS, Segment, Transcription, format_transcription
+
+__all__ = ["FORMATS", "JobRequest", "Segment", "TranscribeOptions", "Transcription", "TranscriptionJob",
+           "format_transcription"]

@@ -1,0 +1,184 @@
+"""``TranscriptionJob``: one audio input -> one ``Transcription``, as a series of
+engine requests. The job decides what to ask; a driver (``encdec.transcribe``
+for ``LLM.transcribe``, the HTTP server's asyncio loop) submits, steps and
+routes outputs back. See ``encdec.transcription`` for the protocol."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from encdec.audio import SAMPLE_RATE, load_audio
+from encdec.inputs import PromptType
+from encdec.outputs import RequestOutput
+from encdec.sampling_params import SamplingParams
+from encdec.transcription.result import Segment, Transcription
+from encdec.transcription.windows import cut_windows, segments_from_tokens
+
+_PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    """How to transcribe; the same for every input of a call. Types are checked
+    here, model-dependent values by ``validate(engine)``."""
+
+    language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
+    task: str = "transcribe"  # "transcribe" | "translate"
+    timestamps: bool = False  # segments from timestamp tokens; False: one segment per window
+    prompt: str | None = None  # text the speech continues (names, spelling), as <|startofprev|> + text
+    sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
+
+    def __post_init__(self) -> None:
+        for name in ("language", "prompt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        if not isinstance(self.task, str):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        if not isinstance(self.timestamps, (bool, np.bool_)):
+            raise TypeError(f"timestamps must be a bool, got {type(self.timestamps).__name__}")
+        if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
+
+    def validate(self, engine: Any) -> None:
+        """Refuse what this engine's model cannot do (not Whisper, an unknown
+        language, translate on an English-only model, sampling params outside its
+        vocabulary) before any input is decoded or any request queued."""
+        from encdec.models.whisper import default_decoder_prompt
+
+        gc = getattr(engine, "generation_config", None)
+        if getattr(gc, "no_timestamps_token_id", None) is None:
+            raise ValueError(f"transcribe needs a Whisper model; this engine runs "
+                             f"{getattr(getattr(engine, 'hf_config', None), 'model_type', '?')}")
+        dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
+                                     timestamps=self.timestamps)
+        if self.sampling_params is not None:
+            engine.process_request(_window_prompt(_PROBE, dec), self.sampling_params)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One engine request a job asks for."""
+
+    ticket: int  # job-local id; give it back with the output to ``add_output``
+    prompt: PromptType  # audio window (16 kHz array) + decoder prompt ids
+    params: SamplingParams
+
+
+def _window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
+            "decoder_prompt": {"prompt_token_ids": dec_ids}}
+
+
+class TranscriptionJob:
+    """One audio input (path, ``(array, sample_rate)`` or 16 kHz 1-D array) ->
+    a ``Transcription``, as a series of engine requests.
+
+    Today's algorithm: on a multilingual model without a language, one greedy
+    step on ``<|startoftranscript|>`` over the language tokens of the first
+    window; then every window of the file at once (windows are fixed by the
+    audio alone, see ``cut_windows``), segments from each window's tokens.
+    """
+
+    def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
+        from encdec.models.whisper import language_token
+
+        self.index = index  # position of this input in its call, for error messages
+        self.options = options
+        try:
+            wav = load_audio(audio)  # the one decode (and resample) of this input
+        except ValueError as e:
+            raise ValueError(f"audio input {index}: {e}") from None
+        self.duration = len(wav) / SAMPLE_RATE  # seconds of audio
+        self._windows = cut_windows(wav)  # (start sample, 16 kHz samples), views of wav
+        self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
+        self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
+        self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
+        self._prev = self._prompt_ids(options.prompt)
+        self._tokens: list[list[int] | None] = [None] * len(self._windows)  # per window, once done
+        self._asked: dict[int, int | None] = {}  # ticket -> window index (None: language detection)
+        self._ready: list[JobRequest] = []  # asked for, not yet handed out
+        self._num_asked = 0
+        self.language: str | None = None  # language code, once known
+        if not self._multilingual:
+            self._start_windows("en")
+        elif options.language is None:
+            lang_ids = sorted(self._gc.lang_to_id.values())
+            detect = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=lang_ids)
+            self._ask(None, _window_prompt(self._windows[0][1], [self._gc.decoder_start_token_id]), detect)
+        else:
+            token = language_token(self._gc, options.language)
+            self._start_windows(next(k[2:-2] for k, v in self._gc.lang_to_id.items() if v == token))
+
+    # -- the protocol --------------------------------------------------------------
+    def next_requests(self) -> list[JobRequest]:
+        """Requests to submit now, each handed out once; [] while waiting on outputs."""
+        out, self._ready = self._ready, []
+        return out
+
+    def add_output(self, output: RequestOutput, ticket: int) -> None:
+        """The finished output of the request this job handed out as ``ticket``."""
+        if ticket not in self._asked:
+            raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
+        if getattr(output, "error", None):
+            raise ValueError(f"audio input {self.index}: {output.error}")
+        window = self._asked.pop(ticket)
+        tokens = output.outputs[0].token_ids
+        if window is None:
+            by_id = {v: k[2:-2] for k, v in self._gc.lang_to_id.items()}
+            self._start_windows(by_id[tokens[0]])
+        else:
+            self._tokens[window] = list(tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.language is not None and not self._asked and not self._ready
+
+    @property
+    def seconds_done(self) -> float:
+        """Seconds of audio transcribed so far (progress bars)."""
+        if self.done:
+            return self.duration
+        return sum(len(w) for (_, w), t in zip(self._windows, self._tokens) if t is not None) / SAMPLE_RATE
+
+    def result(self) -> Transcription:
+        if not self.done:
+            raise RuntimeError(f"audio input {self.index}: result() before the job is done")
+        ts_begin, eot = self._gc.no_timestamps_token_id + 1, self._gc.eos_token_id
+        segments: list[Segment] = []
+        for (start, window), tokens in zip(self._windows, self._tokens):
+            offset = start / SAMPLE_RATE
+            segments += segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
+                                             eot, self._tokenizer, self.options.timestamps)
+        text = "".join(s.text for s in segments).strip()
+        for s in segments:
+            s.text = s.text.strip()
+        return Transcription(text, segments, self.language, self.duration)
+
+    # -- steps -----------------------------------------------------------------------
+    def _ask(self, window: int | None, prompt: dict, params: SamplingParams) -> None:
+        ticket = self._num_asked  # never reused, so a retry of a window gets its own ticket
+        self._num_asked += 1
+        self._asked[ticket] = window
+        self._ready.append(JobRequest(ticket, prompt, params))
+
+    def _start_windows(self, language: str) -> None:
+        from encdec.models.whisper import default_decoder_prompt
+
+        self.language = language
+        opts = self.options
+        dec = self._prev + default_decoder_prompt(self._hf_config, self._gc,
+                                                  language=language if self._multilingual else None,
+                                                  task=opts.task, timestamps=opts.timestamps)
+        for i, (_, window) in enumerate(self._windows):
+            self._ask(i, _window_prompt(window, dec), self._params)
+
+    def _prompt_ids(self, prompt: str | None) -> list[int]:
+        """HF ``get_prompt_ids``: ``<|startofprev|>`` + " text", keeping at most
+        ``max_length // 2 - 1`` text tokens."""
+        if not prompt:
+            return []
+        text_ids = self._tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        return [self._gc.prev_sot_token_id] + text_ids[-(self._hf_config.max_target_positions // 2 - 1):]
