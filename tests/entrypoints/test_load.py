@@ -101,3 +101,36 @@ def test_200_streaming_clients_50_hang_ups_and_exact_counters(bart_server, bart_
     aborted = m["vllm:request_success_total{finished_reason=abort}"] - after["vllm:request_success_total{finished_reason=abort}"]
     finished = m["vllm:request_success_total{finished_reason=length}"] - after["vllm:request_success_total{finished_reason=length}"]
     assert aborted + finished == 50 and aborted >= 45  # a hang-up can lose the race to the last token
+
+
+def test_20_concurrent_transcription_clients(whisper_server, whisper_llm):
+    from openai import AsyncOpenAI
+
+    from encdec.transcription import format_transcription
+
+    from .conftest import SPEECH
+
+    clips = [SPEECH / f"s{i:02d}.wav" for i in range(20)]
+    refs = whisper_llm.transcribe([str(c) for c in clips], use_tqdm=False)
+    before = whisper_server.metrics()
+
+    async def main():
+        async with AsyncOpenAI(base_url=whisper_server.v1, api_key="x", max_retries=0, timeout=180) as client:
+            async def one(i, clip):
+                data = (clip.name, clip.read_bytes())
+                if i % 2:  # half stream, half plain text
+                    events = [e async for e in await client.audio.transcriptions.create(
+                        model="tiny.en", file=data, stream=True)]
+                    assert "".join(e.delta for e in events[:-1]) == events[-1].text
+                    return events[-1].text + "\n"
+                return await client.audio.transcriptions.create(model="tiny.en", file=data,
+                                                                response_format="text")
+            return await asyncio.wait_for(asyncio.gather(*(one(i, c) for i, c in enumerate(clips))), 170)
+
+    assert asyncio.run(main()) == [format_transcription(r, "txt") for r in refs]
+    after = whisper_server.metrics()
+    seconds = after["encdec:audio_seconds_transcribed_total{}"] - before["encdec:audio_seconds_transcribed_total{}"]
+    assert seconds == pytest.approx(sum(r.duration for r in refs), abs=1e-3)
+    stops = after["vllm:request_success_total{finished_reason=stop}"] - before["vllm:request_success_total{finished_reason=stop}"]
+    assert stops == 20  # one 30 s window per clip, each ended by <|endoftext|>
+    assert after["vllm:kv_cache_usage_perc{}"] == 0
