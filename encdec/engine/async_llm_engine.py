@@ -262,11 +262,17 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001 - a bad request is its caller's error, not the engine's
             self._loop.call_soon_threadsafe(_settle, done, e)
             return
-        for r, (inputs, params) in zip(payload, processed):
-            engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
-                                         priority=r.priority)
-            if r.stream:
-                self._streamed.add(r.request_id)
+        added = []
+        try:
+            for r, (inputs, params) in zip(payload, processed):
+                engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
+                                             priority=r.priority)
+                added.append(r.request_id)
+        except (ValueError, TypeError) as e:  # e.g. a priority the scheduling policy refuses
+            engine.abort_request(added)
+            self._loop.call_soon_threadsafe(_settle, done, e)
+            return
+        self._streamed.update(r.request_id for r in payload if r.stream)
         self._loop.call_soon_threadsafe(_settle, done, None)
 
     def _stats(self, engine: Any, finished: list[RequestOutput], prompt0: int, gen0: int,

@@ -151,7 +151,7 @@ class CompletionServer:
         for i, o in enumerate(outs):
             for c in o.outputs:
                 choice = {"index": i * req.n + c.index, "text": c.text,
-                          "logprobs": self._logprobs(req, c, 0, None, 0),
+                          "logprobs": self._logprobs(req, c, 0, 0),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(o)
@@ -159,13 +159,13 @@ class CompletionServer:
         return {"id": base, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(outs)}
 
-    def _logprobs(self, req: CompletionRequest, c: CompletionOutput, start: int, end: int | None,
-                  offset: int) -> dict | None:
-        """OpenAI's legacy logprobs object for tokens ``start:end`` of ``c``."""
+    def _logprobs(self, req: CompletionRequest, c: CompletionOutput, start: int, offset: int) -> dict | None:
+        """OpenAI's legacy logprobs object for the tokens of ``c`` from ``start`` on,
+        the first at character ``offset`` of the text."""
         if req.logprobs is None or c.logprobs is None:
             return None
         as_id = req.return_tokens_as_token_ids
-        ids = c.token_ids[start:end]
+        ids = c.token_ids[start:]
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, lps in zip(ids, c.logprobs[start:start + len(ids)]):
             text = self.token_text(tid, as_id)
@@ -217,7 +217,7 @@ class CompletionServer:
                 if index in closed or (end == chars and len(c.token_ids) == ntok and not done):
                     continue
                 choice = {"index": index, "text": c.text[chars:end],
-                          "logprobs": self._logprobs(req, c, ntok, None, chars),
+                          "logprobs": self._logprobs(req, c, ntok, chars),
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 sent[index] = (end, len(c.token_ids))
                 if done:
