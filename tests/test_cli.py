@@ -19,8 +19,3 @@ def test_generate_bad_option_is_a_clear_error(tiny_bart, capsys):
     rc = main(["generate", "--model", tiny_bart, "--max-tokens", "0", "--quiet", "x"])
     assert rc == 2
     assert "max_tokens" in capsys.readouterr().err
-
-
-def test_serve_says_not_built(capsys):
-    assert main(["serve"]) == 2
-    assert "not built yet" in capsys.readouterr().err

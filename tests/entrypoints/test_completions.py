@@ -109,9 +109,13 @@ def test_stream_matches_generate(client, bart_llm):
     ref = bart_llm.generate(PROMPTS[0], sp, use_tqdm=False)[0]
     stream = client.completions.create(
         model="tiny-bart", prompt=PROMPTS[0], n=2, max_tokens=16, temperature=0.8, seed=11,
-        stop=[stop], logprobs=1, stream=True, stream_options={"include_usage": True},
+        stop=[stop], logprobs=1, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
         extra_body={**IDS, "repetition_penalty": 1.2})
-    got = collect_stream(stream)
+    chunks = list(stream)
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert running == sorted(running) and running[0] >= 1  # usage in every chunk, growing
+    got = collect_stream(chunks)
     for i in range(2):
         r = ref.outputs[i]
         assert got[i]["text"] == r.text

@@ -40,6 +40,7 @@ BAD = [
     ({"prompt": [0, 5, 99999]}, 400, ("99999", "vocabulary"), None),
     ({"stop_token_ids": [10**6]}, 400, ("stop_token_ids",), "stop_token_ids"),
     ({"logit_bias": {"999999": 5}}, 400, ("logit_bias",), "logit_bias"),
+    ({"logit_bias": {"the": 5}}, 400, ("logit_bias",), "logit_bias"),
     ({"min_tokens": 9, "max_tokens": 4}, 400, ("min_tokens",), "min_tokens"),
     ({"stream": True, "best_of": 3, "n": 1}, 400, ("best_of",), "best_of"),
     ({"stream_options": {"include_usage": True}}, 400, ("stream_options",), "stream_options"),

@@ -54,6 +54,9 @@ def to_sampling_params(req: CompletionRequest) -> Any:
     if req.length_penalty != 1.0:
         raise APIError(400, "length_penalty applies only with use_beam_search=true",
                        param="length_penalty")
+    bias = req.logit_bias or {}
+    if any(not k.lstrip("-").isdigit() for k in bias):
+        raise APIError(400, f"logit_bias keys must be token ids, got {sorted(bias)[:5]}", param="logit_bias")
     opts: dict[str, Any] = dict(
         n=req.n, best_of=req.best_of, max_tokens=req.max_tokens, stop=req.stop, seed=req.seed,
         logprobs=req.logprobs, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
@@ -205,6 +208,7 @@ class CompletionServer:
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         closed: set[int] = set()  # choices whose finish_reason was sent
         last: dict[int, RequestOutput] = {}
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         async for i, out in merged:
             last[i] = out
             if out.error:
@@ -222,7 +226,10 @@ class CompletionServer:
                 sent[index] = (end, len(c.token_ids))
                 if done:
                     closed.add(index)
-                yield sse({**head, "choices": [choice]})
+                chunk = {**head, "choices": [choice]}
+                if continuous:
+                    chunk["usage"] = usage(list(last.values()))
+                yield sse(chunk)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(list(last.values()))})
 
