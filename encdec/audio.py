@@ -3,7 +3,8 @@
 ``load_audio`` accepts what users have at hand (a path librosa can read, an
 ``(array, sample_rate)`` tuple, or a 16 kHz 1-D array) and returns 16 kHz mono
 float32; problems surface as ``ValueError`` naming the input. Features are
-computed in torch for a whole batch at once (one STFT call), the same recipe as
+computed in torch for a whole batch in one call (a few inputs per STFT, see
+``_CHUNK``), the same recipe as
 ``transformers.WhisperFeatureExtractor``: zero-pad/trim to 30 s, periodic Hann
 window, power spectrum without the last frame, Slaney mel filters, log10
 clamped at 1e-10, floored at max - 8 per input, then ``(x + 4) / 4``.
@@ -113,22 +114,43 @@ def mel_filters(n_mels: int, device: str = "cpu") -> torch.Tensor:
     return torch.from_numpy(fb).to(device, torch.float32)
 
 
+# Inputs per STFT call. On CPU, chunks of a few windows keep the STFT's
+# intermediates (4.8 MB of complex spectrum per window) in cache: 16 windows took
+# ~16 ms each in chunks of 1-4 and ~48 ms each in one call (1 thread, noisy
+# shared host). Chunks also bound memory when a call brings hundreds of windows.
+_CHUNK = {"cpu": 4}
+_CHUNK_OTHER = 64
+
+
 def log_mel_spectrogram(audios: Sequence[np.ndarray | torch.Tensor], n_mels: int = 80,
                         device: str | torch.device = "cpu") -> torch.Tensor:
-    """16 kHz mono waveforms -> (B, n_mels, 3000) log-mel features, one batched STFT."""
+    """16 kHz mono waveforms -> (B, n_mels, 3000) log-mel features, a few inputs per STFT call."""
     if len(audios) == 0:
         return torch.empty(0, n_mels, N_FRAMES)
+    device = torch.device(device)
+    chunk = _CHUNK.get(device.type, _CHUNK_OTHER)
+    if len(audios) <= chunk:
+        return _log_mel(audios, n_mels, device)
+    return torch.cat([_log_mel(audios[i: i + chunk], n_mels, device) for i in range(0, len(audios), chunk)])
+
+
+def _log_mel(audios: Sequence[np.ndarray | torch.Tensor], n_mels: int, device: torch.device) -> torch.Tensor:
     # The window is zero audio after the longest input; frames whose 400-sample
     # window lies in that zero run have zero power, so the STFT runs only up to
     # a margin past it (exact: the reflect padding there mirrors zeros too).
     longest = max(min(int(np.shape(a)[-1]), N_SAMPLES) for a in audios)
     used = min(N_SAMPLES, -(-(longest + 3 * N_FFT // 2) // HOP_LENGTH) * HOP_LENGTH)
-    wav = torch.stack([pad_or_trim(torch.as_tensor(a, dtype=torch.float32), used) for a in audios])
-    wav = wav.to(device)  # (B, used)
+    wav = torch.zeros(len(audios), used)  # (B, used), each input copied in once
+    for i, a in enumerate(audios):
+        a = torch.as_tensor(a, dtype=torch.float32)[:used]
+        wav[i, :a.shape[-1]] = a
+    wav = wav.to(device)
     window = torch.hann_window(N_FFT, device=wav.device)
     stft = torch.stft(wav, N_FFT, HOP_LENGTH, window=window, return_complex=True)  # (B, 201, used/160 + 1)
     frames = min(N_FRAMES, stft.shape[-1])
-    power = (stft[..., :frames].abs() ** 2).contiguous()  # (B, 201, frames)
+    # re^2 + im^2 rather than abs() ** 2: no square root, half the time (measured, 1 thread).
+    ri = torch.view_as_real(stft[..., :frames])  # (B, 201, frames, 2)
+    power = ri[..., 0] ** 2 + ri[..., 1] ** 2  # (B, 201, frames)
     mel = power.new_zeros(len(audios), n_mels, N_FRAMES)
     mel[..., :frames] = mel_filters(n_mels, str(wav.device)) @ power  # (B, n_mels, 3000)
     log_spec = mel.clamp(min=1e-10).log10()

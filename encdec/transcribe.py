@@ -124,7 +124,7 @@ def _process(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]]) -> l
         try:
             return batched([r.prompt for _, r in batch], [r.params for _, r in batch])
         except (ValueError, TypeError):
-            pass  # find the culprit one by one below, to name its audio input
+            pass  # redo one by one below: that names the culprit's audio input (or succeeds)
     out = []
     for job, req in batch:
         try:

@@ -38,6 +38,25 @@ def test_log_mel_matches_hf_feature_extractor(n_mels):
     torch.testing.assert_close(short, ours[[0, 3]], atol=1e-6, rtol=0)
 
 
+def test_log_mel_many_inputs_in_chunks_match_hf():
+    """More inputs than one STFT call takes: chunks of mixed lengths (each chunk
+    trims its own zero tail) still equal HF and the one-at-a-time result."""
+    from transformers import WhisperFeatureExtractor
+
+    from encdec.audio import _CHUNK
+
+    rng = np.random.default_rng(1)
+    lengths = [16000 * 30, 400, 16000 * 3, 16000 * 31, 12345, 16000 * 29, 800, 16000 * 7, 16000 * 30]
+    assert len(lengths) > 2 * _CHUNK["cpu"]
+    audios = [0.1 * rng.standard_normal(n).astype(np.float32) for n in lengths]
+    ref = WhisperFeatureExtractor(feature_size=80)(audios, sampling_rate=16000, return_tensors="pt").input_features
+    ours = log_mel_spectrogram(audios)
+    assert ours.shape == (len(audios), 80, N_FRAMES)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    alone = torch.cat([log_mel_spectrogram([a]) for a in audios])
+    torch.testing.assert_close(ours, alone, atol=1e-6, rtol=0)
+
+
 def test_load_file_any_rate_and_channels(tmp_path):
     stereo = np.stack([tone(1.0, 44100), tone(1.0, 44100, 880.0)], axis=1)  # (n, 2) as soundfile
     path = tmp_path / "stereo.wav"

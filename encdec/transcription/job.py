@@ -124,8 +124,11 @@ class TranscriptionJob:
             raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
         if getattr(output, "error", None):
             raise ValueError(f"audio input {self.index}: {output.error}")
+        completion = output.outputs[0]
+        if completion.finish_reason == "abort":
+            raise RuntimeError(f"audio input {self.index}: request {output.request_id} was aborted")
         window = self._asked.pop(ticket)
-        tokens = output.outputs[0].token_ids
+        tokens = completion.token_ids
         if window is None:
             by_id = {v: k[2:-2] for k, v in self._gc.lang_to_id.items()}
             self._start_windows(by_id[tokens[0]])

@@ -1,0 +1,198 @@
+"""The transcription job protocol on real tiny.en weights: jobs driven by hand
+equal ``LLM.transcribe``; a bad input refuses the whole call and leaves the
+engine empty; a failure mid-run aborts what the call queued; the driver uses
+only the engine's public methods; each input is decoded once."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from encdec.transcribe import _as_inputs
+from encdec.transcription import TranscribeOptions, TranscriptionJob
+
+torch.set_num_threads(1)
+SPEECH = os.path.join(os.path.dirname(__file__), "data", "speech")
+MAX_STEPS = 3000  # bound on engine steps in the hand-driven loop
+
+
+@pytest.fixture(scope="module")
+def llm(ct2_dir):
+    from encdec import LLM
+
+    return LLM(model=str(ct2_dir), num_threads=1, kv_cache_memory=256 * 2**20, swap_space=0.1)
+
+
+@pytest.fixture(scope="module")
+def clips():
+    import soundfile as sf
+
+    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
+    return files, [sf.read(f, dtype="float32")[0] for f in files]
+
+
+@pytest.fixture(scope="module")
+def long_wav(clips):
+    """~45 s of speech with pauses: two windows."""
+    _, wavs = clips
+    gap = np.zeros(16000, np.float32)
+    out = np.concatenate([x for w in wavs[:12] for x in (w, gap)])
+    return out[: 16000 * 45]
+
+
+def assert_engine_empty(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+
+
+def test_jobs_driven_by_hand_equal_transcribe(llm, clips, long_wav):
+    files, _ = clips
+    engine = llm.llm_engine
+    audios = [(long_wav, 16000), files[3]]
+    options = TranscribeOptions(timestamps=True)
+    options.validate(engine)
+    jobs = [TranscriptionJob(engine, a, options, index=i) for i, a in enumerate(audios)]
+    assert jobs[0].duration == pytest.approx(45.0) and 3 < jobs[1].duration < 5
+    in_flight = {}
+
+    def submit(job):
+        for req in job.next_requests():
+            rid = f"by-hand-{job.index}-{req.ticket}"
+            engine.add_request(rid, req.prompt, req.params)
+            in_flight[rid] = (job, req.ticket)
+
+    for job in jobs:
+        submit(job)
+    assert len(in_flight) == 3  # two windows of the long file, one of the clip
+    assert all(job.next_requests() == [] for job in jobs)  # each request is handed out once
+    assert not any(job.done for job in jobs) and jobs[0].seconds_done == 0.0
+    with pytest.raises(RuntimeError, match="before the job is done"):
+        jobs[0].result()
+    last = None
+    for _ in range(MAX_STEPS):
+        if not in_flight:
+            break
+        for out in engine.step():
+            job, ticket = in_flight.pop(out.request_id)
+            job.add_output(out, ticket)
+            submit(job)
+            last = (job, out)
+    assert not in_flight and all(job.done for job in jobs)
+    assert [job.seconds_done for job in jobs] == [job.duration for job in jobs]
+    ours = [job.result() for job in jobs]
+    assert ours == llm.transcribe(audios, timestamps=True, use_tqdm=False)
+    assert "lights" in ours[1].text.lower() and len(ours[0].segments) >= 4
+    assert ours[0].duration == jobs[0].duration and ours[0].language == "en"
+    with pytest.raises(ValueError, match="not an open request"):
+        last[0].add_output(last[1], 0)
+    assert_engine_empty(llm)
+
+
+def test_bad_input_in_a_list_refuses_the_call(llm, clips, tmp_path):
+    files, wavs = clips
+    with pytest.raises(ValueError, match=r"audio input 1: .*does not exist"):
+        llm.transcribe([files[0], str(tmp_path / "missing.wav"), files[1]], use_tqdm=False)
+    assert_engine_empty(llm)
+    with pytest.raises(ValueError, match=r"audio input 2: .*NaN"):
+        llm.transcribe([files[0], wavs[1], (np.full(100, np.nan, np.float32), 16000)], use_tqdm=False)
+    assert_engine_empty(llm)
+    from encdec import SamplingParams
+
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids must be in"):
+        llm.transcribe(files[0], sampling_params=SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(TypeError, match="timestamps must be a bool"):
+        llm.transcribe(files[0], timestamps="yes", use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt must be a str"):
+        llm.transcribe(files[0], prompt=3, use_tqdm=False)
+    assert_engine_empty(llm)
+
+
+class PublicEngine:
+    """The engine seen through its public request API only; anything else raises."""
+
+    PUBLIC = {"tokenizer", "hf_config", "generation_config", "process_request", "process_requests",
+              "add_processed_request", "step", "abort_request", "has_unfinished_requests"}
+
+    def __init__(self, engine, fail_at_step: int | None = None):
+        self._engine, self._fail_at_step, self.used, self.steps = engine, fail_at_step, Counter(), 0
+
+    def __getattr__(self, name):
+        if name not in self.PUBLIC:
+            raise AttributeError(f"transcribe reached LLMEngine.{name}, outside the public request API")
+        self.used[name] += 1
+        return getattr(self._engine, name)
+
+    def step(self):
+        self.used["step"] += 1
+        self.steps += 1
+        if self.steps == self._fail_at_step:
+            raise KeyboardInterrupt("stopped mid-run")
+        return self._engine.step()
+
+
+def test_transcribe_uses_only_public_engine_methods(llm, clips, long_wav):
+    from encdec.transcribe import transcribe
+
+    files, _ = clips
+    engine = PublicEngine(llm.llm_engine)
+    stand_in = SimpleNamespace(llm_engine=engine)  # no generate, no _generate, no counters
+    audios = [files[2], (long_wav, 16000)]
+    assert transcribe(stand_in, audios, use_tqdm=False) == llm.transcribe(audios, use_tqdm=False)
+    assert engine.used["add_processed_request"] == 3 and engine.used["step"] > 0
+    assert set(engine.used) <= PublicEngine.PUBLIC
+    root = os.path.join(os.path.dirname(__file__), "..", "encdec")
+    for path in [os.path.join(root, "transcribe.py"), *glob.glob(os.path.join(root, "transcription", "*.py"))]:
+        src = open(path).read()
+        assert not re.search(r"\b(llm|engine)\._", src), path
+        assert "request_counter" not in src, path
+
+
+def test_failure_mid_run_aborts_what_the_call_queued(llm, long_wav):
+    from encdec.transcribe import transcribe
+
+    engine = PublicEngine(llm.llm_engine, fail_at_step=3)
+    with pytest.raises(KeyboardInterrupt):
+        transcribe(SimpleNamespace(llm_engine=engine), [(long_wav, 16000)] * 2, use_tqdm=False)
+    assert engine.used["abort_request"] == 1
+    assert_engine_empty(llm)
+    assert llm.transcribe((long_wav[:16000 * 5], 16000), use_tqdm=False)[0].text  # the engine still works
+
+
+def test_each_input_decoded_once(llm, clips, long_wav, monkeypatch):
+    """A path is read once and a 44.1 kHz array resampled once; the windows go to
+    the engine as 16 kHz arrays and are never read or resampled again."""
+    import librosa
+
+    files, _ = clips
+    at_44k = librosa.resample(long_wav, orig_sr=16000, target_sr=44100)
+    calls = Counter()
+    real_load, real_resample = librosa.load, librosa.resample
+
+    def load(*a, **kw):
+        calls["load"] += 1
+        return real_load(*a, **kw)
+
+    def resample(*a, **kw):
+        calls["resample"] += 1
+        return real_resample(*a, **kw)
+
+    monkeypatch.setattr(librosa, "load", load)
+    monkeypatch.setattr(librosa, "resample", resample)
+    results = llm.transcribe([files[3], (at_44k, 44100)], use_tqdm=False)
+    assert calls == {"load": 1, "resample": 1}
+    assert len(results[1].segments) == 2 and "lights" in results[0].text.lower()
+
+
+def test_input_forms():
+    a = np.zeros(10, np.float32)
+    assert len(_as_inputs((a, 16000.0))) == 1 and len(_as_inputs((a, np.int64(8000)))) == 1
+    assert len(_as_inputs((a, a))) == 2 and len(_as_inputs((a, True))) == 2
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        TranscribeOptions(sampling_params={"temperature": 0})
