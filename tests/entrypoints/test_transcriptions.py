@@ -125,3 +125,53 @@ def test_bad_audio_requests_then_good(whisper_server):
         assert word in resp.json()["error"]["message"], resp.json()
         ok = bad(whisper_server, files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "text"})
         assert ok.status_code == 200 and ok.text.strip()
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory, ct2_dir):
+    """A random 2-layer multilingual Whisper (h-whisper's test checkpoint), served and offline."""
+    from pathlib import Path
+
+    import numpy as np
+    import soundfile as sf
+
+    from encdec import LLM
+    from tests.models.test_whisper_multilingual_job import write_multilingual_ct2
+
+    from .conftest import start_server, stop_server
+
+    out = tmp_path_factory.mktemp("ml_whisper")
+    write_multilingual_ct2(out, Path(ct2_dir))
+    t = np.arange(16000 * 4) / 16000
+    clips = []
+    for f in (150, 2500):
+        clips.append(out / f"tone{f}.wav")
+        sf.write(clips[-1], (0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32), 16000, subtype="PCM_16")
+    llm = LLM(str(out), kv_cache_memory=64 << 20, swap_space=0.05)
+    server = start_server(str(out), out / "server.log", "--served-model-name", "ml",
+                          "--kv-cache-memory", str(64 << 20), "--swap-space", "0.05")
+    yield server, llm, clips
+    stop_server(server)
+
+
+def test_multilingual_translation_and_detection_equal_transcribe(multilingual):
+    from openai import OpenAI
+
+    server, llm, clips = multilingual
+    client = OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=120)
+    for clip in clips:
+        with open(clip, "rb") as f:
+            data = f.read()
+        given = llm.transcribe(str(clip), language="de", task="translate", use_tqdm=False)[0]
+        got = client.audio.translations.create(model="ml", file=(clip.name, data), response_format="text",
+                                               extra_body={"language": "de"})
+        assert got == format_transcription(given, "txt")
+        detected = llm.transcribe(str(clip), task="translate", use_tqdm=False)[0]
+        got = client.audio.translations.create(model="ml", file=(clip.name, data))
+        assert got.text == detected.text
+        plain = llm.transcribe(str(clip), timestamps=True, use_tqdm=False)[0]
+        verbose = client.audio.transcriptions.create(model="ml", file=(clip.name, data),
+                                                     response_format="verbose_json")
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        assert verbose.text == plain.text and verbose.language == LANGUAGES[plain.language]

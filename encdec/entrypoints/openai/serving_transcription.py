@@ -33,7 +33,6 @@ from encdec.sampling_params import SamplingParams
 from encdec.transcription import TranscribeOptions, Transcription, TranscriptionJob, format_transcription
 from encdec.transcription.windows import segments_from_tokens
 
-_LANGUAGE_NAMES = {"en": "english"}  # verbose_json names the language in full, as OpenAI does
 
 
 def _form_fields(form: Any) -> dict[str, Any]:
@@ -156,7 +155,10 @@ class TranscriptionServer:
         if fmt == "json":
             return JSONResponse({"text": t.text, "usage": usage})
         segments = [{"id": i, **asdict(s)} for i, s in enumerate(t.segments)]
-        return JSONResponse({"task": task, "language": _LANGUAGE_NAMES.get(t.language, t.language),
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES  # code -> name
+
+        # verbose_json names the language in full ("english"), as OpenAI does.
+        return JSONResponse({"task": task, "language": LANGUAGES.get(t.language, t.language),
                              "duration": t.duration, "text": t.text, "segments": segments,
                              "usage": usage})
 
