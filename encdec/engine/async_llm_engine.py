@@ -164,8 +164,11 @@ class AsyncLLMEngine:
         async for out in it:
             yield out
 
-    def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (finished or unknown ids are ignored); frees their blocks."""
+        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if live:
             self._commands.put(("abort", live, None))
@@ -183,7 +186,7 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if not finished:  # the consumer left (client gone, cancelled): free the request
-                self.abort([request_id])
+                self._abort([request_id])
 
     def _check_alive(self) -> None:
         if self.error is not None:
