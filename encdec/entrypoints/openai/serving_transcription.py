@@ -109,7 +109,7 @@ class TranscriptionServer:
         base = f"trsc-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(job, base))
-        result = await run_job(self.engine, job, base, raw.is_disconnected)
+        result = await run_job(self.engine, job, request_id_prefix=base, is_disconnected=raw.is_disconnected)
         self.metrics.audio_seconds.inc(job.duration)
         return self._format(result, req, task)
 
@@ -126,6 +126,9 @@ class TranscriptionServer:
                            f"{req.response_format!r} cannot be streamed", param="stream")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            raise APIError(400, "continuous_usage_stats is not available for transcriptions (the "
+                           "transcript.text.done event carries the usage)", param="stream_options")
         if not 0.0 <= req.temperature <= 1.0:
             raise APIError(400, f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
 
@@ -165,7 +168,7 @@ class TranscriptionServer:
     async def _stream(self, job: TranscriptionJob, base: str) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
         progress = JobProgress(self.engine.engine, lambda: queue.put_nowait(None))
-        task = asyncio.ensure_future(run_job(self.engine, job, base, None, progress))
+        task = asyncio.ensure_future(run_job(self.engine, job, request_id_prefix=base, progress=progress))
         sent = ""
         try:
             while not task.done():
@@ -248,8 +251,8 @@ def _refusal(e: ValidationError) -> APIError:
     return APIError(400, "; ".join(parts), param=first)
 
 
-async def run_job(engine: AsyncLLMEngine, job: TranscriptionJob, base: str, is_disconnected: Callable | None,
-                  progress: JobProgress | None = None) -> Transcription:
+async def run_job(engine: AsyncLLMEngine, job: TranscriptionJob, *, request_id_prefix: str,
+                  is_disconnected: Callable | None = None, progress: JobProgress | None = None) -> Transcription:
     """Submit the job's requests as it asks for them (all of a batch validated
     before any is queued), feed back each output, return its result. Leaving early
     (an error, the client gone) aborts what is still running."""
@@ -261,7 +264,7 @@ async def run_job(engine: AsyncLLMEngine, job: TranscriptionJob, base: str, is_d
             if batch:
                 if progress is not None:
                     progress.handed_out(job, batch)
-                requests = [AsyncRequest(f"{base}-{counter + i}", r.prompt, r.params) for i, r in enumerate(batch)]
+                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", r.prompt, r.params) for i, r in enumerate(batch)]
                 counter += len(batch)
                 try:
                     streams = await engine.add_requests(requests)
