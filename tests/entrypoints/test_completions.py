@@ -163,3 +163,15 @@ def test_models_version_health(bart_server):
     import encdec
 
     assert httpx.get(bart_server.base + "/version").json() == {"version": encdec.__version__}
+
+
+def test_stream_prompt_list_with_decoder_prompt(client, bart_llm):
+    """Several prompts in one streamed request (choices interleave), each with the decoder prompt."""
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    refs = bart_llm.generate([ExplicitEncoderDecoderPrompt(encoder_prompt=p, decoder_prompt=TokensPrompt(
+        prompt_token_ids=[2, 0, 55])) for p in PROMPTS], sp, use_tqdm=False)
+    got = collect_stream(client.completions.create(
+        model="tiny-bart", prompt=PROMPTS, max_tokens=8, temperature=0, logprobs=0, stream=True,
+        extra_body={**IDS, "decoder_prompt": [2, 0, 55]}))
+    for i, ref in enumerate(refs):
+        assert got[i]["ids"] == ref.outputs[0].token_ids and got[i]["text"] == ref.outputs[0].text
