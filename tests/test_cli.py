@@ -21,11 +21,6 @@ def test_generate_bad_option_is_a_clear_error(tiny_bart, capsys):
     assert "max_tokens" in capsys.readouterr().err
 
 
-def test_serve_says_not_built(capsys):
-    assert main(["serve"]) == 2
-    assert "not built yet" in capsys.readouterr().err
-
-
 def test_generate_missing_input_file_is_one_line_exit_2(tiny_bart, tmp_path, capsys):
     rc = main(["generate", "--model", tiny_bart, "--quiet", "--input-file", str(tmp_path / "nope.txt")])
     out, err = capsys.readouterr()

@@ -10,7 +10,8 @@ import itertools
 import logging
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,15 @@ class _EngineConfig:
         self.scheduler_config = scheduler_config
         self.model_config = model_config
         self.generation_config = generation_config
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int  # sequence groups running (on device)
+    num_waiting: int  # sequence groups not yet admitted
+    num_swapped: int  # sequence groups swapped out to CPU
+    kv_cache_usage: float  # fraction of device KV blocks in use, 0..1
+    num_preemptions: int  # since the engine started
 
 
 class LLMEngine:
@@ -405,9 +415,13 @@ class LLMEngine:
         inputs, params = self.process_request(prompt, params, priority=priority)
         self.add_processed_request(request_id, inputs, params, arrival_time, priority)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
+    def abort_request(self, request_id: str | list[str]) -> list[str]:
+        """Abort unfinished requests (unknown ids are ignored); returns the ids aborted."""
+        aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
             self.groups.pop(group.request_id, None)
+            aborted.append(group.request_id)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -460,3 +474,23 @@ class LLMEngine:
     def num_free_blocks(self) -> tuple[int, int]:
         bm = self.scheduler.block_manager
         return bm.get_num_free_gpu_blocks(), bm.get_num_free_cpu_blocks()
+
+    # -- observation (servers, metrics) -----------------------------------------
+    def get_stats(self) -> EngineStats:
+        """Queue lengths and cache use now, for a server's /metrics."""
+        sched, total = self.scheduler, self.cache_config.num_gpu_blocks
+        free, _ = self.num_free_blocks()
+        return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped),
+                           (total - free) / total if total else 0.0, sched.stats.num_preempted)
+
+    def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
+        """What the given unfinished requests have produced so far (``step`` returns
+        finished requests only); streaming servers read this after each step."""
+        groups = self.groups
+        return {rid: RequestOutput.from_seq_group(groups[rid]) for rid in request_ids if rid in groups}
+
+    def get_request_progress(self) -> dict[str, tuple[int, float]]:
+        """(output tokens so far, arrival time) of every unfinished request, for
+        token-latency metrics."""
+        return {rid: (sum(s.get_output_len() for s in g.get_seqs()), g.arrival_time)
+                for rid, g in self.groups.items()}

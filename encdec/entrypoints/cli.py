@@ -76,9 +76,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print("encdec serve: the OpenAI-compatible server is not built yet; use the offline "
-          "LLM API or `encdec generate` / `encdec transcribe`", file=sys.stderr)
-    return 2
+    try:
+        from encdec.entrypoints.openai.api_server import serve
+    except ImportError as e:
+        print(f"encdec serve needs the serve extra (pip install 'encdec[serve]'): {e}", file=sys.stderr)
+        return 2
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible server (not built yet)")
-    sv.add_argument("rest", nargs=argparse.REMAINDER)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the serve extra)",
+                        description="An OpenAI-compatible server: /v1/completions, /v1/audio/"
+                        "transcriptions, /v1/audio/translations, /v1/models, /health, /metrics.")
+    from encdec.entrypoints.openai.cli_args import add_server_args
+
+    add_server_args(sv)
     sv.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)

@@ -1,0 +1,186 @@
+"""Served vs offline throughput: ``encdec serve`` at 1, 16 and 200 concurrent streaming
+clients against ``LLM.generate`` on the same requests and the same weights.
+
+The requests (token-id encoder prompts, greedy, fixed output lengths with
+``ignore_eos``) run once offline in this process, then through a server
+subprocess on 127.0.0.1, whose clients are a few lines of asyncio here (no HTTP
+library: the client must cost the shared CPU as little as possible). Time to
+first token is measured at the client, from sending the request to the first
+text chunk.
+
+    python -m benchmarks.serve_bench [--requests 200] [--concurrency 1 16 200] [--model-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import OtherCPUMonitor, timed
+
+
+def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    enc = [[rng.randrange(4, vocab - 1) for _ in range(rng.randint(16, 128))] for _ in range(n)]
+    out = [rng.randint(8, 48) for _ in range(n)]
+    return enc, out
+
+
+def run_offline(model_dir: str, enc, out_lens, engine_opts: dict) -> tuple[list[list[int]], float]:
+    from encdec import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model_dir, **engine_opts)
+    prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    outs, seconds = timed(llm.generate, prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], seconds
+
+
+async def stream_one(port: int, body: dict) -> tuple[float, list[int]]:
+    """POST one streaming completion; (seconds to the first token, token ids)."""
+    payload = json.dumps(body).encode()
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"server answered {status!r}: {await reader.read(2000)!r}")
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass  # headers
+    ttft, ids, buf = None, [], b""
+    while True:  # chunked transfer encoding of SSE lines
+        size = int((await reader.readline()).strip() or b"0", 16)
+        if size == 0:
+            break
+        buf += await reader.readexactly(size)
+        await reader.readexactly(2)
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.removeprefix(b"data: ")
+            if data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            for c in chunk["choices"]:
+                toks = c["logprobs"]["tokens"]
+                if toks and ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids += [int(t.removeprefix("token_id:")) for t in toks]
+    writer.close()
+    return ttft or 0.0, ids
+
+
+async def run_clients(port: int, enc, out_lens, concurrency: int) -> tuple[list[list[int]], list[float], float]:
+    """``concurrency`` clients, each sending the next unsent request when its last finishes."""
+    results: list = [None] * len(enc)
+    todo = iter(range(len(enc)))
+
+    async def client() -> None:
+        for i in todo:
+            body = {"prompt": enc[i], "max_tokens": out_lens[i], "temperature": 0, "ignore_eos": True,
+                    "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+            results[i] = await stream_one(port, body)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    return [r[1] for r in results], [r[0] for r in results], seconds
+
+
+def start_server(model_dir: str, engine_args: list[str]) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "encdec.entrypoints.cli", "serve", model_dir,
+                             "--port", str(port), "--log-level", "warning", *engine_args])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
+                c.sendall(b"GET /health HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+                if b" 200 " in c.recv(100):
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 300 s")
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 200])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", default=None,
+                    help="a checkpoint (default: a random 4-layer BART, d_model 256, vocab 16384)")
+    args = ap.parse_args()
+
+    import psutil
+
+    from encdec.testing import make_random_bart
+
+    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "encdec_serve_bench_bart")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        make_random_bart(model_dir, vocab_size=16384, d_model=256, layers=4, heads=4, ffn=1024,
+                         max_positions=512, init_std=0.02, position_std=0.02)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    enc, out_lens = make_workload(args.requests, vocab, args.seed)
+    total = sum(out_lens)
+    opts = dict(kv_cache_memory=1 << 30, swap_space=0.5, max_num_seqs=256)
+    print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, output tokens "
+          f"{total}, greedy, ignore_eos; model {model_dir}; {os.cpu_count()} CPUs")
+
+    with OtherCPUMonitor() as mon:
+        ref, seconds = run_offline(model_dir, enc, out_lens, opts)
+    offline = total / seconds
+    print(f"offline LLM.generate: {total} tokens in {seconds:.2f} s = {offline:.1f} tok/s; {mon.summary()}")
+
+    proc, port = start_server(model_dir, ["--kv-cache-memory", str(opts["kv_cache_memory"]),
+                                          "--swap-space", str(opts["swap_space"]),
+                                          "--max-num-seqs", str(opts["max_num_seqs"])])
+    try:
+        asyncio.run(run_clients(port, enc[:2], out_lens[:2], 2))  # warm-up
+        server = psutil.Process(proc.pid)
+        for c in args.concurrency:
+            cpu0 = sum(server.cpu_times()[:2])
+            with OtherCPUMonitor() as mon:
+                ids, ttfts, seconds = asyncio.run(run_clients(port, enc, out_lens, c))
+            server_cpu = 100 * (sum(server.cpu_times()[:2]) - cpu0) / seconds
+            same = sum(a == b for a, b in zip(ids, ref))
+            served = total / seconds
+            print(f"served, {c:>3} clients: {total} tokens in {seconds:.2f} s = {served:.1f} tok/s "
+                  f"({100 * served / offline:.0f}% of offline); TTFT p50 {1000 * statistics.median(ttfts):.0f} ms, "
+                  f"p99 {1000 * pct(ttfts, 0.99):.0f} ms; {same}/{len(ref)} token-identical to offline; "
+                  f"server CPU {server_cpu:.0f}%, the rest of the machine {mon.mean() - server_cpu:.0f}% "
+                  "(100% = one core)")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

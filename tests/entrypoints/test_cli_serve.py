@@ -1,0 +1,21 @@
+"""``encdec serve``'s command line (the server itself: the other tests here)."""
+from __future__ import annotations
+
+import pytest
+
+from encdec.entrypoints.cli import main
+
+
+def test_serve_help_lists_server_and_engine_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("MODEL", "--host", "--port", "--api-key", "--max-audio-mb", "--kv-cache-memory",
+                 "--max-num-seqs", "--dtype", "--block-size"):
+        assert flag in out
+
+
+def test_serve_bad_engine_option_is_a_clear_error_before_listening(tiny_bart, capsys):
+    assert main(["serve", tiny_bart, "--max-num-seqs", "0", "--port", "1"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err

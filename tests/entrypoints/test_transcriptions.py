@@ -1,0 +1,177 @@
+"""``/v1/audio/*`` through the official ``openai`` client equals ``LLM.transcribe``."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from encdec.transcribe import format_transcription
+
+from .conftest import SPEECH
+
+CLIP = SPEECH / "s00.wav"
+
+
+@pytest.fixture()
+def wclient(whisper_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=whisper_server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("path", [CLIP, "long"], ids=["short", "long"])
+def test_formats_equal_transcribe(wclient, whisper_llm, long_wav, path):
+    path = long_wav if path == "long" else path
+    plain = whisper_llm.transcribe(str(path), use_tqdm=False)[0]
+    stamped = whisper_llm.transcribe(str(path), timestamps=True, use_tqdm=False)[0]
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def create(fmt):
+        return wclient.audio.transcriptions.create(model="tiny.en", file=(path.name, data), response_format=fmt)
+
+    assert create("json").text == plain.text
+    text, srt, vtt = create("text"), create("srt"), create("vtt")
+    assert all(isinstance(x, str) for x in (text, srt, vtt))  # the SDK's str for text/plain
+    assert text == format_transcription(plain, "txt")
+    assert srt == format_transcription(stamped, "srt")
+    assert vtt == format_transcription(stamped, "vtt")
+    verbose = create("verbose_json")
+    assert verbose.text == stamped.text and verbose.language == "english"
+    assert [(s.start, s.end, s.text) for s in verbose.segments] == \
+        [(s.start, s.end, s.text) for s in stamped.segments]
+    import soundfile as sf
+
+    assert verbose.duration == pytest.approx(sf.info(str(path)).duration, abs=1e-3)
+    if path == long_wav:
+        assert len(stamped.segments) > 1 and stamped.segments[-1].end > 30
+
+
+def test_stream_events(wclient, whisper_llm, long_wav):
+    ref = whisper_llm.transcribe(str(long_wav), use_tqdm=False)[0]
+    with open(long_wav, "rb") as f:
+        events = list(wclient.audio.transcriptions.create(model="tiny.en", file=f, stream=True))
+    deltas = [e for e in events if e.type == "transcript.text.delta"]
+    done = events[-1]
+    assert done.type == "transcript.text.done" and done.text == ref.text
+    assert "".join(d.delta for d in deltas) == ref.text
+    assert deltas and all(d.delta for d in deltas)  # per window, as windows finish in order
+    assert done.usage.output_tokens > 0 and done.usage.input_tokens > done.usage.output_tokens
+
+
+def test_prompt_is_previous_text(wclient, whisper_llm):
+    prompt = "Foxes and dogs."
+    ref = whisper_llm.transcribe(str(CLIP), prompt=prompt, use_tqdm=False)[0]
+    with open(CLIP, "rb") as f:
+        got = wclient.audio.transcriptions.create(model="tiny.en", file=f, prompt=prompt)
+    assert got.text == ref.text
+
+
+def test_translation_on_english_only_model_is_refused_like_transcribe(wclient, whisper_llm):
+    import openai
+
+    with pytest.raises(ValueError, match="English-only") as offline:
+        whisper_llm.transcribe(str(CLIP), task="translate", use_tqdm=False)
+    with open(CLIP, "rb") as f, pytest.raises(openai.BadRequestError) as served:
+        wclient.audio.translations.create(model="tiny.en", file=f)
+    assert str(offline.value) in served.value.message
+    with open(CLIP, "rb") as f:  # the server still works
+        assert wclient.audio.transcriptions.create(model="tiny.en", file=f).text
+
+
+def test_async_client(whisper_server, whisper_llm):
+    from openai import AsyncOpenAI
+
+    clips = [SPEECH / f"s{i:02d}.wav" for i in range(4)]
+    refs = whisper_llm.transcribe([str(c) for c in clips], use_tqdm=False)
+
+    async def main():
+        async with AsyncOpenAI(base_url=whisper_server.v1, api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(client.audio.transcriptions.create(
+                model="tiny.en", file=(c.name, c.read_bytes()), response_format="text") for c in clips))
+
+    assert asyncio.run(main()) == [format_transcription(r, "txt") for r in refs]
+
+
+def bad(server, files=None, data=None, path="/audio/transcriptions", **kw):
+    return httpx.post(server.v1 + path, files=files, data=data, timeout=60, **kw)
+
+
+def test_bad_audio_requests_then_good(whisper_server):
+    wav = CLIP.read_bytes()
+    cases = [
+        (dict(files={"file": ("big.wav", b"\0" * (3 << 20), "audio/wav")}, data={"model": "tiny.en"}),
+         413, "limit"),
+        (dict(files={"file": ("noise.wav", b"this is not audio at all" * 50, "audio/wav")}), 400, "decode"),
+        (dict(files={"file": ("empty.wav", b"", "audio/wav")}), 400, "empty"),
+        (dict(data={"model": "tiny.en"}, files={"other": ("a.wav", wav, "audio/wav")}), 400, "file"),
+        (dict(content=b"{}", headers={"content-type": "application/json"}), 415, "multipart"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"model": "whisper-1"}), 404, "whisper-1"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "csv"}), 400,
+         "response_format"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"chunking_strategy": "auto"}), 400,
+         "chunking_strategy"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"language": "fr"}), 400, "English-only"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")},
+              data={"timestamp_granularities[]": "segment"}), 400, "verbose_json"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "2"}), 400, "temperature"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"stream": "true", "response_format": "srt"}),
+         400, "stream"),
+    ]
+    for kw, status, word in cases:
+        resp = bad(whisper_server, **kw)
+        assert resp.status_code == status, (kw.get("data"), resp.text)
+        assert word in resp.json()["error"]["message"], resp.json()
+        ok = bad(whisper_server, files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "text"})
+        assert ok.status_code == 200 and ok.text.strip()
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory, ct2_dir):
+    """A random 2-layer multilingual Whisper (h-whisper's test checkpoint), served and offline."""
+    from pathlib import Path
+
+    import numpy as np
+    import soundfile as sf
+
+    from encdec import LLM
+    from tests.models.test_whisper_multilingual_job import write_multilingual_ct2
+
+    from .conftest import start_server, stop_server
+
+    out = tmp_path_factory.mktemp("ml_whisper")
+    write_multilingual_ct2(out, Path(ct2_dir))
+    t = np.arange(16000 * 4) / 16000
+    clips = []
+    for f in (150, 2500):
+        clips.append(out / f"tone{f}.wav")
+        sf.write(clips[-1], (0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32), 16000, subtype="PCM_16")
+    llm = LLM(str(out), kv_cache_memory=64 << 20, swap_space=0.05)
+    server = start_server(str(out), out / "server.log", "--served-model-name", "ml",
+                          "--kv-cache-memory", str(64 << 20), "--swap-space", "0.05")
+    yield server, llm, clips
+    stop_server(server)
+
+
+def test_multilingual_translation_and_detection_equal_transcribe(multilingual):
+    from openai import OpenAI
+
+    server, llm, clips = multilingual
+    client = OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=120)
+    for clip in clips:
+        with open(clip, "rb") as f:
+            data = f.read()
+        given = llm.transcribe(str(clip), language="de", task="translate", use_tqdm=False)[0]
+        got = client.audio.translations.create(model="ml", file=(clip.name, data), response_format="text",
+                                               extra_body={"language": "de"})
+        assert got == format_transcription(given, "txt")
+        detected = llm.transcribe(str(clip), task="translate", use_tqdm=False)[0]
+        got = client.audio.translations.create(model="ml", file=(clip.name, data))
+        assert got.text == detected.text
+        plain = llm.transcribe(str(clip), timestamps=True, use_tqdm=False)[0]
+        verbose = client.audio.transcriptions.create(model="ml", file=(clip.name, data),
+                                                     response_format="verbose_json")
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        assert verbose.text == plain.text and verbose.language == LANGUAGES[plain.language]
