@@ -93,7 +93,7 @@ def main() -> None:
                             f"(generate only: {args.rows / gen_only:.1f} rows/s)"))
             ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
                      include_dashboard=False, _node_ip_address="127.0.0.1",
-                     _temp_dir=os.path.join(work, "ray"), log_to_driver=False)
+                     _temp_dir=os.path.join(work, "ray"), log_to_driver=False, logging_level="warning")
             try:
                 ctx = ray.data.DataContext.get_current()
                 ctx.enable_progress_bars = False
