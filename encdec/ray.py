@@ -178,7 +178,9 @@ class _Columns:
 
 
 def _is_dataframe(batch: Any) -> bool:
-    return type(batch).__name__ == "DataFrame" and hasattr(batch, "assign")
+    import pandas  # a dependency of Ray Data
+
+    return isinstance(batch, pandas.DataFrame)
 
 
 def _singleton(value: Any, row: int, column: str) -> Any:
