@@ -99,13 +99,15 @@ def bart_job(tiny_bart):
     return prompts, want
 
 
-def _bart_dataset(prompts):
-    return ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+def _bart_dataset(prompts, batch_size: int):
+    """One block per batch, so that each Ray task is one engine call."""
+    return ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)],
+                               override_num_blocks=len(prompts) // batch_size)
 
 
 def test_two_actors_generate_the_same_rows_as_one_process(cluster, tiny_bart, bart_job):
     prompts, want = bart_job
-    ds = _bart_dataset(prompts).map_batches(
+    ds = _bart_dataset(prompts, 25).map_batches(
         LLMPredictor, fn_constructor_kwargs=dict(model=tiny_bart, params=GREEDY, num_threads=1, **BART_KW),
         batch_size=25, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
     with deadline(JOB_SECONDS, "the BART job"):
@@ -132,8 +134,9 @@ def test_two_actors_transcribe_the_same_rows_as_one_process(cluster, ct2_dir):
 
 
 class CrashingPredictor(LLMPredictor):
-    """Exits its process on its second batch, once per job (the marker file
-    records the crash, so the restarted actor and its peer run normally)."""
+    """Exits its process while working on its second batch, once per job (the
+    marker file records the crash, so the restarted actor and its peer run
+    normally). The batch's work is done and lost, as in an OOM kill."""
 
     def __init__(self, marker: str, **kwargs):
         super().__init__(**kwargs)
@@ -141,16 +144,16 @@ class CrashingPredictor(LLMPredictor):
 
     def __call__(self, batch):
         self.calls += 1
+        out = super().__call__(batch)
         if self.calls == 2:
             try:
                 fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
-                pass
-            else:
-                os.write(fd, str(os.getpid()).encode())
-                os.close(fd)
-                os._exit(1)  # as an OOM kill or a lost node would: no cleanup, no exception
-        return super().__call__(batch)
+                return out
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            os._exit(1)  # no cleanup, no exception: the process is gone
+        return out
 
 
 # max_restarts/max_task_retries have no named map_batches parameter in Ray 2.60:
@@ -161,7 +164,7 @@ def test_a_killed_actor_is_restarted_and_no_row_is_lost(cluster, tiny_bart, bart
     # Ray's workers cannot import this test module: ship CrashingPredictor by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     marker = str(tmp_path / "crashed")
-    ds = _bart_dataset(prompts).map_batches(
+    ds = _bart_dataset(prompts, 10).map_batches(
         CrashingPredictor,
         fn_constructor_kwargs=dict(marker=marker, model=tiny_bart, params=GREEDY, num_threads=1, **BART_KW),
         batch_size=10, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1,
