@@ -13,14 +13,15 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from encdec import LLM, SamplingParams  # noqa: E402
-from encdec.ray import LLMPredictor  # noqa: E402
+from encdec import LLM, SamplingParams
+from encdec.ray import LLMPredictor
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")]
@@ -122,7 +123,7 @@ def test_two_actors_transcribe_the_same_rows_as_one_process(cluster, ct2_dir):
     want = LLM(str(ct2_dir), **WHISPER_KW).transcribe(paths, use_tqdm=False)
     # The files' bytes, as read from object storage (a column is one Arrow type:
     # paths and bytes cannot mix; paths are tested in test_predictor.py).
-    items = [{"id": i, "audio": open(p, "rb").read()} for i, p in enumerate(paths)]
+    items = [{"id": i, "audio": Path(p).read_bytes()} for i, p in enumerate(paths)]
     ds = ray.data.from_items(items).map_batches(
         LLMPredictor, fn_constructor_kwargs=dict(model=ct2_dir, task="transcribe", num_threads=1, **WHISPER_KW),
         batch_size=3, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
@@ -174,6 +175,6 @@ def test_a_killed_actor_is_restarted_and_no_row_is_lost(cluster, tiny_bart, bart
     with deadline(JOB_SECONDS, "the BART job with a crash"):
         rows = _rows_by_id(ds.take_all(), len(prompts))
     assert os.path.exists(marker), "no actor crashed: the test proved nothing"
-    crashed_pid = int(open(marker).read())
+    crashed_pid = int(Path(marker).read_text())
     assert crashed_pid != os.getpid() and time.monotonic() - started < JOB_SECONDS
     assert [r["generated_text"] for r in rows] == want

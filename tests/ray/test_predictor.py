@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("ray.data")
 
-from encdec import ExplicitEncoderDecoderPrompt, SamplingParams, TokensPrompt  # noqa: E402
-from encdec.ray import LLMPredictor  # noqa: E402
+from encdec import ExplicitEncoderDecoderPrompt, SamplingParams, TokensPrompt
+from encdec.ray import LLMPredictor
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SMALL = dict(kv_cache_memory=64 << 20, swap_space=0.05)
@@ -111,7 +112,7 @@ def whisper_predictor(ct2_dir):
 
 def test_audio_paths_and_bytes_give_the_same_transcript(whisper_predictor):
     paths = [os.path.join(SPEECH, f"s0{i}.wav") for i in range(2)]
-    blobs = [open(p, "rb").read() for p in paths]
+    blobs = [Path(p).read_bytes() for p in paths]
     from_paths = whisper_predictor({"audio": np.array(paths, dtype=object)})
     from_bytes = whisper_predictor({"audio": np.array(blobs, dtype=object), "n": np.arange(2)})
     assert list(from_bytes["text"]) == list(from_paths["text"])
@@ -134,7 +135,7 @@ def test_bad_audio_rows_are_named(whisper_predictor, cell, error, match):
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=120, check=False)
 
 
 def test_import_encdec_does_not_import_ray():
