@@ -1,0 +1,180 @@
+"""Jobs on a local Ray cluster (2 CPUs, 127.0.0.1, no dashboard): a 2-actor pool
+gives the same rows as one process, and survives an actor dying mid-job.
+
+One cluster serves the module; its processes are gone after teardown. Every
+job runs under a deadline, since the machine is shared and slow at times."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from encdec import LLM, SamplingParams
+from encdec.ray import LLMPredictor
+
+pytestmark = [pytest.mark.ray,
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
+WHISPER_KW = dict(kv_cache_memory=128 << 20, swap_space=0.05)
+SPEECH = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
+JOB_SECONDS = 300  # generous: other test suites share these 2 cores
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise in the main thread if the block takes longer than ``seconds``."""
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A quiet local cluster; teardown checks that all its processes exit."""
+    import psutil
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    temp_dir = tempfile.mkdtemp(prefix="encdec-ray-")  # short: Ray puts unix sockets here
+    with deadline(120, "ray.init"):
+        ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
+                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                 log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ours = psutil.Process().children(recursive=True)  # gcs_server, raylet, workers, ...
+    assert any("raylet" in p.name() for p in ours)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        _, alive = psutil.wait_procs(ours, timeout=30)
+        left = [f"{p.pid} {p.name()}" for p in alive]
+        for p in alive:  # ours by pid: never leave a cluster behind
+            p.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"Ray processes still running after ray.shutdown(): {left}"
+
+
+def _prompts(n: int) -> list[str]:
+    """Varied lengths and content, deterministic."""
+    words = ("rain spain plain fox dog encoder decoder summary token batch cache block "
+             "speech text numbers Ada Alan 1984 42 pages memory").split()
+    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(3 + i % 23)) for i in range(n)]
+
+
+def _rows_by_id(rows: list[dict], n: int) -> list[dict]:
+    """Rows sorted by id, after checking that each id in 0..n-1 came back exactly once."""
+    ids = sorted(int(r["id"]) for r in rows)
+    assert ids == list(range(n)), f"lost or duplicated rows: got {len(ids)} rows, {len(set(ids))} distinct"
+    return sorted(rows, key=lambda r: int(r["id"]))
+
+
+@pytest.fixture(scope="module")
+def bart_job(tiny_bart):
+    """200 prompts and what one process makes of them."""
+    prompts = _prompts(200)
+    llm = LLM(tiny_bart, **BART_KW)
+    want = [o.outputs[0].text for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert len(set(want)) > 50  # varied outputs: equality below means something
+    return prompts, want
+
+
+def _bart_dataset(prompts, batch_size: int):
+    """One block per batch, so that each Ray task is one engine call."""
+    return ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)],
+                               override_num_blocks=len(prompts) // batch_size)
+
+
+def test_two_actors_generate_the_same_rows_as_one_process(cluster, tiny_bart, bart_job):
+    prompts, want = bart_job
+    ds = _bart_dataset(prompts, 25).map_batches(
+        LLMPredictor, fn_constructor_kwargs=dict(model=tiny_bart, params=GREEDY, num_threads=1, **BART_KW),
+        batch_size=25, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
+    with deadline(JOB_SECONDS, "the BART job"):
+        rows = _rows_by_id(ds.take_all(), len(prompts))
+    assert [r["prompt"] for r in rows] == prompts  # input columns kept
+    assert [r["generated_text"] for r in rows] == want
+
+
+def test_two_actors_transcribe_the_same_rows_as_one_process(cluster, ct2_dir):
+    paths = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))[:12]
+    assert len(paths) == 12
+    want = LLM(str(ct2_dir), **WHISPER_KW).transcribe(paths, use_tqdm=False)
+    # The files' bytes, as read from object storage (a column is one Arrow type:
+    # paths and bytes cannot mix; paths are tested in test_predictor.py).
+    items = [{"id": i, "audio": Path(p).read_bytes()} for i, p in enumerate(paths)]
+    ds = ray.data.from_items(items).map_batches(
+        LLMPredictor, fn_constructor_kwargs=dict(model=ct2_dir, task="transcribe", num_threads=1, **WHISPER_KW),
+        batch_size=3, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
+    with deadline(JOB_SECONDS, "the Whisper job"):
+        rows = _rows_by_id(ds.take_all(), len(paths))
+    assert [r["text"] for r in rows] == [t.text for t in want]
+    assert [r["language"] for r in rows] == ["en"] * 12
+    assert all(r["text"] for r in rows)
+
+
+class CrashingPredictor(LLMPredictor):
+    """Exits its process while working on its second batch, once per job (the
+    marker file records the crash, so the restarted actor and its peer run
+    normally). The batch's work is done and lost, as in an OOM kill."""
+
+    def __init__(self, marker: str, **kwargs):
+        super().__init__(**kwargs)
+        self.marker, self.calls = marker, 0
+
+    def __call__(self, batch):
+        self.calls += 1
+        out = super().__call__(batch)
+        if self.calls == 2:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return out
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            os._exit(1)  # no cleanup, no exception: the process is gone
+        return out
+
+
+# max_restarts/max_task_retries have no named map_batches parameter in Ray 2.60:
+# they go through ray_remote_args, which warns.
+@pytest.mark.filterwarnings("ignore:`ray_remote_args` is deprecated")
+def test_a_killed_actor_is_restarted_and_no_row_is_lost(cluster, tiny_bart, bart_job, tmp_path):
+    prompts, want = bart_job[0][:80], bart_job[1][:80]  # 8 batches: enough for a crash mid-job
+    # Ray's workers cannot import this test module: ship CrashingPredictor by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    marker = str(tmp_path / "crashed")
+    ds = _bart_dataset(prompts, 10).map_batches(
+        CrashingPredictor,
+        fn_constructor_kwargs=dict(marker=marker, model=tiny_bart, params=GREEDY, num_threads=1, **BART_KW),
+        batch_size=10, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1,
+        # Bounded retries (Ray Data's default is forever): a crash loop fails the job.
+        max_restarts=2, max_task_retries=3)
+    started = time.monotonic()
+    with deadline(JOB_SECONDS, "the BART job with a crash"):
+        rows = _rows_by_id(ds.take_all(), len(prompts))
+    assert os.path.exists(marker), "no actor crashed: the test proved nothing"
+    crashed_pid = int(Path(marker).read_text())
+    assert crashed_pid != os.getpid() and time.monotonic() - started < JOB_SECONDS
+    assert [r["generated_text"] for r in rows] == want
