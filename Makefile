@@ -22,7 +22,7 @@ run: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -rs
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.bart_bench

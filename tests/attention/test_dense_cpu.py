@@ -70,3 +70,21 @@ def test_refuses_an_isa_this_cpu_lacks(monkeypatch):
     with pytest.raises(ValueError, match="avx512"):
         dense_cpu.available("avx512")
     dense_cpu.available.cache_clear()
+
+
+def test_missing_source_warns_and_falls_back(caplog):
+    """A wheel without the .c files (or a read-only, unbuildable one) runs torch, never crashes."""
+    with caplog.at_level("WARNING", logger=build.__name__):
+        assert build.load("no_such_kernel.c", "torch runs instead", "none") is None
+    assert "no_such_kernel.c" in caplog.text and "torch runs instead" in caplog.text
+
+
+def test_builds_are_keyed_by_isa(tmp_path, monkeypatch):
+    """One cache dir shared by hosts of different ISAs holds one file per ISA."""
+    monkeypatch.setenv("ENCDEC_CACHE_DIR", str(tmp_path))
+    built = [isa for isa in build.host_isas()
+             if build.load.__wrapped__("dense_attention_cpu.c", "torch", isa) is not None]
+    if not built:
+        pytest.skip("no C compiler here")
+    names = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert [n.split("_")[3] for n in names] == sorted(built), names
