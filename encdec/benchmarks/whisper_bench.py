@@ -124,12 +124,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     hf_times, our_times, ours, hf_tokens = [], [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = save_as_hf(model_dir, tmp)
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             # Alternate the sides so slow drifts of a shared host hit both.
             hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
             hf_times.append(hf_dt)
             ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
             our_times.append(dt)
+            print(f"[{rep}] HF {hf_dt:.2f} s (others' CPU {hf_other:.0f}%), encdec {dt:.2f} s "
+                  f"(others' CPU {other:.0f}%): {hf_dt / dt:.2f}x", flush=True)
     hf_dt, dt = statistics.median(hf_times), statistics.median(our_times)
     rows.append(("hf generate (batch %d)" % args.batch, hf_dt, hf_other))
     rows.append(("encdec", dt, other))
