@@ -116,3 +116,18 @@ def test_bench_help_runs_from_anywhere(installed):
     assert "usage: encdec bench bart" in out
     out = _run([str(installed["bin"] / "encdec"), "bench", "--help"], cwd=installed["cwd"], env=installed["env"])
     assert "whisper" in out
+
+
+def test_benchmarks_are_found_by_name():
+    from encdec import benchmarks
+
+    assert {"bart", "whisper", "swap"} <= set(benchmarks.names())
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        benchmarks.run("nope", [])
+
+
+def test_checkout_alias_runs_the_same_benchmarks():
+    """``python -m benchmarks.NAME_bench`` in the checkout runs encdec/benchmarks/NAME_bench.py."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = _run([sys.executable, "-m", "benchmarks.whisper_bench", "--help"], cwd=ROOT, env=env, timeout=120)
+    assert "--audio-dir" in out
