@@ -19,11 +19,12 @@ import time
 
 import torch
 
-from .common import OtherCPUMonitor
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager import BlockSpaceManager
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec.worker.cache_engine import CacheEngine, block_runs
+
+from .common import OtherCPUMonitor
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 6, 64, 16
 ENCODER_LEN = 1500  # 30 s of audio after the conv stem

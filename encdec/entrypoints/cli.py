@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if transcribe_cli is not None:
         transcribe_cli.add_parser(sub)
 
-    from encdec import benchmarks  # lists the modules only; each imports its own dependencies when run
+    # Lists the benchmark modules only; each imports its own dependencies when run.
+    from encdec import benchmarks
 
     b = sub.add_parser("bench", help="benchmarks against HF generate (encdec/benchmarks/NAME_bench.py)")
     b.add_argument("which", choices=benchmarks.names())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -24,14 +24,14 @@ HEAD_SIZE = 64
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(isa: str):
     return build.load_function("dense_attention_cpu.c", "dense_attention_f32",
                                [_P] * 4 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int], ctypes.c_int,
                                "dense attention runs torch SDPA", isa=isa)
 
 
-@lru_cache(maxsize=None)
+@cache
 def available(isa: str | None = None) -> bool:
     """Whether the kernel runs its vector path for ``isa`` (default
     ``build.cpu_isa()``), checked by a 1-token probe call."""

@@ -8,7 +8,7 @@ False and the torch backend gathers instead (logged once).
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -17,7 +17,7 @@ from encdec.attention.ops import build
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(isa: str):
     return build.load_function(
         "paged_attention_cpu.c", "paged_attention_decode_f32",
