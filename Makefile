@@ -15,14 +15,15 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	# serve: the server tests; cuda: xFormers, whose CPU reference path the attention tests check
+	$(PY) -m pip install -q -e ".[test,serve,cuda]"
 	touch $@
 
 run: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -rs
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.bart_bench

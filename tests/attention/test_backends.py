@@ -12,7 +12,9 @@ import sys
 
 import pytest
 import torch
-from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask, BlockDiagonalMask
+pytest.importorskip("xformers", reason="xFormers backend tests need the [cuda] extra: "
+                                       "pip install 'encdec[cuda]'")
+from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask, BlockDiagonalMask  # noqa: E402
 
 import encdec.attention.backends.xformers as xf
 from encdec.attention import AttentionBackend, AttentionType, get_attn_backend

@@ -1,13 +1,22 @@
-"""The C dense attention kernel (Whisper's encoder) against a float64 reference."""
+"""The C dense attention kernel (Whisper's encoder) against a float64 reference,
+once per ISA path this CPU runs (the path is in the test id)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from encdec.attention.ops import dense_cpu
+from encdec.attention.ops import build, dense_cpu
 
-pytestmark = pytest.mark.skipif(not dense_cpu.available(), reason="no C compiler or no AVX-512 here")
+VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
+
+
+@pytest.fixture(params=VECTOR_ISAS or [pytest.param("none", marks=pytest.mark.skip(
+    reason=f"this CPU has neither AVX-512 nor AVX2+FMA ({build.host_isas()})"))])
+def isa(request) -> str:
+    if not dense_cpu.available(request.param):
+        pytest.skip(f"the {request.param} kernel did not build here (no C compiler?)")
+    return request.param
 
 
 def reference(q, k, v, scale):
@@ -18,13 +27,14 @@ def reference(q, k, v, scale):
 @pytest.mark.parametrize("B, tq, tk, H, mag", [
     (1, 1, 1, 1, 1.0), (2, 7, 7, 2, 1.0), (3, 100, 37, 6, 1.0), (2, 5, 300, 3, 1.0),
     (1, 301, 1500, 6, 1.0), (2, 64, 65, 4, 8.0),  # 8.0: scores in the hundreds (softmax near one-hot)
+    (1, 13, 9, 2, 40.0),  # scores spread past exp's float range: tiny terms flush to 0
 ])
-def test_matches_reference_on_fused_qkv(B, tq, tk, H, mag):
+def test_matches_reference_on_fused_qkv(isa, B, tq, tk, H, mag):
     g = torch.Generator().manual_seed(tq * 1000 + tk)
     q = torch.randn(B, tq, H, 64, generator=g) * mag
     kv = torch.randn(B, tk, 2, H, 64, generator=g) * mag  # k, v as strided views of one tensor
     k, v = kv[:, :, 0], kv[:, :, 1]
-    out = dense_cpu.dense_attention(q, k, v, 0.125)
+    out = dense_cpu.dense_attention(q, k, v, 0.125, isa=isa)
     assert out is not None and out.shape == (B, tq, H, 64) and out.is_contiguous()
     ref = reference(q, k, v, 0.125)
     # As close to the float64 answer as torch's own float32 SDPA is (large
@@ -34,11 +44,47 @@ def test_matches_reference_on_fused_qkv(B, tq, tk, H, mag):
     assert (out - ref).abs().max().item() <= 2 * torch_err + 2e-6
 
 
-def test_declines_what_it_cannot_run():
+def test_declines_what_it_cannot_run(isa):
     x = torch.randn(1, 4, 2, 64)
-    assert dense_cpu.dense_attention(x.double(), x.double(), x.double(), 1.0) is None
+    assert dense_cpu.dense_attention(x.double(), x.double(), x.double(), 1.0, isa=isa) is None
     y = torch.randn(1, 4, 2, 32)
-    assert dense_cpu.dense_attention(y, y, y, 1.0) is None  # head size 32
-    assert dense_cpu.dense_attention(x.transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2), 1.0) is None
-    assert dense_cpu.dense_attention(x, x[:, :0], x[:, :0], 1.0) is None  # no keys
-    assert dense_cpu.dense_attention(x.requires_grad_(), x, x, 1.0) is None
+    assert dense_cpu.dense_attention(y, y, y, 1.0, isa=isa) is None  # head size 32
+    t = x.transpose(1, 2)
+    assert dense_cpu.dense_attention(t, t, t, 1.0, isa=isa) is None
+    assert dense_cpu.dense_attention(x, x[:, :0], x[:, :0], 1.0, isa=isa) is None  # no keys
+    assert dense_cpu.dense_attention(x.requires_grad_(), x, x, 1.0, isa=isa) is None
+
+
+def test_portable_build_declines():
+    """Built for no vector ISA the kernel says so and callers run torch SDPA."""
+    if build.load("dense_attention_cpu.c", "torch SDPA", "none") is None:
+        pytest.skip("no C compiler here")
+    assert not dense_cpu.available("none")
+    x = torch.randn(1, 40, 2, 64)
+    assert dense_cpu.dense_attention(x, x, x, 0.125, isa="none") is None
+
+
+def test_refuses_an_isa_this_cpu_lacks(monkeypatch):
+    monkeypatch.setattr(build, "host_isas", lambda: ("avx2", "none"))
+    dense_cpu.available.cache_clear()
+    with pytest.raises(ValueError, match="avx512"):
+        dense_cpu.available("avx512")
+    dense_cpu.available.cache_clear()
+
+
+def test_missing_source_warns_and_falls_back(caplog):
+    """A wheel without the .c files (or a read-only, unbuildable one) runs torch, never crashes."""
+    with caplog.at_level("WARNING", logger=build.__name__):
+        assert build.load("no_such_kernel.c", "torch runs instead", "none") is None
+    assert "no_such_kernel.c" in caplog.text and "torch runs instead" in caplog.text
+
+
+def test_builds_are_keyed_by_isa(tmp_path, monkeypatch):
+    """One cache dir shared by hosts of different ISAs holds one file per ISA."""
+    monkeypatch.setenv("ENCDEC_CACHE_DIR", str(tmp_path))
+    built = [isa for isa in build.host_isas()
+             if build.load.__wrapped__("dense_attention_cpu.c", "torch", isa) is not None]
+    if not built:
+        pytest.skip("no C compiler here")
+    names = sorted(p.name for p in tmp_path.glob("*.so"))
+    assert [n.split("_")[3] for n in names] == sorted(built), names

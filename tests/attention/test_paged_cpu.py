@@ -4,13 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdec.attention.ops import paged_cpu
+from encdec.attention.ops import build, paged_cpu
 
 pytestmark = pytest.mark.skipif(not paged_cpu.available(), reason="no C compiler here")
 
 
+@pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
 @pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 4, 4), (5, 6, 2), (16, 6, 6)])
-def test_kernel_matches_reference(block_size, heads, kv_heads):
+def test_kernel_matches_reference(block_size, heads, kv_heads, isa, monkeypatch):
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    assert build.cpu_isa() == isa
     g = torch.Generator().manual_seed(0)
     D, B, num_blocks = 64, 7, 1000
     cache = torch.randn(2, num_blocks, block_size, kv_heads, D, generator=g)

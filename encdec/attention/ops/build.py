@@ -1,11 +1,17 @@
-"""Compiles the C kernels in this folder once per machine and loads them with ctypes.
+"""Compiles the C kernels in this folder once per machine and ISA, and loads them with ctypes.
 
-Each ``.c`` file is built with the system C compiler into ``$ENCDEC_CACHE_DIR``
-(default ``~/.cache/encdec``), keyed by a hash of its source and flags, so a
-changed kernel rebuilds and concurrent builders never see half a file. No
-torch headers are involved: a build takes about a second. Where no compiler
-works, or ``ENCDEC_DISABLE_C_KERNELS=1``, ``load`` returns None and callers use
-their torch path (logged once per kernel).
+Hosts of one kind differ (some have AVX-512, some only AVX2+FMA), so each
+kernel is built once per instruction set with explicit flags, never
+``-march=native``: ``cpu_isa()`` picks the best one this CPU runs, or the one
+``ENCDEC_CPU_ISA=avx512|avx2|none`` asks for (tests, benchmarks). Builds go to
+``$ENCDEC_CACHE_DIR`` (default ``~/.cache/encdec``) under a name keyed by the
+source's hash, the flags and the ISA, so a changed kernel rebuilds, a cache
+shared between hosts never hands one a binary it cannot run, and concurrent
+builders never see half a file. No torch headers: a build takes about a second.
+
+Nothing here raises: a missing source, no compiler, a failed build or
+``ENCDEC_DISABLE_C_KERNELS=1`` makes ``load`` return None (with a warning, once
+per kernel and ISA) and callers run their torch path.
 """
 from __future__ import annotations
 
@@ -26,7 +32,21 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 # -fopenmp links libgomp.so.1; in a process where torch already loaded its own
 # libgomp.so.1 the loader reuses that one, so both share one thread pool.
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu99", "-fopenmp", "-lm"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu99", "-fopenmp", "-lm"]
+# Best first. "none" builds for the compiler's baseline target (any CPU of this
+# architecture); kernels without a portable vector path decline there.
+ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "none": [],
+}
+# /proc/cpuinfo flags an ISA needs (the kernel lists only what the OS enables).
+_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "none": set(),
+}
+ISA_ENV = "ENCDEC_CPU_ISA"
 
 
 def _cache_dir() -> str:
@@ -34,9 +54,58 @@ def _cache_dir() -> str:
 
 
 @cache
-def load(source: str, fallback: str) -> ctypes.CDLL | None:
-    """The compiled ``source`` (a file name in this folder), or None; ``fallback``
-    says in the warning what runs instead."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@cache
+def host_isas() -> tuple[str, ...]:
+    """The ISAs this CPU runs, best first; always ends with "none"."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("none",)
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo: ask torch, which reads CPUID itself
+        import torch
+
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        flags = frozenset(_CPU_FLAGS["avx512"] if cap.startswith("avx512") else
+                          _CPU_FLAGS["avx2"] if cap == "avx2" else ())
+    return tuple(isa for isa, need in _CPU_FLAGS.items() if need <= flags)
+
+
+@cache
+def _resolve(requested: str | None) -> str:
+    isas = host_isas()
+    if requested is None or requested == "":
+        return isas[0]
+    if requested not in ISA_FLAGS:
+        logger.warning("%s=%s is not one of %s: using %s", ISA_ENV, requested, "|".join(ISA_FLAGS), isas[0])
+        return isas[0]
+    if requested not in isas:
+        logger.warning("%s=%s but this CPU lacks it (it runs %s): using %s", ISA_ENV, requested,
+                       "|".join(isas), isas[0])
+        return isas[0]
+    return requested
+
+
+def cpu_isa() -> str:
+    """The instruction set the C kernels run with here: "avx512", "avx2" or "none"
+    (the best this CPU runs unless ``ENCDEC_CPU_ISA`` asks for a lower one)."""
+    return _resolve(os.environ.get(ISA_ENV))
+
+
+@cache
+def load(source: str, fallback: str, isa: str) -> ctypes.CDLL | None:
+    """``source`` (a file name in this folder) compiled for ``isa``, or None;
+    ``fallback`` says in the warning what runs instead."""
     if os.environ.get("ENCDEC_DISABLE_C_KERNELS") == "1":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -44,32 +113,35 @@ def load(source: str, fallback: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found for %s: %s", source, fallback)
         return None
     src_path = os.path.join(_DIR, source)
-    with open(src_path, "rb") as f:
-        src = f.read()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}_{key}.so")
-    if not os.path.exists(path):
-        tmp = ""
-        try:
+    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    tmp = ""
+    try:
+        with open(src_path, "rb") as f:
+            src = f.read()
+        key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), isa.encode(),
+                                         platform.machine().encode()])).hexdigest()[:16]
+        path = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}_{isa}_{key}.so")
+        if not os.path.exists(path):
             os.makedirs(_cache_dir(), exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
             os.close(fd)
-            subprocess.run([cc, src_path, "-o", tmp, *_FLAGS], check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, src_path, "-o", tmp, *flags], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
-        except (subprocess.SubprocessError, OSError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            logger.warning("building %s failed (%s %s): %s", source, e,
-                           detail.decode(errors="replace")[:500], fallback)
-            if tmp and os.path.exists(tmp):
-                os.unlink(tmp)
-            return None
-    return ctypes.CDLL(path)
+        return ctypes.CDLL(path)
+    except (subprocess.SubprocessError, OSError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("building %s for %s failed (%s %s): %s", source, isa, e,
+                       detail.decode(errors="replace")[:500], fallback)
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+        return None
 
 
 def load_function(source: str, name: str, argtypes: Sequence[Any], restype: Any,
-                  fallback: str) -> Any | None:
-    """Function ``name`` of the compiled ``source`` with its ctypes signature, or None."""
-    lib = load(source, fallback)
+                  fallback: str, *, isa: str | None = None) -> Any | None:
+    """Function ``name`` of ``source`` built for ``isa`` (default ``cpu_isa()``)
+    with its ctypes signature, or None."""
+    lib = load(source, fallback, isa or cpu_isa())
     if lib is None:
         return None
     fn = getattr(lib, name)

@@ -17,7 +17,11 @@
  * out is (B, T_q, H, 64) contiguous: it is the (B, T_q, H * 64) input of the
  * output projection, no transpose needed.
  *
- * Built without AVX-512 the entry point returns -1 and the caller uses torch.
+ * Two paths, chosen at compile time by the ISA flags build.py passes (one build
+ * per ISA): AVX-512 (6 rows x 64 columns per QK tile, 24 of 32 zmm) and
+ * AVX2+FMA (6 rows x 16 columns per tile, 12 accumulators of 16 ymm, as BLIS's
+ * Haswell sgemm kernel). Both keep the exact two-pass softmax and a ~1 ulp exp.
+ * Built with neither, the entry point returns -1 and the caller uses torch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,14 +31,17 @@
 #define D 64
 #define R 6 /* query rows per register tile */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HAVE_VECTOR_PATH 1
 #include <immintrin.h>
 
 static float *alloc_floats(int64_t n) {
     void *p = NULL;
     return posix_memalign(&p, 64, sizeof(float) * (size_t)(n > 0 ? n : 1)) == 0 ? p : NULL;
 }
+#endif
 
+#ifdef __AVX512F__
 /* exp for x <= 0 (scores minus their row max): Cephes expf polynomial on
  * x - n ln2, |error| ~1 ulp; scalef rebuilds 2^n and flushes huge negatives to 0. */
 static inline __m512 exp_nonpos(__m512 x) {
@@ -56,7 +63,7 @@ static inline __m512 exp_nonpos(__m512 x) {
 /* s[i][c .. c + 16 * NV) = qs[i] . kt[:, c ..] for i < R; kt is (D, ldk). */
 #define QK_TILE(NV)                                                                  \
     static inline void qk_tile_##NV(const float *qs, const float *kt, int64_t ldk,   \
-                                    float *s, int64_t lds, int64_t c) {              \
+                                    float *s, int64_t c) {                           \
         __m512 acc[R][NV];                                                           \
         for (int i = 0; i < R; i++)                                                  \
             for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();            \
@@ -69,13 +76,23 @@ static inline __m512 exp_nonpos(__m512 x) {
             }                                                                        \
         }                                                                            \
         for (int i = 0; i < R; i++)                                                  \
-            for (int j = 0; j < NV; j++) _mm512_storeu_ps(s + i * lds + c + 16 * j, acc[i][j]); \
+            for (int j = 0; j < NV; j++) _mm512_storeu_ps(s + i * ldk + c + 16 * j, acc[i][j]); \
     }
 QK_TILE(4)
 QK_TILE(1)
 
-/* o[i] = sum_t p[i][t] * v[t] for i < R, t < tk; v is (tk, D) contiguous. */
-static inline void pv_tile(const float *p, int64_t ldp, const float *v, int64_t tk, __m512 acc[R][4]) {
+/* s (R rows of ldk) = qs kt: 6x64 tiles, then 6x16 for the rest of ldk. */
+static inline void qk_rows(const float *qs, const float *kt, int64_t ldk, float *s) {
+    int64_t c = 0;
+    for (; c + 64 <= ldk; c += 64) qk_tile_4(qs, kt, ldk, s, c);
+    for (; c < ldk; c += 16) qk_tile_1(qs, kt, ldk, s, c);
+}
+
+/* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk; v is (tk, D)
+ * contiguous; row i goes to o + i * ldo. */
+static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t tk,
+                           const float *inv, int rows, float *o, int64_t ldo) {
+    __m512 acc[R][4];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < tk; t++) {
@@ -89,6 +106,10 @@ static inline void pv_tile(const float *p, int64_t ldp, const float *v, int64_t 
             acc[i][2] = _mm512_fmadd_ps(pb, v2, acc[i][2]);
             acc[i][3] = _mm512_fmadd_ps(pb, v3, acc[i][3]);
         }
+    }
+    for (int i = 0; i < rows; i++) {
+        __m512 w = _mm512_set1_ps(inv[i]);
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_mul_ps(acc[i][j], w));
     }
 }
 
@@ -114,6 +135,122 @@ static inline float softmax_numerator(float *s, int64_t n) {
     }
     return _mm512_reduce_add_ps(sum);
 }
+
+#elif defined(HAVE_VECTOR_PATH) /* AVX2 + FMA */
+/* The same Cephes exp on 8 lanes. AVX2 has no scalef: 2^n is built in the
+ * exponent bits, valid for n >= -126, so inputs below -87.3 (exp < 2^-126,
+ * nothing next to the row max's exp(0) = 1) are flushed to 0. */
+static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654475f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+/* A 6x16 tile in 12 named accumulators: GCC kept an __m256 acc[6][2] array
+ * on the stack (a store per FMA, measured 1.5x slower). FMA6(a, b, ptr, ld)
+ * adds broadcast(ptr[i * ld]) * (a, b) to row i's pair. */
+#define DECL6 __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, \
+    c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00
+#define FMA2(i, a, b, ptr)                                                \
+    do {                                                                  \
+        __m256 bc = _mm256_broadcast_ss(ptr);                             \
+        c##i##0 = _mm256_fmadd_ps(bc, a, c##i##0);                        \
+        c##i##1 = _mm256_fmadd_ps(bc, b, c##i##1);                        \
+    } while (0)
+#define FMA6(a, b, ptr, ld)                                               \
+    do {                                                                  \
+        FMA2(0, a, b, (ptr));          FMA2(1, a, b, (ptr) + (ld));       \
+        FMA2(2, a, b, (ptr) + 2 * (ld)); FMA2(3, a, b, (ptr) + 3 * (ld)); \
+        FMA2(4, a, b, (ptr) + 4 * (ld)); FMA2(5, a, b, (ptr) + 5 * (ld)); \
+    } while (0)
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* s (R rows of ldk) = qs kt in 6x16 tiles: 12 accumulators, 2 key loads and a
+ * broadcast per step, 15 of the 16 ymm registers. */
+static inline void qk_rows(const float *qs, const float *kt, int64_t ldk, float *s) {
+    for (int64_t c = 0; c < ldk; c += 16) {
+        DECL6;
+        for (int d = 0; d < D; d++) {
+            __m256 k0 = _mm256_loadu_ps(kt + d * ldk + c), k1 = _mm256_loadu_ps(kt + d * ldk + c + 8);
+            FMA6(k0, k1, qs + d, D);
+        }
+        __m256 rows[R][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+        for (int i = 0; i < R; i++) {
+            _mm256_storeu_ps(s + i * ldk + c, rows[i][0]);
+            _mm256_storeu_ps(s + i * ldk + c + 8, rows[i][1]);
+        }
+    }
+}
+
+/* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk, in four passes of
+ * 16 output columns (6x16 tiles again: 64 columns would need 48 registers). */
+static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t tk,
+                           const float *inv, int rows, float *o, int64_t ldo) {
+    for (int c = 0; c < D; c += 16) {
+        DECL6;
+        for (int64_t t = 0; t < tk; t++) {
+            __m256 v0 = _mm256_loadu_ps(v + t * D + c), v1 = _mm256_loadu_ps(v + t * D + c + 8);
+            FMA6(v0, v1, p + t, ldp);
+        }
+        __m256 acc[R][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+        for (int i = 0; i < rows; i++) {
+            __m256 w = _mm256_set1_ps(inv[i]);
+            _mm256_storeu_ps(o + i * ldo + c, _mm256_mul_ps(acc[i][0], w));
+            _mm256_storeu_ps(o + i * ldo + c + 8, _mm256_mul_ps(acc[i][1], w));
+        }
+    }
+}
+
+/* In place: s[0 .. n) <- exp(s - max(s)); returns the sum. The row is padded
+ * to a multiple of 16, so the last partial vector is loaded and stored whole
+ * with its lanes past n masked out. */
+static inline float softmax_numerator(float *s, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    const __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    if (t < n) m = _mm256_max_ps(m, _mm256_blendv_ps(m, _mm256_loadu_ps(s + t), tail));
+    __m256 mx = _mm256_set1_ps(hmax8(m));
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (t < n) {
+        __m256 e = _mm256_and_ps(exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx)), tail);
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+}
 #endif
 
 int dense_attention_f32(float *out, const float *q, const float *k, const float *v,
@@ -121,7 +258,7 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
                         int64_t q_sb, int64_t q_st, int64_t k_sb, int64_t k_st,
                         int64_t v_sb, int64_t v_st, float scale, int num_threads)
 {
-#ifndef __AVX512F__
+#ifndef HAVE_VECTOR_PATH
     (void)out; (void)q; (void)k; (void)v; (void)B; (void)H; (void)tq; (void)tk; (void)q_sb;
     (void)q_st; (void)k_sb; (void)k_st; (void)v_sb; (void)v_st; (void)scale; (void)num_threads;
     return -1;
@@ -152,22 +289,14 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
                 for (int d = 0; d < D; d++)
                     for (int64_t t = tk; t < ldk; t++) kt[d * ldk + t] = 0.f;
                 for (int64_t r0 = 0; r0 < tq; r0 += R) {
-                    const int64_t rows = tq - r0 < R ? tq - r0 : R;
+                    const int rows = tq - r0 < R ? (int)(tq - r0) : R;
                     for (int i = 0; i < R; i++)
                         for (int d = 0; d < D; d++)
                             qs[i * D + d] = i < rows ? scale * q[b * q_sb + (r0 + i) * q_st + h * D + d] : 0.f;
-                    int64_t c = 0;
-                    for (; c + 64 <= ldk; c += 64) qk_tile_4(qs, kt, ldk, s, ldk, c);
-                    for (; c < ldk; c += 16) qk_tile_1(qs, kt, ldk, s, ldk, c);
+                    qk_rows(qs, kt, ldk, s);
                     float inv[R];
                     for (int i = 0; i < R; i++) inv[i] = 1.0f / softmax_numerator(s + i * ldk, tk);
-                    __m512 acc[R][4];
-                    pv_tile(s, ldk, vp, tk, acc);
-                    for (int i = 0; i < rows; i++) {
-                        float *o = out + ((b * tq + r0 + i) * H + h) * D;
-                        __m512 w = _mm512_set1_ps(inv[i]);
-                        for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[i][j], w));
-                    }
+                    pv_rows(s, ldk, vp, tk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
                 }
             }
         }

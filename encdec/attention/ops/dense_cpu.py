@@ -1,16 +1,17 @@
 """Calls ``dense_attention_cpu.c``: non-causal attention over equal-length
 sequences (Whisper's encoder), read straight from a fused qkv projection.
 
-``dense_attention`` returns None when the kernel cannot take the call (no
-compiler, no AVX-512, head size other than 64, not float32 on CPU, or
-``ENCDEC_DISABLE_C_KERNELS=1``) and the caller runs torch SDPA instead: same
-math, 20-30% slower on this kind of machine.
+The kernel has an AVX-512 and an AVX2+FMA path, built per ISA and picked by
+``build.cpu_isa()``. ``dense_attention`` returns None when it cannot take the
+call (no compiler, neither ISA, head size other than 64, not float32 on CPU,
+or ``ENCDEC_DISABLE_C_KERNELS=1``) and the caller runs torch SDPA instead:
+same math, 20-30% slower on this kind of machine.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -23,29 +24,33 @@ HEAD_SIZE = 64
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@lru_cache(maxsize=1)
-def _kernel():
+@cache
+def _kernel(isa: str):
     return build.load_function("dense_attention_cpu.c", "dense_attention_f32",
                                [_P] * 4 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int], ctypes.c_int,
-                               "dense attention runs torch SDPA")
+                               "dense attention runs torch SDPA", isa=isa)
 
 
-@lru_cache(maxsize=1)
-def available() -> bool:
-    """Whether the kernel is built with its vector path (a 1-token probe call)."""
-    if _kernel() is None:
+@cache
+def available(isa: str | None = None) -> bool:
+    """Whether the kernel runs its vector path for ``isa`` (default
+    ``build.cpu_isa()``), checked by a 1-token probe call."""
+    isa = isa or build.cpu_isa()
+    if isa not in build.host_isas():
+        raise ValueError(f"isa={isa!r}: this CPU runs only {build.host_isas()}")
+    if _kernel(isa) is None:
         return False
     x = torch.zeros(1, 1, 1, HEAD_SIZE)
-    ok = _call(x, x, x, 1.0) is not None
+    ok = _call(x, x, x, 1.0, isa) is not None
     if not ok:
-        logger.info("dense CPU attention kernel lacks AVX-512 here: torch SDPA runs instead")
+        logger.info("dense CPU attention kernel has no %s path: torch SDPA runs instead", isa)
     return ok
 
 
-def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, isa: str) -> torch.Tensor | None:
     B, tq, H, D = q.shape
     out = torch.empty(B, tq, H, D, dtype=q.dtype)
-    rc = _kernel()(
+    rc = _kernel(isa)(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scale, torch.get_num_threads())
@@ -59,16 +64,19 @@ def _fits(x: torch.Tensor) -> bool:
             and x.shape[-1] == HEAD_SIZE and x.stride(-1) == 1 and x.stride(-2) == HEAD_SIZE)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                    isa: str | None = None) -> torch.Tensor | None:
     """softmax(scale * q k^T) v per batch row and head, or None if the kernel cannot run it.
 
     q: (B, T_q, H, 64), k and v: (B, T_k, H, 64), float32 on CPU; heads adjacent
     in memory (any batch and time strides, so views of a fused qkv work).
-    Returns (B, T_q, H, 64) contiguous.
+    Returns (B, T_q, H, 64) contiguous. ``isa`` picks the path (tests; default
+    ``build.cpu_isa()``).
     """
     if not (_fits(q) and _fits(k) and _fits(v) and k.shape == v.shape
             and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and k.shape[1] > 0):
         return None
-    if q.requires_grad or k.requires_grad or v.requires_grad or not available():
+    isa = isa or build.cpu_isa()
+    if q.requires_grad or k.requires_grad or v.requires_grad or not available(isa):
         return None
-    return _call(q, k, v, scale)
+    return _call(q, k, v, scale, isa)

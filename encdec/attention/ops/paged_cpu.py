@@ -1,13 +1,14 @@
 """Builds and calls ``paged_attention_cpu.c``: decode attention straight from
 the paged cache, so no step copies a sequence's keys and values.
 
-Built by ``build.load``; where no compiler works, ``available()`` is False and
-the torch backend gathers instead (logged once).
+Plain C the compiler vectorises, built by ``build.load`` for ``build.cpu_isa()``
+(portable where that is "none"); where no compiler works, ``available()`` is
+False and the torch backend gathers instead (logged once).
 """
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -16,16 +17,16 @@ from encdec.attention.ops import build
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@lru_cache(maxsize=1)
-def _kernel():
+@cache
+def _kernel(isa: str):
     return build.load_function(
         "paged_attention_cpu.c", "paged_attention_decode_f32",
         [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
-        None, "decode attention gathers KV (slower)")
+        None, "decode attention gathers KV (slower)", isa=isa)
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return _kernel(build.cpu_isa()) is not None
 
 
 def paged_decode_attention(
@@ -36,7 +37,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     scale: float,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
-    kernel = _kernel()
+    kernel = _kernel(build.cpu_isa())
     assert kernel is not None and q.dtype == torch.float32 and q.device.type == "cpu"
     q = q.contiguous()
     out = torch.empty_like(q)

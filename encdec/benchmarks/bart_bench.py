@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.common import OtherCPUMonitor, allocator_for_both_sides, timed
+from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header, timed
 
 
 def make_workload(n: int, vocab: int, seed: int):
@@ -87,8 +87,8 @@ def run_ours(model_dir: str, enc, out_lens, profile: bool) -> tuple[int, float]:
     return sum(out_lens), seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides")
     ap.add_argument("--seed", type=int, default=0)
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times")
     ap.add_argument("--profile", action="store_true", help="cProfile our run")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 
@@ -114,6 +114,7 @@ def main() -> None:
     print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
           f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {allocator_for_both_sides()}")
+    print(isa_header())
     ratios = []
     for rep in range(args.repeats):
         # Alternate the two sides so slow drifts of a shared host hit both.
@@ -132,6 +133,7 @@ def main() -> None:
     if ratios:
         print(f"ratio encdec / HF: {statistics.median(ratios):.2f}x (median of {len(ratios)}; "
               f"all: {', '.join(f'{r:.2f}' for r in ratios)})")
+
 
 if __name__ == "__main__":
     main()
