@@ -44,13 +44,16 @@ def assert_all_free(llm: LLM) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_bart_shared_documents_match_cache_off_in_one_call_and_across_calls(tiny_bart):
+@pytest.mark.parametrize("backend", ["torch_sdpa", "xformers"])  # xformers: its CPU reference path
+def test_bart_shared_documents_match_cache_off_in_one_call_and_across_calls(tiny_bart, backend):
+    if backend == "xformers":
+        pytest.importorskip("xformers")
     prompts = doc_prompts(DOCS, ["Summary:", "Title", "Who is it about?"])
-    off = make_llm(tiny_bart, enable_encoder_cache=False)
+    off = make_llm(tiny_bart, enable_encoder_cache=False, attention_backend=backend)
     ref = [tokens(off.generate(prompts, GREEDY, use_tqdm=False)) for _ in range(2)]
     assert off.llm_engine.stats.num_encoder_passes == 2 * len(prompts)
     assert off.llm_engine.stats.encoder_cache_queries == 0
-    on = make_llm(tiny_bart)
+    on = make_llm(tiny_bart, attention_backend=backend)
     first = on.generate(prompts, GREEDY, use_tqdm=False)
     stats = on.llm_engine.stats
     assert stats.num_encoder_passes == len(DOCS)  # one per distinct document
