@@ -177,7 +177,8 @@ class EncoderDecoderModelRunner:
             block_size=self.block_size,
             block_tables_list=tables,
             cross_block_tables_list=cross_tables,
-            prefill_cross_cached=[n == 0 for n in enc_computed] if len(enc_tokens) < len(prefills) else None,
+            prefill_cross_cached=([m.cross_kv_cached for m in prefills]
+                                  if len(enc_tokens) < len(prefills) else None),
         )
         enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if enc_tokens else {}
         return ModelInput(input_ids=torch.tensor(tokens, dtype=torch.long, device=dev), positions=pos,
