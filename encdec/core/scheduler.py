@@ -332,9 +332,8 @@ class Scheduler:
         return admitted
 
     def _cross_kv_cached(self, group: SequenceGroup) -> bool:
-        """Whether a prefill reuses its cross table's KV rather than running the
-        encoder; counts encoder passes and cache queries/hits, and keeps the
-        request's ``metrics.encoder_cache_hit`` (False once its encoder ran)."""
+        """Whether a prefill reuses its cross table's KV (no encoder pass); counts
+        passes, queries and hits; ``metrics.encoder_cache_hit``: False once its encoder ran."""
         stats = self.stats
         cached = not self.block_manager.claim_cross_write(group)
         if group.encoder_cache_key is not None:
@@ -354,9 +353,7 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         blocks = StepBlocks()
-        # Shared cross tables whose running users ended while others are
-        # swapped follow them to CPU, before this step reuses their blocks.
-        idle = self.block_manager.swap_out_idle_cross()
+        idle = self.block_manager.swap_out_idle_cross()  # first: this step may reuse their blocks
         blocks.swap_out.extend(idle)
         self.stats.num_blocks_swapped_out += len(idle)
         preempted = self._preempt_for_waiting(blocks) if self._by_priority else 0
@@ -388,9 +385,8 @@ class Scheduler:
                                 if is_prompt and not cached else None),
                 cross_kv_cached=cached,
             ))
-        stats = self.stats
-        stats.peak_num_gpu_blocks_used = max(stats.peak_num_gpu_blocks_used,
-                                             bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks())
+        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
+        self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
         num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)]) + \
             sum(g.num_seqs(SequenceStatus.RUNNING) for g in decodes)
         return metas, SchedulerOutputs(
