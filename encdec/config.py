@@ -46,6 +46,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes of device KV; overrides the fraction
     sliding_window: int | None = None
     enable_prefix_caching: bool = False
+    enable_encoder_cache: bool = True  # share cross tables between equal encoder inputs
     # Set by the engine after sizing the cache.
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None

@@ -203,6 +203,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # True when no prefill of the request ran the encoder: it read a cross
+    # table another request (or its own earlier admission) had written.
+    encoder_cache_hit: bool = False
 
 
 class SequenceGroup:
@@ -216,6 +219,7 @@ class SequenceGroup:
         sampling_params: Any = None,
         encoder_seq: Sequence | None = None,
         priority: int = 0,
+        encoder_cache_key: str | None = None,
     ):
         self.request_id = request_id
         self.seqs = list(seqs)
@@ -224,6 +228,9 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.encoder_seq = encoder_seq
         self.priority = priority
+        # Content key of the encoder input: requests with equal keys share one
+        # cross table and one encoder pass. None: this request shares nothing.
+        self.encoder_cache_key = encoder_cache_key
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Set when the request can never run (e.g. too long for the cache).
         self.error: str | None = None
@@ -306,7 +313,7 @@ class SequenceGroupMetadata:
     """What the scheduler tells the model runner about one request this step."""
 
     request_id: str
-    is_prompt: bool  # True: prefill (encoder runs, cross cache written)
+    is_prompt: bool  # True: prefill (encoder runs and cross cache written, unless cross_kv_cached)
     seq_data: dict[int, SequenceData]  # decoder seq_id -> its data
     sampling_params: Any
     block_tables: dict[int, list[int]]  # decoder seq_id -> device block numbers
@@ -314,6 +321,9 @@ class SequenceGroupMetadata:
     encoder_seq_data: SequenceData | None = None  # encoder prompt tokens (static)
     cross_block_table: list[int] | None = None  # device block numbers of the cross KV
     encoder_inputs: Any = None  # model-specific encoder input (e.g. audio features)
+    # Prefill only: the cross table already holds this input's KV, or another
+    # prefill of this step writes it; the runner skips this request's encoder.
+    cross_kv_cached: bool = False
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:

@@ -10,13 +10,17 @@ An encoder/decoder request owns two kinds of block tables (vLLM V0 layout):
 
     cross_block_tables  request_id -> cross-attention blocks; written once at
                         prefill from the encoder output, read every decode
-                        step, never grown; one per request, whatever n is
+                        step, never grown; one per request, whatever n is,
+                        shared by requests with the same encoder input
+                        (``SequenceGroup.encoder_cache_key``; cross_tables.py)
         "req-3" -> [20, 21, 22, 23]  one contiguous run when one is free: the
                                      backend then reads it as a zero-copy slice
 
 swap_out / swap_in move a group's live self tables and its cross table between
-devices together. The free-block arithmetic of the design seed holds, with
-"group blocks" counting distinct physical blocks:
+devices together (a shared cross table moves only with the last sharer to
+leave the device, or the first to come back). The free-block arithmetic of
+the design seed holds, with "group blocks" counting distinct physical blocks
+that move or are freed, and cached-free cross blocks counted as free:
 
     allocate   free_gpu -= group blocks
     swap_out   free_gpu += group blocks    free_cpu -= group blocks
@@ -31,6 +35,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from encdec.block_manager.allocator import BlockAllocator, Device
+from encdec.block_manager.cross_tables import CrossTables
 from encdec.sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -75,36 +80,43 @@ class BlockSpaceManager:
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         self.block_tables: dict[int, list[int]] = {}
-        self.cross_block_tables: dict[str, list[int]] = {}
-        # Which device each table's block numbers refer to.
+        self.cross = CrossTables(self.gpu_allocator, self.cpu_allocator)
+        # Which device each self table's block numbers refer to.
         self._seq_device: dict[int, Device] = {}
-        self._cross_device: dict[str, Device] = {}
+
+    @property
+    def cross_block_tables(self) -> dict[str, list[int]]:
+        """request_id -> its cross table's blocks (a new dict of live lists)."""
+        return self.cross.tables()
 
     def can_allocate(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
         """Counts one decoder prompt (the group's WAITING seqs share it), with
-        room for the lookahead slots, plus the cross table."""
+        room for the lookahead slots, plus the cross table: NEVER as if it
+        were not shared, LATER/OK by what taking it costs now (nothing when
+        another request's table of the same input is live)."""
         seq = seq_group.get_seqs(status=SequenceStatus.WAITING)[0]
         required = self._num_blocks(seq.get_len() + num_lookahead_slots)
+        alone = required
         encoder_seq = seq_group.get_encoder_seq()
         if encoder_seq is not None:
-            required += self._num_blocks(encoder_seq.get_len())
-        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            num_cross = self._num_blocks(encoder_seq.get_len())
+            alone += num_cross
+            required += self.cross.device_blocks_needed(seq_group.encoder_cache_key, num_cross)
+        if self.num_total_gpu_blocks - alone < self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+        if self.get_num_free_gpu_blocks() - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
         """One self table for the WAITING decoder seqs, shared by reference count
-        (they hold the same prompt), and the request's cross table, on the GPU."""
+        (they hold the same prompt), and the request's cross table, on the GPU:
+        the live or cached-free one of its encoder input when there is one."""
         gpu = self.gpu_allocator
         encoder_seq = seq_group.get_encoder_seq()
         if encoder_seq is not None:  # cross first: on an idle cache it takes the lowest run
-            request_id = seq_group.request_id
-            assert request_id not in self.cross_block_tables
-            num_cross = self._num_blocks(encoder_seq.get_len())
-            self.cross_block_tables[request_id] = gpu.allocate_contiguous(num_cross)
-            self._cross_device[request_id] = Device.GPU
+            self.cross.acquire(seq_group.request_id, seq_group.encoder_cache_key,
+                               self._num_blocks(encoder_seq.get_len()))
 
         waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
         assert waiting, "allocate needs WAITING sequences"
@@ -129,7 +141,7 @@ class BlockSpaceManager:
             needed += max(0, end - len(table))
             for i in range(first, min(end, len(table))):
                 needed += gpu.get_ref_count(table[i]) > 1
-        return needed <= gpu.get_num_free_blocks()
+        return needed <= self.get_num_free_gpu_blocks()
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
         """Make the slots this step writes exist and belong to ``seq`` alone.
@@ -148,6 +160,7 @@ class BlockSpaceManager:
         for i in range(first, min(end, len(table))):
             src = table[i]
             if gpu.get_ref_count(src) > 1:
+                self.cross.make_room(1)
                 dst = gpu.allocate(prefer=table[i - 1] + 1 if i else None)
                 gpu.free(src)
                 table[i] = dst
@@ -181,7 +194,7 @@ class BlockSpaceManager:
         required += num_seqs * self._num_blocks(num_lookahead_slots + 1)
         if required > self.num_total_gpu_blocks:
             return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+        if self.get_num_free_gpu_blocks() - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -198,7 +211,10 @@ class BlockSpaceManager:
     ) -> list[tuple[int, int]]:
         """Move tables from ``src`` to ``dst``. A block shared by several seqs is
         copied once (``mapping``) and keeps its reference count. Pairs list the
-        decoder tables' blocks first (first-seen order), then the cross table's."""
+        decoder tables' blocks first (first-seen order), then the cross table's
+        when it moves (see ``CrossTables.moves_with``)."""
+        if dst.device is Device.GPU:
+            self.cross.make_room(len(self._group_blocks(seq_group, status)))
         mapping: dict[int, int] = {}
         for seq in seq_group.get_seqs(status=status):
             assert self._seq_device[seq.seq_id] is src.device
@@ -214,19 +230,7 @@ class BlockSpaceManager:
                 new_table.append(moved)
             self.block_tables[seq.seq_id] = new_table
             self._seq_device[seq.seq_id] = dst.device
-        pairs = list(mapping.items())
-
-        request_id = seq_group.request_id
-        cross = self.cross_block_tables.get(request_id)
-        if cross is not None:
-            assert self._cross_device[request_id] is src.device
-            new_cross = dst.allocate_contiguous(len(cross))
-            for block in cross:
-                src.free(block)
-            pairs.extend(zip(cross, new_cross))
-            self.cross_block_tables[request_id] = new_cross
-            self._cross_device[request_id] = dst.device
-        return pairs
+        return list(mapping.items()) + self.cross.swap_user(seq_group.request_id, dst.device)
 
     def free(self, seq: Sequence) -> None:
         """Drop the seq's self table on whichever device holds it; blocks that no
@@ -239,20 +243,25 @@ class BlockSpaceManager:
             allocator.free(block)
 
     def free_cross(self, seq_group: SequenceGroup) -> None:
-        """Drop the request's cross table on whichever device holds it."""
-        table = self.cross_block_tables.pop(seq_group.request_id, None)
-        if table is None:  # already freed, or never allocated
-            return
-        allocator = self._allocator(self._cross_device.pop(seq_group.request_id))
-        for block in table:
-            allocator.free(block)
+        """Drop the request's use of its cross table: the table is freed with its
+        last user, or kept cached-free (see cross_tables.py). No-op without one."""
+        self.cross.release(seq_group.request_id)
+
+    def claim_cross_write(self, seq_group: SequenceGroup) -> bool:
+        """Whether this prefill must run the encoder and write the cross table
+        (True once per table); False: its KV is there or written this step."""
+        return self.cross.claim_write(seq_group.request_id)
+
+    def swap_out_idle_cross(self) -> list[tuple[int, int]]:
+        """``[(gpu, cpu)]`` for shared cross tables whose running users all
+        ended while others are swapped; the scheduler runs these first."""
+        return self.cross.swap_out_idle()
 
     def reset(self) -> None:
         """Every table dropped, every block on both devices free."""
         self.block_tables.clear()
-        self.cross_block_tables.clear()
+        self.cross.reset()
         self._seq_device.clear()
-        self._cross_device.clear()
         self.gpu_allocator.reset()
         self.cpu_allocator.reset()
 
@@ -262,10 +271,15 @@ class BlockSpaceManager:
 
     def get_cross_block_table(self, seq_group: SequenceGroup) -> list[int]:
         """The live cross table (no copy); callers must not mutate it."""
-        return self.cross_block_tables[seq_group.request_id]
+        table = self.cross.table_of(seq_group.request_id)
+        if table is None:
+            raise KeyError(seq_group.request_id)
+        return table.blocks
 
     def get_num_free_gpu_blocks(self) -> int:
-        return self.gpu_allocator.get_num_free_blocks()
+        """Free device blocks, cached-free cross blocks included: allocation
+        evicts those as needed, so they are free to every caller."""
+        return self.gpu_allocator.get_num_free_blocks() + self.cross.num_evictable
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
@@ -279,6 +293,7 @@ class BlockSpaceManager:
     def _grow(self, table: list[int], num_blocks: int) -> None:
         """Append GPU blocks up to ``num_blocks``, each after its predecessor when free."""
         gpu = self.gpu_allocator
+        self.cross.make_room(num_blocks - len(table))
         while len(table) < num_blocks:
             table.append(gpu.allocate(prefer=table[-1] + 1 if table else None))
 
@@ -289,9 +304,11 @@ class BlockSpaceManager:
         return first, self._num_blocks(num_tokens + num_lookahead_slots)
 
     def _group_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> set[int]:
-        """Distinct physical blocks of the seqs in ``status`` plus the cross table."""
+        """Distinct physical blocks of the seqs in ``status`` plus the cross
+        table's when it would move with them."""
         blocks: set[int] = set()
         for seq in seq_group.get_seqs(status=status):
             blocks.update(self.block_tables[seq.seq_id])
-        blocks.update(self.cross_block_tables.get(seq_group.request_id, ()))
+        dst = Device.CPU if status is SequenceStatus.RUNNING else Device.GPU
+        blocks.update(self.cross.moves_with(seq_group.request_id, dst))
         return blocks

@@ -331,6 +331,19 @@ class Scheduler:
                 group.metrics.first_scheduled_time = time.time()
         return admitted
 
+    def _cross_kv_cached(self, group: SequenceGroup) -> bool:
+        """Whether a prefill reuses its cross table's KV (no encoder pass); counts
+        passes, queries and hits; ``metrics.encoder_cache_hit``: False once its encoder ran."""
+        stats = self.stats
+        cached = not self.block_manager.claim_cross_write(group)
+        if group.encoder_cache_key is not None:
+            stats.encoder_cache_queries += 1
+            stats.encoder_cache_hits += cached
+        stats.num_encoder_passes += not cached
+        first = group.metrics.first_token_time is None  # not a prefill after a recompute
+        group.metrics.encoder_cache_hit = cached and (first or group.metrics.encoder_cache_hit)
+        return cached
+
     def _record_admission(self, request_id: str) -> None:
         admitted = self.stats.admitted_at_step
         if request_id not in admitted:  # a recomputed group keeps its first step
@@ -340,6 +353,9 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         blocks = StepBlocks()
+        idle = self.block_manager.swap_out_idle_cross()  # first: this step may reuse their blocks
+        blocks.swap_out.extend(idle)
+        self.stats.num_blocks_swapped_out += len(idle)
         preempted = self._preempt_for_waiting(blocks) if self._by_priority else 0
         decodes, num_out_of_slots = self._schedule_running(blocks)
         preempted += num_out_of_slots
@@ -354,6 +370,7 @@ class Scheduler:
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             # A prefill (first, or after recompute) computes prompt + outputs so far.
             chunk = seqs[0].get_len() if is_prompt else 1
+            cached = is_prompt and self._cross_kv_cached(group)
             scheduled.append(ScheduledSequenceGroup(group, chunk))
             metas.append(SequenceGroupMetadata(
                 request_id=group.request_id,
@@ -364,8 +381,12 @@ class Scheduler:
                 token_chunk_size=chunk,
                 encoder_seq_data=group.encoder_seq.data,
                 cross_block_table=bm.get_cross_block_table(group),
-                encoder_inputs=group.encoder_seq.inputs.get("encoder_features") if is_prompt else None,
+                encoder_inputs=(group.encoder_seq.inputs.get("encoder_features")
+                                if is_prompt and not cached else None),
+                cross_kv_cached=cached,
             ))
+        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
+        self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
         num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)]) + \
             sum(g.num_seqs(SequenceStatus.RUNNING) for g in decodes)
         return metas, SchedulerOutputs(

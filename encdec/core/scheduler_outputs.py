@@ -37,6 +37,11 @@ class SchedulerStats:
     num_blocks_swapped_in: int = 0  # CPU -> device block copies asked for
     num_ignored: int = 0  # requests finished with an error (never fit, no swap space)
     num_aborted: int = 0  # requests aborted by the user
+    # Encoder cache (requests with the same encoder input share a cross table):
+    encoder_cache_queries: int = 0  # prefills of requests with a cache key (cache on)
+    encoder_cache_hits: int = 0  # of those, prefills that reused a cross table's KV
+    num_encoder_passes: int = 0  # prefills that ran the encoder (cache on or off)
+    peak_num_gpu_blocks_used: int = 0  # most device KV blocks in use after a schedule()
     # request id -> step it was first admitted at; the last scheduler.ADMITTED_HISTORY only
     admitted_at_step: dict[str, int] = field(default_factory=dict)
 

@@ -29,6 +29,9 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # Requests with the same encoder input share one cross-attention table and
+    # one encoder pass (API.md "Encoder cache").
+    enable_encoder_cache: bool = True
     # CPU torch threads, process-wide: applied by ``LLM`` (configure_cpu_runtime);
     # LLMEngine itself never changes process state. None = leave as is.
     num_threads: int | None = None
@@ -65,6 +68,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space=self.swap_space,
             kv_cache_memory=self.kv_cache_memory,
+            enable_encoder_cache=self.enable_encoder_cache,
         )
 
     def preemption(self) -> PreemptionMode | None:

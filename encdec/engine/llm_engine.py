@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ from torch.overrides import TorchFunctionMode
 
 from encdec.attention.selector import get_attn_backend
 from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
-from encdec.core.scheduler import Scheduler, SchedulerOutputs
+from encdec.core.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.capacity import kv_blocks_needed
+from encdec.engine.encoder_key import encoder_cache_key
 from encdec.engine.stop_checker import StopChecker
 from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.layers import pack_linears
@@ -127,6 +129,14 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        mc = self.model_config
+        self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Live counters (encoder cache queries/hits/passes, preemptions, swaps,
+        peak KV blocks): what a server's ``/metrics`` reports."""
+        return self.scheduler.stats
 
     # -- construction steps, in order ------------------------------------------
     def _init_model_config(self, args: EngineArgs) -> None:
@@ -405,8 +415,9 @@ class LLMEngine:
             seq.data.sample_index = i
             seqs.append(seq)
         encoder_seq = Sequence(seqs[0].seq_id, inputs, block_size, from_decoder_prompt=False)
+        key = encoder_cache_key(inputs, self._model_identity) if self.cache_config.enable_encoder_cache else None
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
-                              encoder_seq=encoder_seq, priority=priority)
+                              encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
         self.groups[request_id] = group
         self.scheduler.add_seq_group(group)
 

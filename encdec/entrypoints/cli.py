@@ -20,6 +20,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["xformers", "torch_sdpa"])
     p.add_argument("--logits-processors", nargs="*", default=None,
                    help="custom logits processors as pkg.module:Class")
+    p.add_argument("--enable-encoder-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="share one encoder pass and cross-attention table between requests "
+                        "with the same encoder input (default: on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,7 +30,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                 swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                logits_processors=args.logits_processors)
+                logits_processors=args.logits_processors, enable_encoder_cache=args.enable_encoder_cache)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str | None = None, logits_processors: list[Any] | None = None,
                  attention_backend: str | None = None, enforce_eager: bool = False,
-                 scheduling_policy: str = "fcfs", num_threads: int | None = None):
+                 scheduling_policy: str = "fcfs", num_threads: int | None = None,
+                 enable_encoder_cache: bool = True):
         self.engine_args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
             block_size=block_size, kv_cache_memory=kv_cache_memory,
@@ -41,7 +42,7 @@ class LLM:
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             logits_processors=logits_processors, attention_backend=attention_backend,
             enforce_eager=enforce_eager, scheduling_policy=scheduling_policy,
-            num_threads=num_threads)
+            num_threads=num_threads, enable_encoder_cache=enable_encoder_cache)
         if num_threads is not None:
             from encdec.worker.cpu_runtime import configure_cpu_runtime
 

@@ -7,6 +7,10 @@ packed without padding::
     input_ids:  [ prefill seq 0 tokens | prefill seq 1 tokens | d0 | d1 | d2 ]
     encoder:    [ request 0 encoder    | request 1 encoder    ]   (prefills only)
 
+A prefill whose cross table already holds its encoder input's KV (the
+encoder cache: ``cross_kv_cached``) adds no encoder tokens and no cross
+writes; its cross-attention reads the table like a decode does.
+
 Only the rows that are sampled (the last token of each prefill, every decode
 token) go through the LM head. Logits rows are then put in the persistent
 batch's order, which is what the logits processors index by.
@@ -99,8 +103,9 @@ class EncoderDecoderModelRunner:
         tables: list[list[int]] = []
         cross_tables: list[list[int]] = []
         rows: list[SampledRow] = []
-        enc_tokens: list[list[int]] = []
+        enc_tokens: list[list[int]] = []  # of the prefills that run the encoder
         enc_features: list = []
+        enc_computed: list[int] = []  # per prefill: encoder tokens computed this step (0: cached)
         q_lens: list[int] = []
         for m in prefills:
             # A group's sequences share their prompt (n > 1 forks it): compute
@@ -118,8 +123,10 @@ class EncoderDecoderModelRunner:
             enc = m.encoder_seq_data.prompt_token_ids
             enc_lens.append(len(enc))
             cross_tables.append(m.cross_block_table)
-            enc_tokens.append(enc)
-            enc_features.append(m.encoder_inputs)
+            enc_computed.append(0 if m.cross_kv_cached else len(enc))
+            if not m.cross_kv_cached:
+                enc_tokens.append(enc)
+                enc_features.append(m.encoder_inputs)
             last = len(tokens) - 1
             rows += [SampledRow(sid, last, m) for sid in m.seq_data]
         num_prefill_tokens = len(tokens)
@@ -137,14 +144,15 @@ class EncoderDecoderModelRunner:
                 cross_tables.append(m.cross_block_table)
         num_decode = len(tokens) - num_prefill_tokens
         q_start = _prefix_sum(q_lens)
-        e_start = _prefix_sum(enc_lens[: len(prefills)])
+        e_start = _prefix_sum(enc_computed)
         block_tables = _padded(tables, dev)
         cross_block_tables = _padded(cross_tables, dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         slot_mapping = cache_slots(block_tables.to(torch.long), _i32(table_rows, dev), pos, self.block_size)
-        cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc_lens[: len(prefills)],
-                                           self.block_size) if prefills  # written at prefill only
-                              else torch.empty(0, dtype=torch.long, device=dev))
+        # Written at prefill only, by the prefills that run the encoder (a cached
+        # prefill's length is 0 here, so it contributes no slots).
+        cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc_computed, self.block_size)
+                              if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
         md = self.backend.make_metadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,
@@ -169,8 +177,10 @@ class EncoderDecoderModelRunner:
             block_size=self.block_size,
             block_tables_list=tables,
             cross_block_tables_list=cross_tables,
+            prefill_cross_cached=([m.cross_kv_cached for m in prefills]
+                                  if len(enc_tokens) < len(prefills) else None),
         )
-        enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if prefills else {}
+        enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if enc_tokens else {}
         return ModelInput(input_ids=torch.tensor(tokens, dtype=torch.long, device=dev), positions=pos,
                           attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=rows)
 

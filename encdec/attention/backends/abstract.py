@@ -49,15 +49,19 @@ class AttentionMetadata:
     # Encoder / cross-attention side.
     encoder_seq_lens: list[int]  # per decoder sequence: its request's encoder length
     encoder_seq_lens_tensor: torch.Tensor  # (num_seqs,) int32
-    encoder_seq_start_loc: torch.Tensor  # (num_prefills + 1,) int32, packed encoder tokens
+    encoder_seq_start_loc: torch.Tensor  # (num_prefills + 1,) int32, packed encoder tokens (0 for a cached prefill)
     max_encoder_seq_len: int
-    num_encoder_tokens: int  # packed encoder tokens of the prefill sequences
+    num_encoder_tokens: int  # packed encoder tokens of the prefill sequences (computed this step)
     cross_slot_mapping: torch.Tensor  # (num_encoder_tokens,) int64, encoder token -> cache slot
     cross_block_tables: torch.Tensor  # (num_seqs, max_cross_blocks) int32, 0-padded
     block_size: int  # token slots per cache block; must match the cache tensor
     # Python copies of the tables, so CPU paths can take views without a device sync.
     block_tables_list: list[list[int]] | None = None
     cross_block_tables_list: list[list[int]] | None = None
+    # Per prefill sequence: True when its cross KV is already in the cache (the
+    # encoder cache), so it has no encoder tokens this step and its cross-
+    # attention reads the cache; None when every prefill brings its encoder.
+    prefill_cross_cached: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -104,6 +108,7 @@ class AttentionMetadata:
             encoder_seq_start_loc=empty,
             num_encoder_tokens=0,
             cross_slot_mapping=self.cross_slot_mapping[:0],
+            prefill_cross_cached=None,
         )
 
 

@@ -71,9 +71,10 @@ class TorchSDPAMetadata(AttentionMetadata):
         return slots, mask[:, None, None, :]
 
     @cached_property
-    def decode_cross_slices(self) -> list[tuple[int, int] | torch.Tensor]:
-        """Per decode sequence: (first_slot, length) of its encoder keys when they
-        are contiguous in the cache, else the slot index tensor to gather."""
+    def cross_slices(self) -> list[tuple[int, int] | torch.Tensor]:
+        """Per sequence of this view (decode, or prefill reading a cached cross
+        table): (first_slot, length) of its encoder keys when they are
+        contiguous in the cache, else the slot index tensor to gather."""
         tables = self.cross_block_tables_list
         if tables is None:
             tables = self.cross_block_tables.tolist()
@@ -113,6 +114,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
     return out.transpose(-3, -2)
 
 
+def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached encoder keys and values from ``flat`` (2, slots, Hk, D):
+    a zero-copy slice for a contiguous run, else a gather (see ``cross_slices``)."""
+    if isinstance(sl, tuple):
+        return flat[0, sl[0]: sl[0] + sl[1]], flat[1, sl[0]: sl[0] + sl[1]]
+    return flat[0][sl], flat[1][sl]
+
+
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_cpu.available()
 
@@ -133,9 +142,11 @@ class TorchSDPAImpl(AttentionImpl):
         out = torch.empty_like(q)
 
         if attn_type == AttentionType.ENCODER:
-            # Encoder tokens of the prefill requests, packed by encoder_seq_start_loc.
+            # Encoder tokens of the prefill requests, packed by encoder_seq_start_loc
+            # (none for a prefill whose cross KV is cached).
             for _, _, s, e in md.prefill_bounds:
-                out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale)
+                if e > s:
+                    out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale)
             return out.view(-1, H * D)
 
         if attn_type == AttentionType.DECODER:
@@ -156,13 +167,20 @@ class TorchSDPAImpl(AttentionImpl):
             return out.view(-1, H * D)
 
         # ENCODER_DECODER: prefill queries attend to their own request's encoder
-        # tokens (given as key/value, written to the cache once); decode queries
-        # read the cache.
-        if md.num_prefills and k is None:
+        # tokens (given as key/value, written to the cache once); decode queries,
+        # and prefills whose cross KV is cached, read the cache. Writes come
+        # first: a cached prefill may read what another prefill writes now.
+        cached = md.prefill_cross_cached or [False] * md.num_prefills
+        if k is None and not all(cached):
             raise ValueError("cross-attention prefill needs the encoder's key/value")
         if k is not None and md.num_encoder_tokens:
             write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
-            for qs, qe, es, ee in md.prefill_bounds:
+        flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
+        for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
+            if cached[i]:
+                kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i])
+                out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale)
+            else:
                 out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale)
         dmd = md.decode_metadata
         if dmd is not None and _use_c_kernel(kv_cache):
@@ -171,11 +189,8 @@ class TorchSDPAImpl(AttentionImpl):
         elif dmd is not None:
             flat = kv_cache.view(2, -1, Hk, D)
             base = md.num_prefill_tokens
-            for i, sl in enumerate(dmd.decode_cross_slices):
-                if isinstance(sl, tuple):
-                    kc, vc = flat[0, sl[0]: sl[0] + sl[1]], flat[1, sl[0]: sl[0] + sl[1]]
-                else:
-                    kc, vc = flat[0][sl], flat[1][sl]
+            for i, sl in enumerate(dmd.cross_slices):
+                kc, vc = _cross_kv(flat, sl)
                 out[base + i: base + i + 1] = _sdpa(q[base + i: base + i + 1], kc, vc, self.scale)
         return out.view(-1, H * D)
 

@@ -76,9 +76,19 @@ class XFormersMetadata(AttentionMetadata):
 
     @cached_property
     def prefill_encoder_lens(self) -> list[int]:
+        """Encoder tokens each prefill brings this step (a cached one brings none)."""
         lens = self.encoder_seq_lens[: self.num_prefills]
+        if self.prefill_cross_cached is not None:
+            lens = [n for n, cached in zip(lens, self.prefill_cross_cached) if not cached]
         assert sum(lens) == self.num_encoder_tokens, (lens, self.num_encoder_tokens)
         return lens
+
+    @cached_property
+    def prefill_cross_slots(self) -> torch.Tensor:
+        """Cache slots of every prefill's encoder keys, packed: read instead of
+        the step's key/value when some prefill's cross KV is cached."""
+        return packed_slots(self.cross_block_tables[: self.num_prefills],
+                            self.encoder_seq_lens[: self.num_prefills], self.block_size)
 
     @cached_property
     def encoder_bias(self) -> BlockDiagonalMask:
@@ -87,7 +97,7 @@ class XFormersMetadata(AttentionMetadata):
     @cached_property
     def cross_prefill_bias(self) -> BlockDiagonalMask:
         return BlockDiagonalMask.from_seqlens(
-            self.prefill_q_lens, self.prefill_encoder_lens, device=self._device)
+            self.prefill_q_lens, self.encoder_seq_lens[: self.num_prefills], device=self._device)
 
     @cached_property
     def causal_prefill_bias(self) -> BlockDiagonalCausalMask:
@@ -186,11 +196,17 @@ class XFormersImpl(AttentionImpl):
 
         # ENCODER_DECODER: prefill queries see their request's encoder tokens (given as
         # key/value and written to the cache once); decode queries read the cache.
+        # When some prefill's cross KV is cached (encoder cache), every prefill's
+        # keys are read back from the cache after this step's writes.
         if pmd is not None:
-            if k is None:
+            cached = md.prefill_cross_cached is not None and any(md.prefill_cross_cached)
+            if k is None and not (cached and all(md.prefill_cross_cached)):
                 raise ValueError("cross-attention prefill needs the encoder key/value")
-            if kv_cache is not None:
+            if k is not None and kv_cache is not None:
                 write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
+            if cached:
+                flat = kv_cache.view(2, -1, Hk, D)
+                k, v = flat[0][pmd.prefill_cross_slots], flat[1][pmd.prefill_cross_slots]
             out[:P] = self._attend(q[:P], k, v, pmd.cross_prefill_bias, pmd)
         if dmd is not None:
             out[P:] = self._decode(q[P:], kv_cache, dmd.decode_cross, dmd)
