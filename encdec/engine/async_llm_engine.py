@@ -61,6 +61,8 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per new token step
     finished: list[RequestOutput] = field(default_factory=list)
     num_aborted: int = 0  # unfinished requests aborted since the last stats
+    encoder_cache_queries: int = 0  # since the engine was built
+    encoder_cache_hits: int = 0  # since the engine was built
 
 
 class AsyncLLMEngine:
@@ -254,7 +256,9 @@ class AsyncLLMEngine:
         stats = StepStats(now, es.num_running, es.num_waiting, es.num_swapped, es.kv_cache_usage,
                           es.num_preemptions,
                           engine.num_prompt_tokens - prompt0, engine.num_generated_tokens - gen0,
-                          finished=finished, num_aborted=self._num_aborted)
+                          finished=finished, num_aborted=self._num_aborted,
+                          encoder_cache_queries=es.encoder_cache_queries,
+                          encoder_cache_hits=es.encoder_cache_hits)
         self._num_aborted = 0
         progress = engine.get_request_progress()
         counts = {rid: n for rid, (n, _) in progress.items()}

@@ -103,6 +103,8 @@ class EngineStats:
     num_swapped: int  # sequence groups swapped out to CPU
     kv_cache_usage: float  # fraction of device KV blocks in use, 0..1
     num_preemptions: int  # since the engine started
+    encoder_cache_queries: int  # requests that looked up a shared cross table, since start
+    encoder_cache_hits: int  # of those, requests that reused one (no encoder pass)
 
 
 class LLMEngine:
@@ -491,8 +493,10 @@ class LLMEngine:
         """Queue lengths and cache use now, for a server's /metrics."""
         sched, total = self.scheduler, self.cache_config.num_gpu_blocks
         free, _ = self.num_free_blocks()
+        st = sched.stats
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped),
-                           (total - free) / total if total else 0.0, sched.stats.num_preempted)
+                           (total - free) / total if total else 0.0, st.num_preempted,
+                           st.encoder_cache_queries, st.encoder_cache_hits)
 
     def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
         """What the given unfinished requests have produced so far (``step`` returns

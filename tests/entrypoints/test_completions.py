@@ -175,3 +175,18 @@ def test_stream_prompt_list_with_decoder_prompt(client, bart_llm):
         extra_body={**IDS, "decoder_prompt": [2, 0, 55]}))
     for i, ref in enumerate(refs):
         assert got[i]["ids"] == ref.outputs[0].token_ids and got[i]["text"] == ref.outputs[0].text
+
+
+def test_encoder_cache_hits_reach_metrics(client, bart_server):
+    """Several decoder prompts over one document: one encoder pass, the rest are
+    hits, and /metrics counts them."""
+    def value(name: str) -> float:
+        return sum(v for k, v in bart_server.metrics().items() if k.startswith(name + "{"))
+
+    q0, h0 = value("encdec:encoder_cache_queries_total"), value("encdec:encoder_cache_hits_total")
+    doc = "Encoder decoder models read a document and write a summary of it, one token at a time."
+    for decoder_prompt in ["", "Title", "Summary"]:
+        client.completions.create(model=client.models.list().data[0].id, prompt=doc, max_tokens=4,
+                                  temperature=0.0, extra_body={"decoder_prompt": decoder_prompt})
+    assert value("encdec:encoder_cache_queries_total") - q0 == 3
+    assert value("encdec:encoder_cache_hits_total") - h0 >= 2

@@ -25,7 +25,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
         if kind == "bool":
-            engine.add_argument(flag, action="store_true")
+            # --x / --no-x with the engine's own default (enable_encoder_cache is True)
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif kind.startswith("list"):
             engine.add_argument(flag, nargs="*", default=f.default)
         else:

@@ -53,7 +53,12 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self.audio_seconds = counter("encdec:audio_seconds_transcribed",
                                      "Seconds of audio transcribed or translated.")
+        self.encoder_cache_queries = counter("encdec:encoder_cache_queries",
+                                             "Requests that looked up a shared encoder pass.")
+        self.encoder_cache_hits = counter("encdec:encoder_cache_hits",
+                                          "Requests that reused an encoder pass (no encoder run).")
         self._num_preemptions = 0
+        self._encoder_cache = (0, 0)  # (queries, hits) already counted
 
     def record_step(self, stats: StepStats) -> None:
         """Engine thread, after each step."""
@@ -64,6 +69,10 @@ class ServerMetrics:
         if stats.num_preemptions > self._num_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
             self._num_preemptions = stats.num_preemptions
+        queries, hits = self._encoder_cache
+        self.encoder_cache_queries.inc(stats.encoder_cache_queries - queries)
+        self.encoder_cache_hits.inc(stats.encoder_cache_hits - hits)
+        self._encoder_cache = (stats.encoder_cache_queries, stats.encoder_cache_hits)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         for v in stats.first_token_latencies:
