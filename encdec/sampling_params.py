@@ -92,6 +92,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     extra_args: dict[str, Any] | None = None
+    no_repeat_ngram_size: int = 0  # HF's: ban any n-gram of this size from repeating (0 = off)
 
     # Set by the engine, not the user: eos ids folded into the stop set, and the
     # bad words as token-id sequences (see update_from_tokenizer).
@@ -119,7 +120,7 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        for name in ("n", "best_of", "top_k", "min_tokens"):
+        for name in ("n", "best_of", "top_k", "min_tokens", "no_repeat_ngram_size"):
             _int(name, getattr(self, name))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             _int(name, getattr(self, name), none_ok=True)
@@ -138,6 +139,7 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
             ("min_tokens", self.min_tokens >= 0, ">= 0"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0, ">= 0 (0 = off)"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, ">= 0"),
         ]
@@ -228,3 +230,7 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+# Re-export (API.md): BeamSearchParams lives with the beam search code.
+from encdec.beam_search.params import BeamSearchParams  # noqa: E402,F401

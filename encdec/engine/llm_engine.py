@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 from encdec.attention.selector import get_attn_backend
+from encdec.beam_search.manager import BeamSearchManager
+from encdec.beam_search.params import BeamSearchParams
+from encdec.beam_search.rows import BeamRowParams
 from encdec.config import ModelConfig, SchedulerConfig
 from encdec.core.scheduler import Scheduler, SchedulerOutputs
 from encdec.engine.arg_utils import EngineArgs
@@ -162,6 +165,8 @@ class LLMEngine:
         self.seq_counter = itertools.count()
         self.request_counter = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
+        self.beam_search = BeamSearchManager(self.scheduler.free_seq, self.seq_counter, self.tokenizer,
+                                             self.scheduler.block_manager.fork)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
@@ -180,6 +185,8 @@ class LLMEngine:
         bad request in a batch is refused before any of the batch is queued."""
         if params is None:
             params = SamplingParams()
+        if isinstance(params, BeamSearchParams):  # beam search: its rows run greedy params
+            params = BeamRowParams.from_beam_params(params)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if params.bad_words:
@@ -221,6 +228,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority)
         self.groups[request_id] = group
+        if self.beam_search.is_beam_group(group):
+            self.beam_search.add_group(group)
         self.scheduler.add_seq_group(group)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -231,6 +240,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         for group in self.scheduler.abort_seq_group(request_id):
             self.groups.pop(group.request_id, None)
+            self.beam_search.forget(group.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -270,6 +280,10 @@ class LLMEngine:
             if group is not None and group.prompt_logprobs is None:
                 group.prompt_logprobs = lps
         self.num_generated_tokens += len(output.samples)
+        if output.beam_candidates:  # beam groups: tokens come from HF's beam rules, not sampling
+            self.num_generated_tokens += sum(self.groups[r].num_seqs(SequenceStatus.RUNNING)
+                                             for r in output.beam_candidates)
+            self.beam_search.process(output.beam_candidates, self.groups)
         finished = [g for g in sched.ignored_seq_groups]
         finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]
         self.scheduler.free_finished_seq_groups()
@@ -277,7 +291,8 @@ class LLMEngine:
         for group in finished:
             group.metrics.finished_time = now
             self.groups.pop(group.request_id, None)
-            outs.append(RequestOutput.from_seq_group(group))
+            outs.append(self.beam_search.make_output(group) if self.beam_search.is_beam_group(group)
+                        else RequestOutput.from_seq_group(group))
         return outs
 
     def num_free_blocks(self) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model).generate(prompts, params)``."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -8,8 +9,9 @@ from typing import Any
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.llm_engine import LLMEngine
 from encdec.inputs import PromptType, normalize_prompts
+from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.outputs import RequestOutput
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -37,11 +39,17 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 sampling_params: SamplingParams | BeamSearchParams
+                 | Sequence[SamplingParams | BeamSearchParams] | None = None,
                  *, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """``sampling_params=None``: the checkpoint's defaults (``get_default_sampling_params``).
+        With ``BeamSearchParams`` each output's ``outputs`` are its
+        ``num_return_sequences`` best hypotheses, best first."""
         prompts = normalize_prompts(prompts)
         n = len(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params_list = [sampling_params] * n
         else:
             params_list = list(sampling_params)
@@ -98,6 +106,31 @@ class LLM:
             engine.abort_request([i for i in ids if i not in done])
             raise
         return [done[i] for i in ids]
+
+    # -- beam search (issue 11) -----------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams | BeamSearchParams:
+        """The checkpoint's generation defaults, as HF's ``generate`` applies them:
+        ``BeamSearchParams`` when they ask for beams, else ``SamplingParams``."""
+        from encdec.beam_search.defaults import default_params
+
+        engine = self.llm_engine
+        prompt = engine.model_module.default_decoder_prompt(engine.hf_config, engine.generation_config,
+                                                            engine.tokenizer)
+        return default_params(engine.generation_config, len(prompt))
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: every hypothesis of the final pool, best first,
+        with ``tokens`` = decoder prompt + generated ids and HF's ``score``."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params = dataclasses.replace(params, num_return_sequences=params.beam_width)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [BeamSearchOutput([
+            BeamSearchSequence(tokens=list(out.prompt_token_ids) + c.token_ids, text=c.text,
+                               cum_logprob=c.cumulative_logprob, score=c.score,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in out.outputs]) for out in outs]
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, prompt: str | None = None,
