@@ -108,8 +108,11 @@ class BeamSearchManager:
             state, group, cand = self._states[request_id], groups[request_id], candidates[request_id]
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             cur_len = seqs[0].get_len()
+            beam = state.params.beam
+            # One beam is HF's greedy search (generate(num_beams=1)): stop at the first end.
+            early = True if beam.beam_width == 1 else beam.early_stopping
             scalars.append(RequestScalars(cur_len, state.hf_prompt_len, state.max_length,
-                                          state.params.beam.length_penalty, state.params.beam.early_stopping))
+                                          beam.length_penalty, early))
             why = [self._end_reason(state, seqs[p], t, cur_len) for p, t in zip(cand.parents, cand.tokens)]
             reasons.append(why)
             ends.append([w is not None for w in why])
