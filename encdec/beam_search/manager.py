@@ -91,6 +91,9 @@ class BeamSearchManager:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def num_live_requests(self) -> int:
+        return len(self._states)
+
     # -- one step ----------------------------------------------------------------
     def process(self, candidates: dict[str, BeamCandidates], groups: dict[str, SequenceGroup]) -> None:
         buckets: dict[tuple[int, int], list[str]] = {}
