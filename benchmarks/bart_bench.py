@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times")
     ap.add_argument("--profile", action="store_true", help="cProfile our run")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
+    ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (> 1)")
     args = ap.parse_args()
 
     import torch
@@ -114,6 +115,12 @@ def main() -> None:
     print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
           f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {allocator_for_both_sides()}")
+    if args.beams > 1:  # beam search: benchmarks/bart_beams.py
+        from benchmarks.bart_beams import run_beam_bench
+
+        run_beam_bench(model_dir, enc, out_lens, beams=args.beams, hf_batch=args.hf_batch,
+                       skip_hf=args.skip_hf)
+        return
     ratios = []
     for rep in range(args.repeats):
         # Alternate the two sides so slow drifts of a shared host hit both.
