@@ -52,3 +52,47 @@ def default_params(gen: Any, default_prompt_len: int) -> SamplingParams | BeamSe
         repetition_penalty=float(getattr(gen, "repetition_penalty", None) or 1.0),
         n=getattr(gen, "num_return_sequences", None) or 1,
         extra_args=forced or None, **sampling)
+
+
+_SAMPLING_ONLY = ("temperature", "top_p", "top_k", "n", "seed")
+
+
+def with_overrides(defaults: SamplingParams | BeamSearchParams, **overrides: Any) -> SamplingParams | BeamSearchParams:
+    """The CLI's rule: the checkpoint's defaults, then every option the user gave
+    (None = not given). ``beam_width`` > 1 asks for beam search and 1 for
+    sampling; without it, beam defaults stay beam search unless a sampling-only
+    option (temperature > 0, top_p, top_k, n, seed) is given."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    width = given.pop("beam_width", None)
+    sampling = {key: given.pop(key) for key in _SAMPLING_ONLY if key in given}
+    if width is not None:
+        beam = width > 1
+    else:
+        beam = isinstance(defaults, BeamSearchParams) and not (
+            sampling.get("temperature", 0.0) > 0 or set(sampling) - {"temperature"})
+    if beam and sampling:
+        raise ValueError(f"{sorted(sampling)} apply to sampling, not to beam search (beam_width={width})")
+    if not beam and "length_penalty" in given:
+        raise ValueError("length_penalty applies to beam search only; give beam_width > 1")
+    if isinstance(defaults, BeamSearchParams):
+        forced = {key: getattr(defaults, key) for key in ("forced_bos_token_id", "forced_eos_token_id")
+                  if getattr(defaults, key) is not None}
+    else:
+        forced = dict(defaults.extra_args or {})
+    base = {"max_tokens": defaults.max_tokens, "min_tokens": defaults.min_tokens,
+            "no_repeat_ngram_size": defaults.no_repeat_ngram_size, "ignore_eos": defaults.ignore_eos}
+    if "max_tokens" in given and base["max_tokens"] is not None and given["max_tokens"] is not None:
+        base["min_tokens"] = min(base["min_tokens"], given["max_tokens"])  # a shorter cap wins
+    if beam:
+        if isinstance(defaults, BeamSearchParams):
+            base = {"length_penalty": defaults.length_penalty, "early_stopping": defaults.early_stopping,
+                    **base}
+        base.update(given)
+        return BeamSearchParams(width or getattr(defaults, "beam_width", 1), base.pop("max_tokens"),
+                                **base, **forced)
+    if isinstance(defaults, SamplingParams):
+        base.update(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
+                    n=defaults.n, seed=defaults.seed, repetition_penalty=defaults.repetition_penalty)
+    base.update(given, **sampling)
+    base.setdefault("temperature", 0.0)
+    return SamplingParams(**base, extra_args=forced or None)
