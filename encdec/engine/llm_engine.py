@@ -180,9 +180,12 @@ class LLMEngine:
         return AutoTokenizer.from_pretrained(path)
 
     # -- requests ----------------------------------------------------------------
-    def process_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[dict, SamplingParams]:
+    def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
+                        truncation: bool = False) -> tuple[dict, SamplingParams]:
         """Validate and tokenize one request without touching engine state, so a
-        bad request in a batch is refused before any of the batch is queued."""
+        bad request in a batch is refused before any of the batch is queued.
+        ``truncation``: cut an encoder prompt longer than the model's positions as
+        HF's ``tokenizer(truncation=True)`` does (its final eos kept) instead of refusing it."""
         if params is None:
             params = SamplingParams()
         if isinstance(params, BeamSearchParams):  # beam search: its rows run greedy params
@@ -197,9 +200,14 @@ class LLMEngine:
         inputs = self.input_preprocessor.process(prompt)
         dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
         cfg = self.model_config
+        if enc_len > cfg.max_encoder_len and truncation and "encoder_features" not in inputs:
+            ids, keep = inputs["encoder_prompt_token_ids"], cfg.max_encoder_len
+            ids = ids[:keep - 1] + ids[-1:] if ids[-1] == self.eos_token_id else ids[:keep]
+            inputs = {**inputs, "encoder_prompt_token_ids": ids}
+            enc_len = len(ids)
         if enc_len > cfg.max_encoder_len:
             raise ValueError(f"encoder prompt is {enc_len} tokens, longer than the model's "
-                             f"{cfg.max_encoder_len} encoder positions")
+                             f"{cfg.max_encoder_len} encoder positions; pass truncation=True to cut it")
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")

@@ -41,10 +41,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | BeamSearchParams
                  | Sequence[SamplingParams | BeamSearchParams] | None = None,
-                 *, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, priority: list[int] | None = None,
+                 truncation: bool = False) -> list[RequestOutput]:
         """``sampling_params=None``: the checkpoint's defaults (``get_default_sampling_params``).
         With ``BeamSearchParams`` each output's ``outputs`` are its
-        ``num_return_sequences`` best hypotheses, best first."""
+        ``num_return_sequences`` best hypotheses, best first. ``truncation=True``
+        cuts encoder prompts longer than the model's positions (HF's
+        ``truncation=True``); otherwise they are refused with a ValueError."""
         prompts = normalize_prompts(prompts)
         n = len(prompts)
         if sampling_params is None:
@@ -73,19 +76,21 @@ class LLM:
             bar.update(1)
 
         try:
-            return self._generate(prompts, params_list, priority, progress if bar else None)
+            return self._generate(prompts, params_list, priority, progress if bar else None,
+                                  truncation=truncation)
         finally:
             if bar is not None:
                 bar.close()
 
     def _generate(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
                   priority: list[int] | None,
-                  on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+                  on_finished: Callable[[RequestOutput], None] | None, *,
+                  truncation: bool = False) -> list[RequestOutput]:
         """Queue the prompts and step the engine until they finish; ``on_finished``
         sees each output as it completes (progress bars)."""
         engine = self.llm_engine
         # Validate everything first: one bad prompt refuses the call, queues nothing.
-        processed = [engine.process_request(p, sp) for p, sp in zip(prompts, params_list)]
+        processed = [engine.process_request(p, sp, truncation=truncation) for p, sp in zip(prompts, params_list)]
         ids = []
         for i, (inputs, params) in enumerate(processed):
             rid = f"{self._request_counter}"
@@ -119,13 +124,13 @@ class LLM:
         return default_params(engine.generation_config, len(prompt))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    *, use_tqdm: bool = False, truncation: bool = False) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: every hypothesis of the final pool, best first,
         with ``tokens`` = decoder prompt + generated ids and HF's ``score``."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         params = dataclasses.replace(params, num_return_sequences=params.beam_width)
-        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, truncation=truncation)
         return [BeamSearchOutput([
             BeamSearchSequence(tokens=list(out.prompt_token_ids) + c.token_ids, text=c.text,
                                cum_logprob=c.cumulative_logprob, score=c.score,
