@@ -114,3 +114,27 @@ def test_beam_search_matches_hf(engines, case):
           f"{reasons.count('stop')} of {len(reasons)} end in eos; lengths {sorted(lengths)}")
     if name == "eosy":  # the eos-driven rules (min length, early stopping, pool) were exercised
         assert "stop" in reasons and len(lengths) > 2
+
+
+def test_stop_token_ids_are_extra_eos_ids(engines):
+    """A stop token is one more eos id for HF (``eos_token_id=[2, t]``): it ends a
+    hypothesis, and the candidates per step grow to (1 + #eos) x k."""
+    llm, hf = engines["plain"]
+    encs = mixed_prompts(12, seed=9)
+    prompts = [TokensPrompt(prompt_token_ids=e) for e in encs]
+    free = llm.generate(prompts, BeamSearchParams(3, 20), use_tqdm=False)
+    stops = [out.outputs[0].token_ids[4] for out in free]  # a token each best hypothesis makes
+    outs = llm.generate(prompts, [BeamSearchParams(3, 20, stop_token_ids=[t]) for t in stops], use_tqdm=False)
+    assert sum(o.outputs[0].token_ids[-1] == t for o, t in zip(outs, stops)) >= 6
+    for enc, out, stop in zip(encs, outs, stops):
+        with torch.inference_mode():
+            g = hf.generate(torch.tensor([enc]), num_beams=3, max_length=22, eos_token_id=[2, stop],
+                            decoder_input_ids=torch.tensor([[2, 0]]), forced_bos_token_id=None,
+                            forced_eos_token_id=None, min_length=0, no_repeat_ngram_size=0,
+                            length_penalty=1.0, early_stopping=False,
+                            return_dict_in_generate=True, output_scores=True)
+        c = out.outputs[0]
+        assert _same_tokens([2, 0] + c.token_ids, g.sequences[0].tolist())
+        assert c.score == pytest.approx(g.sequences_scores[0].item(), rel=1e-5, abs=1e-4)
+        if c.token_ids[-1] == stop:
+            assert c.finish_reason == "stop" and c.stop_reason == stop
