@@ -201,7 +201,8 @@ class EncoderDecoderModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = find_beam_rows(metas, {rows[i][0]: r for r, i in enumerate(order)}, self.device)
-        out = self.sampler(logits, sampling_md, logprob_rows=beam.row_index if beam else None)
+        out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
+               else self.sampler(logits, sampling_md))
         candidates = select_candidates(beam, out.processed_logprobs) if beam else {}
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
