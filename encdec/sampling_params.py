@@ -13,6 +13,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from encdec.param_checks import check_int as _int
+from encdec.param_checks import check_number as _num
+from encdec.param_checks import int_list as _int_list
+from encdec.param_checks import str_list as _str_list
+
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 _MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
 
@@ -27,39 +32,6 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     """Seed of the ``index``-th sequence of an ``n > 1`` request: ``seed + index``
     (vLLM V1's rule), so each sequence samples differently yet reproducibly."""
     return None if seed is None else seed + index
-
-
-def _int(name: str, value: Any, *, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-
-
-def _num(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-
-
-def _int_list(name: str, value: Any) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
-    out = list(value)
-    for v in out:
-        _int(f"{name} entries", v)
-    return out
-
-
-def _str_list(name: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
-    return list(value)
 
 
 @dataclass(kw_only=True)

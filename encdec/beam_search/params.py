@@ -7,42 +7,7 @@ are HF transformers' ``generate(num_beams=...)``. Nothing here imports torch or
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
-
-
-def _check_int(name: str, value: Any, *, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-
-
-def _str_list(name: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
-    if any(s == "" for s in value):
-        raise ValueError(f"{name} must not contain an empty string, got {value!r}")
-    return list(value)
-
-
-def _int_list(name: str, value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
-    out = list(value)
-    for v in out:
-        _check_int(f"{name} entries", v)
-    return out
+from encdec.param_checks import check_bool, check_int, check_number, int_list, str_list
 
 
 @dataclass
@@ -78,15 +43,13 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("max_tokens", "forced_bos_token_id", "forced_eos_token_id"):
-            _check_int(name, getattr(self, name), none_ok=True)
+            check_int(name, getattr(self, name), none_ok=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         for name in ("length_penalty", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            check_number(name, getattr(self, name))
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         checks = [
@@ -106,8 +69,10 @@ class BeamSearchParams:
             raise ValueError(
                 f"temperature must be 0 for beam search (deterministic, as HF's num_beams > 1 with "
                 f"do_sample=False; beam sampling is not supported), got {self.temperature!r}")
-        self.stop = _str_list("stop", self.stop)
-        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.stop = str_list("stop", self.stop)
+        if any(s == "" for s in self.stop):
+            raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids) or []
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 from encdec import LLM, SamplingParams, TokensPrompt
 from encdec.sampling_params import BeamSearchParams
 from tests.beam_search.conftest import mixed_prompts
+from tests.engine.test_preemption import assert_all_free
 
 BLOCK_BYTES = 2 * 2 * 16 * 64 * 4  # tiny BART: 2 layers x (K, V) x 16 tokens x d_model 64, float32
 # Largest request: 120 encoder tokens (8 cross blocks) + 5 beams x 2 self blocks,
@@ -52,15 +53,6 @@ def count_cross_allocations(llm: LLM) -> Counter:
 
     bm.allocate = allocate
     return counts
-
-
-def assert_all_free(llm: LLM) -> None:
-    engine = llm.llm_engine
-    assert engine.num_free_blocks() == (engine.cache_config.num_gpu_blocks,
-                                        engine.cache_config.num_cpu_blocks)
-    bm = engine.scheduler.block_manager
-    assert not bm.block_tables and not bm.cross_block_tables
-    assert not engine.groups and not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from encdec.sampling_params import SamplingParams
 
 
+def _index(tokens_by_row: dict[int, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``{row: token ids}`` -> (rows, cols) for one indexed write; None if empty."""
+    rows = [row for row, ids in tokens_by_row.items() for _ in ids]
+    if not rows:
+        return None
+    cols = [t for ids in tokens_by_row.values() for t in ids]
+    return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+
+
 class _NGramState:
     """One row's n-grams, indexed incrementally: ``prefix (n-1 ids) -> next ids``."""
 
@@ -63,16 +72,10 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
         process_dict_updates(self.by_slot, batch_update, self._new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.by_slot:
-            return logits
-        rows: list[int] = []
-        cols: list[int] = []
-        for slot, state in self.by_slot.items():
-            banned = state.banned()
-            rows += [slot] * len(banned)
-            cols += banned
-        if rows:
-            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        if self.by_slot:
+            index = _index({slot: state.banned() for slot, state in self.by_slot.items()}, self.device)
+            if index is not None:
+                logits[index] = float("-inf")
         return logits
 
 
@@ -105,17 +108,17 @@ class ForcedBOSEOSLogitsProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.by_slot:
             return logits
-        rows: list[int] = []
-        cols: list[int] = []
+        forced = {}
         for slot, (prompt_len, output, bos, eos_ids, eos_at) in self.by_slot.items():
             cur_len = prompt_len + len(output)
-            forced = [bos] if cur_len == 1 and bos is not None else eos_ids if cur_len == eos_at else ()
-            if forced:
-                rows += [slot] * len(forced)
-                cols += forced
-        if rows:
-            logits[rows] = float("-inf")
-            logits[torch.tensor(rows), torch.tensor(cols)] = 0.0
+            if cur_len == 1 and bos is not None:
+                forced[slot] = [bos]
+            elif cur_len == eos_at:
+                forced[slot] = eos_ids
+        index = _index(forced, self.device)
+        if index is not None:
+            logits[sorted(forced)] = float("-inf")
+            logits[index] = 0.0
         return logits
 
 
