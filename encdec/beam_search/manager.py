@@ -60,7 +60,7 @@ class _BeamState:
         self.max_length = prompt_len + params.max_tokens  # engine caps max_tokens at entry
         self.pool_scores = torch.full((k,), _NEG, dtype=torch.float32)
         self.pool_finished = torch.zeros(k, dtype=torch.bool)
-        self.pool: list[_Hypothesis | None] = [None] * k
+        self.pool: list[_Hypothesis | None] = [None] * k  # None: not a finished hypothesis
         self.improvable = True
 
 
@@ -130,9 +130,11 @@ class BeamSearchManager:
             state, group, cand = states[r], groups[request_id], candidates[request_id]
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             k = len(state.pool)
-            state.pool = [state.pool[i] if i < k else self._hypothesis(seqs, cand, i - k, reasons[r][i - k])
-                          for i in pool_from[r]]
             state.pool_scores, state.pool_finished = step.pool_scores[r].clone(), step.pool_finished[r].clone()
+            # Only finished entries hold a hypothesis; the rest are HF's -1e9 placeholders.
+            state.pool = [None if not finished else state.pool[i] if i < k
+                          else self._hypothesis(seqs, cand, i - k, reasons[r][i - k])
+                          for i, finished in zip(pool_from[r], state.pool_finished.tolist())]
             state.improvable = bool(step.improvable[r])
             if done[r]:
                 for seq in seqs:
@@ -160,9 +162,7 @@ class BeamSearchManager:
 
     @staticmethod
     def _hypothesis(seqs: list[Sequence], cand: BeamCandidates, c: int,
-                    reason: tuple[str, int | str | None] | None) -> _Hypothesis | None:
-        if reason is None:  # not finished: a placeholder HF never returns
-            return None
+                    reason: tuple[str, int | str | None]) -> _Hypothesis:
         tokens = seqs[cand.parents[c]].get_token_ids() + [cand.tokens[c]]
         return _Hypothesis(tokens, cand.scores[c], reason[0], reason[1])
 
