@@ -57,7 +57,8 @@ def default_params(gen: Any, default_prompt_len: int) -> SamplingParams | BeamSe
 _SAMPLING_ONLY = ("temperature", "top_p", "top_k", "n", "seed")
 
 
-def with_overrides(defaults: SamplingParams | BeamSearchParams, **overrides: Any) -> SamplingParams | BeamSearchParams:
+def with_overrides(defaults: SamplingParams | BeamSearchParams,
+                   **overrides: Any) -> SamplingParams | BeamSearchParams:
     """The CLI's rule: the checkpoint's defaults, then every option the user gave
     (None = not given). ``beam_width`` > 1 asks for beam search and 1 for
     sampling; without it, beam defaults stay beam search unless a sampling-only

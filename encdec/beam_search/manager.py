@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from encdec.beam_search.candidates import BeamCandidates, num_candidates
+from encdec.beam_search.candidates import BeamCandidates
 from encdec.beam_search.rows import BeamRowParams
 from encdec.beam_search.scorer import RequestScalars, beam_step
 from encdec.outputs import CompletionOutput, RequestOutput
@@ -130,7 +130,8 @@ class BeamSearchManager:
             state, group, cand = states[r], groups[request_id], candidates[request_id]
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             k = len(state.pool)
-            state.pool_scores, state.pool_finished = step.pool_scores[r].clone(), step.pool_finished[r].clone()
+            state.pool_scores = step.pool_scores[r].clone()
+            state.pool_finished = step.pool_finished[r].clone()
             # Only finished entries hold a hypothesis; the rest are HF's -1e9 placeholders.
             state.pool = [None if not finished else state.pool[i] if i < k
                           else self._hypothesis(seqs, cand, i - k, reasons[r][i - k])

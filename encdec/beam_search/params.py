@@ -7,6 +7,7 @@ are HF transformers' ``generate(num_beams=...)``. Nothing here imports torch or
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
+
 from encdec.param_checks import check_bool, check_int, check_number, int_list, str_list
 
 

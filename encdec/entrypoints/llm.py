@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.llm_engine import LLMEngine
 from encdec.inputs import PromptType, normalize_prompts
-from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
 
@@ -90,7 +90,8 @@ class LLM:
         sees each output as it completes (progress bars)."""
         engine = self.llm_engine
         # Validate everything first: one bad prompt refuses the call, queues nothing.
-        processed = [engine.process_request(p, sp, truncation=truncation) for p, sp in zip(prompts, params_list)]
+        processed = [engine.process_request(p, sp, truncation=truncation)
+                     for p, sp in zip(prompts, params_list)]
         ids = []
         for i, (inputs, params) in enumerate(processed):
             rid = f"{self._request_counter}"

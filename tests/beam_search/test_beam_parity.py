@@ -45,7 +45,8 @@ def engines(beam_barts):
             for name, path in beam_barts.items()}
 
 
-def _hf_generate(hf, enc: list[int], decoder_prompt: list[int] | None, case) -> tuple[list[list[int]], list[float]]:
+def _hf_generate(hf, enc: list[int], decoder_prompt: list[int] | None,
+                 case) -> tuple[list[list[int]], list[float]]:
     """HF's whole finished pool (num_return_sequences=k: the search itself does
     not depend on it), best first, and its scores (None for k=1: greedy search)."""
     _, k, lp, early, ngram, min_len, max_len, bos, eos, _ = case

@@ -65,7 +65,8 @@ CNN = BeamSearchParams(4, 140, min_tokens=54, length_penalty=2.0, early_stopping
 def test_overrides_keep_beam_defaults():
     assert with_overrides(CNN) == CNN
     p = with_overrides(CNN, beam_width=2, length_penalty=0.5, max_tokens=20)
-    assert (p.beam_width, p.length_penalty, p.max_tokens, p.min_tokens, p.forced_eos_token_id) == (2, 0.5, 20, 20, 2)
+    assert (p.beam_width, p.length_penalty, p.max_tokens, p.min_tokens, p.forced_eos_token_id) == \
+        (2, 0.5, 20, 20, 2)
 
 
 def test_overrides_switch_to_sampling():
@@ -88,7 +89,8 @@ def test_cli_generate_uses_checkpoint_beam_defaults(tmp_path, capsys):
 
     path = make_beam_bart(str(tmp_path), seed=1, eos_bias=7.0, num_beams=3, length_penalty=2.0,
                           early_stopping=True, no_repeat_ngram_size=3, max_length=24)
-    engine = ["--model", path, "--kv-cache-memory", str(16 << 20), "--swap-space", "0.01", "--quiet", "--json"]
+    engine = ["--model", path, "--kv-cache-memory", str(16 << 20), "--swap-space", "0.01",
+              "--quiet", "--json"]
     assert main(["generate", *engine, "The rain in spain", "hello"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     llm = LLM(path, kv_cache_memory=16 << 20, swap_space=0.01)

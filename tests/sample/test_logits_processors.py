@@ -15,7 +15,10 @@ from encdec.sample.logits_processor import (
     build_logitsprocs,
     resolve_logitsproc_class,
 )
-from encdec.sample.logits_processor.generation import ForcedBOSEOSLogitsProcessor, NoRepeatNGramLogitsProcessor
+from encdec.sample.logits_processor.generation import (
+    ForcedBOSEOSLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+)
 from encdec.sample.sampler import Sampler
 from encdec.sampling_params import SamplingParams
 from encdec.worker.input_batch import InputBatch
