@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "encdec.entrypoints.llm",
     "SamplingParams": "encdec.sampling_params",
+    "BeamSearchParams": "encdec.sampling_params",
     "RequestOutput": "encdec.outputs",
     "CompletionOutput": "encdec.outputs",
     "TextPrompt": "encdec.inputs",

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from encdec.param_checks import check_bool as _bool
+from encdec.param_checks import check_int as _int
+from encdec.param_checks import check_number as _num
+from encdec.param_checks import int_list as _int_list
+from encdec.param_checks import str_list as _str_list
 
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 _MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
@@ -36,49 +38,6 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     Wrapped to 64 bits as torch reads a seed (a negative seed is its two's
     complement), so every seed of the accepted range derives a valid one."""
     return None if seed is None else (seed + index) % 2**64
-
-
-def _int(name: str, value: Any, *, none_ok: bool = False) -> int | None:
-    """An int (numpy integers too, not bools or floats), as a Python int."""
-    if value is None and none_ok:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
-def _num(name: str, value: Any) -> float:
-    """A finite real number (numpy floats too, not bools), as a Python float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _bool(name: str, value: Any) -> bool:
-    """A bool (numpy's too); a truthy string such as "no" is a mistake, not True."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _int_list(name: str, value: Any) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
-    return [_int(f"{name} entries", v) for v in value]
-
-
-def _str_list(name: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
-    return list(value)
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -131,6 +90,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     extra_args: dict[str, Any] | None = None
+    no_repeat_ngram_size: int = 0  # HF's: ban any n-gram of this size from repeating (0 = off)
 
     # Set by the engine, not the user: eos ids folded into the stop set, and the
     # bad words as token-id sequences (see update_from_tokenizer).
@@ -153,7 +113,7 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.best_of is None:
             self.best_of = self.n
-        for name in ("n", "best_of", "top_k", "min_tokens"):
+        for name in ("n", "best_of", "top_k", "min_tokens", "no_repeat_ngram_size"):
             setattr(self, name, _int(name, getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             setattr(self, name, _int(name, getattr(self, name), none_ok=True))
@@ -177,6 +137,7 @@ class SamplingParams:
              "a 64-bit integer, in [-2**63, 2**64 - 1]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
             ("min_tokens", self.min_tokens >= 0, ">= 0"),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size >= 0, ">= 0 (0 = off)"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, ">= 0"),
         ]
@@ -274,3 +235,7 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+# Re-export (API.md): BeamSearchParams lives with the beam search code.
+from encdec.beam_search.params import BeamSearchParams  # noqa: E402,F401

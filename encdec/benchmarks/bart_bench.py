@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times")
     ap.add_argument("--profile", action="store_true", help="cProfile our run")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
+    ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (> 1)")
     args = ap.parse_args(argv)
 
     import torch
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
           f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, {allocator_for_both_sides()}")
     print(isa_header())
+    if args.beams > 1:  # beam search: bart_beams.py
+        from .bart_beams import run_beam_bench
+
+        run_beam_bench(model_dir, enc, out_lens, beams=args.beams, hf_batch=args.hf_batch,
+                       skip_hf=args.skip_hf)
+        return
     ratios = []
     for rep in range(args.repeats):
         # Alternate the two sides so slow drifts of a shared host hit both.

@@ -11,7 +11,8 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq  # encdec.sequence.Sequence is the other one
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from encdec.attention.selector import get_attn_backend
+from encdec.beam_search.manager import BeamSearchManager
+from encdec.beam_search.params import BeamSearchParams
+from encdec.beam_search.rows import BeamRowParams
 from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
 from encdec.core.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
 from encdec.engine.arg_utils import EngineArgs
@@ -129,6 +133,8 @@ class LLMEngine:
         self.seq_counter = itertools.count()
         self._num_request_ids = 0  # next id new_request_id() gives
         self.groups: dict[str, SequenceGroup] = {}
+        self.beam_search = BeamSearchManager(self.scheduler.free_seq, self.seq_counter, self.tokenizer,
+                                             self.scheduler.block_manager.fork)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         mc = self.model_config
@@ -297,26 +303,31 @@ class LLMEngine:
                 return request_id
 
     # -- requests ----------------------------------------------------------------
-    def process_requests(self, prompts: Sequence[PromptType],
-                         params_list: Sequence[SamplingParams | None], *,
-                         priority: Sequence[int] | None = None) -> list[tuple[dict, SamplingParams]]:
+    def process_requests(self, prompts: Seq[PromptType],
+                         params_list: Seq[SamplingParams | None], *,
+                         priority: Seq[int] | None = None,
+                         truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
         """Validate and tokenize a whole call without touching engine state: every
         check that can run before scheduling runs here, so one bad prompt refuses
         the call (the error names its index: "prompt 3: ...") before any of it is
-        queued. The audio of all prompts becomes features in one batched call."""
+        queued. The audio of all prompts becomes features in one batched call.
+        ``truncation``: cut an encoder prompt longer than the model's positions as
+        HF's ``tokenizer(truncation=True)`` does (its final eos kept) instead of refusing it.
+        ``BeamSearchParams`` become the params of the beams' rows."""
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._process(prompts, params_list, priority, indexed=True)
+        return self._process(prompts, params_list, priority, indexed=True, truncation=truncation)
 
     def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
-                        priority: int = 0) -> tuple[dict, SamplingParams]:
+                        priority: int = 0, truncation: bool = False) -> tuple[dict, SamplingParams]:
         """``process_requests`` for one prompt (errors carry no index)."""
-        return self._process([prompt], [params], [priority], indexed=False)[0]
+        return self._process([prompt], [params], [priority], indexed=False, truncation=truncation)[0]
 
-    def _process(self, prompts: Sequence[PromptType], params_list: Sequence[SamplingParams | None],
-                 priority: Sequence[int] | None, *, indexed: bool) -> list[tuple[dict, SamplingParams]]:
+    def _process(self, prompts: Seq[PromptType], params_list: Seq[SamplingParams | None],
+                 priority: Seq[int] | None, *, indexed: bool,
+                 truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
         checked: dict[int, SamplingParams] = {}  # id(user params) -> checked; a shared one is checked once
         for i, params in enumerate(params_list):
             with prompt_errors(i if indexed else None):
@@ -333,7 +344,7 @@ class LLMEngine:
         out = []
         for i, (inputs, params) in enumerate(zip(all_inputs, params_list)):
             with prompt_errors(i if indexed else None):
-                out.append((inputs, self._check_request(inputs, checked[id(params)])))
+                out.append(self._check_request(inputs, checked[id(params)], truncation=truncation))
         return out
 
     def _check_priority(self, priority: Any) -> None:
@@ -351,6 +362,8 @@ class LLMEngine:
         eos ids folded in."""
         if params is None:
             params = SamplingParams()
+        if isinstance(params, BeamSearchParams):  # beam search: its rows run greedy params
+            params = BeamRowParams.from_beam_params(params)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = params.clone()
@@ -362,14 +375,21 @@ class LLMEngine:
                                              self.eos_token_id)
         return params
 
-    def _check_request(self, inputs: dict, params: SamplingParams) -> SamplingParams:
-        """Lengths, token ids and KV capacity of one processed prompt; returns its
-        own params with ``max_tokens`` fitted to the decoder's positions."""
+    def _check_request(self, inputs: dict, params: SamplingParams, *,
+                       truncation: bool = False) -> tuple[dict, SamplingParams]:
+        """Lengths, token ids and KV capacity of one processed prompt; returns the
+        inputs (truncated if asked) and their own params with ``max_tokens`` fitted
+        to the decoder's positions."""
         dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
         cfg = self.model_config
+        if enc_len > cfg.max_encoder_len and truncation and "encoder_features" not in inputs:
+            ids, keep = inputs["encoder_prompt_token_ids"], cfg.max_encoder_len
+            ids = ids[:keep - 1] + ids[-1:] if ids[-1] == self.eos_token_id else ids[:keep]
+            inputs = {**inputs, "encoder_prompt_token_ids": ids}
+            enc_len = len(ids)
         if enc_len > cfg.max_encoder_len:
             raise ValueError(f"encoder prompt is {enc_len} tokens, longer than the model's "
-                             f"{cfg.max_encoder_len} encoder positions")
+                             f"{cfg.max_encoder_len} encoder positions; pass truncation=True to cut it")
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")
@@ -383,7 +403,7 @@ class LLMEngine:
         if params.max_tokens is None or dec_len + params.max_tokens > cfg.max_model_len:
             params.max_tokens = cfg.max_model_len - dec_len
         self._check_fits(dec_len, enc_len, params)
-        return params
+        return inputs, params
 
     def _check_fits(self, dec_len: int, enc_len: int, params: SamplingParams) -> None:
         """Refuse a request that could never finish in this KV cache, which the
@@ -421,6 +441,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
         self.groups[request_id] = group
+        if self.beam_search.is_beam_group(group):
+            self.beam_search.add_group(group)
         self.scheduler.add_seq_group(group)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -433,6 +455,7 @@ class LLMEngine:
         aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
             self.groups.pop(group.request_id, None)
+            self.beam_search.forget(group.request_id)
             aborted.append(group.request_id)
         return aborted
 
@@ -474,6 +497,10 @@ class LLMEngine:
             if group is not None and group.prompt_logprobs is None:
                 group.prompt_logprobs = lps
         self.num_generated_tokens += len(output.samples)
+        if output.beam_candidates:  # beam groups: tokens come from HF's beam rules, not sampling
+            self.num_generated_tokens += sum(self.groups[r].num_seqs(SequenceStatus.RUNNING)
+                                             for r in output.beam_candidates)
+            self.beam_search.process(output.beam_candidates, self.groups)
         finished = [g for g in sched.ignored_seq_groups]
         finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]
         self.scheduler.free_finished_seq_groups()
@@ -481,7 +508,8 @@ class LLMEngine:
         for group in finished:
             group.metrics.finished_time = now
             self.groups.pop(group.request_id, None)
-            outs.append(RequestOutput.from_seq_group(group))
+            outs.append(self.beam_search.make_output(group) if self.beam_search.is_beam_group(group)
+                        else RequestOutput.from_seq_group(group))
         return outs
 
     def num_free_blocks(self) -> tuple[int, int]:

@@ -34,7 +34,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from encdec import LLM, SamplingParams, configure_cpu_runtime
+    from encdec import LLM, configure_cpu_runtime
+    from encdec.beam_search.defaults import with_overrides
     from encdec.inputs import ExplicitEncoderDecoderPrompt
 
     prompts: list = list(args.prompts)
@@ -53,15 +54,19 @@ def _generate(args: argparse.Namespace) -> int:
     if args.decoder_prompt is not None:
         prompts = [ExplicitEncoderDecoderPrompt(encoder_prompt=p, decoder_prompt=args.decoder_prompt)
                    for p in prompts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                            n=args.n, ignore_eos=args.ignore_eos)
     configure_cpu_runtime()  # a program owns its process: full CPU speed
     llm = LLM(args.model, **engine_kwargs(args))
+    # The checkpoint's generation defaults (e.g. bart-large-cnn's 4 beams), then the flags given.
+    params = with_overrides(
+        llm.get_default_sampling_params(), max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, n=args.n,
+        ignore_eos=args.ignore_eos or None, beam_width=args.beam_width, length_penalty=args.length_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size)
     for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
         if args.json:
             print(json.dumps({"prompt": out.encoder_prompt, "outputs": [
-                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                 **({"score": c.score} if hasattr(c, "score") else {})}
                 for c in out.outputs]}))
         else:
             for c in out.outputs:
@@ -93,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompts", nargs="*", help="encoder prompts (text)")
     g.add_argument("--input-file", default=None, help="one encoder prompt per line")
     g.add_argument("--decoder-prompt", default=None, help="decoder prompt text for every request")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--n", type=int, default=1)
+    # Unset options keep the checkpoint's generation defaults (LLM.get_default_sampling_params).
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--n", type=int, default=None)
+    g.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (1: none)")
+    g.add_argument("--length-penalty", type=float, default=None, help="beam search: HF's length_penalty")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=None, help="ban repeated n-grams (0: off)")
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per request")

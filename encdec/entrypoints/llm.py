@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.llm_engine import LLMEngine
 from encdec.inputs import PromptType, normalize_prompts
 from encdec.outputs import RequestOutput
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -62,11 +64,20 @@ class LLM:
             yield self.llm_engine
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | BeamSearchParams
+                 | Sequence[SamplingParams | BeamSearchParams] | None = None,
+                 *, use_tqdm: bool = True, priority: list[int] | None = None,
+                 truncation: bool = False) -> list[RequestOutput]:
+        """``sampling_params=None``: the checkpoint's defaults (``get_default_sampling_params``).
+        With ``BeamSearchParams`` each output's ``outputs`` are its
+        ``num_return_sequences`` best hypotheses, best first. ``truncation=True``
+        cuts encoder prompts longer than the model's positions (HF's
+        ``truncation=True``); otherwise they are refused with a ValueError."""
         prompts = normalize_prompts(prompts)
         n = len(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params_list = [sampling_params] * n
         else:
             params_list = list(sampling_params)
@@ -91,19 +102,21 @@ class LLM:
                 bar.update(1)
 
             try:
-                return self._run(prompts, params_list, priority, progress if bar else None)
+                return self._run(prompts, params_list, priority, progress if bar else None,
+                                 truncation=truncation)
             finally:
                 if bar is not None:
                     bar.close()
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
              priority: list[int] | None,
-             on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+             on_finished: Callable[[RequestOutput], None] | None, *,
+             truncation: bool = False) -> list[RequestOutput]:
         """Queue the prompts and step the engine until they finish; ``on_finished``
         sees each output as it completes (progress bars). Call under the lock."""
         engine = self.llm_engine
         # One bad prompt refuses the whole call before anything is queued.
-        processed = engine.process_requests(prompts, params_list, priority=priority)
+        processed = engine.process_requests(prompts, params_list, priority=priority, truncation=truncation)
         ids = []
         for i, (inputs, params) in enumerate(processed):
             rid = engine.new_request_id()
@@ -123,6 +136,31 @@ class LLM:
             engine.abort_request([i for i in ids if i not in done])
             raise
         return [done[i] for i in ids]
+
+    # -- beam search (issue 11) -----------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams | BeamSearchParams:
+        """The checkpoint's generation defaults, as HF's ``generate`` applies them:
+        ``BeamSearchParams`` when they ask for beams, else ``SamplingParams``."""
+        from encdec.beam_search.defaults import default_params
+
+        engine = self.llm_engine
+        prompt = engine.model_module.default_decoder_prompt(engine.hf_config, engine.generation_config,
+                                                            engine.tokenizer)
+        return default_params(engine.generation_config, len(prompt))
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    *, use_tqdm: bool = False, truncation: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: every hypothesis of the final pool, best first,
+        with ``tokens`` = decoder prompt + generated ids and HF's ``score``."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        params = dataclasses.replace(params, num_return_sequences=params.beam_width)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, truncation=truncation)
+        return [BeamSearchOutput([
+            BeamSearchSequence(tokens=list(out.prompt_token_ids) + c.token_ids, text=c.text,
+                               cum_logprob=c.cumulative_logprob, score=c.score,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in out.outputs]) for out in outs]
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, prompt: str | None = None,

@@ -23,6 +23,9 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # (num_reqs, 1) int64, one token per row (V1 shape)
     logprobs_tensors: LogprobsTensors | None  # None unless some row asked for logprobs
+    # (len(logprob_rows), vocab) float32: those rows' log-probs after the processors
+    # (beam search scores these, as HF does); None when no rows were given
+    processed_logprobs: torch.Tensor | None = None
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -158,17 +161,24 @@ class Sampler(nn.Module):
         super().__init__()
         self.generator = generator  # unseeded rows draw from it; None = torch's global RNG
 
-    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata, *,
+                logprob_rows: torch.Tensor | None = None) -> SamplerOutput:
+        """``logprob_rows``: rows that become float32 log-probs before step 3 (HF's
+        beam search applies its processors to log-probs) and are returned, processed,
+        as ``processed_logprobs``; their sampled tokens are meaningless."""
         md = sampling_metadata
         num_logprobs = md.max_num_logprobs
         raw_logprobs = compute_logprobs(logits) if num_logprobs is not None else None
         logits = logits.to(torch.float32)  # (num_reqs, vocab)
+        if logprob_rows is not None:
+            logits[logprob_rows] = compute_logprobs(logits.index_select(0, logprob_rows))
         logits = self.apply_logits_processors(logits, md)
+        processed = logits.index_select(0, logprob_rows) if logprob_rows is not None else None
         sampled = self.sample(logits, md)  # (num_reqs,)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, num_logprobs, sampled)
-        return SamplerOutput(sampled.unsqueeze(-1), logprobs)
+        return SamplerOutput(sampled.unsqueeze(-1), logprobs, processed)
 
     def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 3-6: everything that may change the argmax."""

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, packed_slots
+from encdec.beam_search.candidates import BeamCandidates, find_beam_rows, select_candidates
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
@@ -40,6 +41,8 @@ class SampledToken:
 class ModelRunnerOutput:
     samples: list[SampledToken]  # one per sampled decoder sequence
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # beam groups (no samples): request_id -> the top continuations over its beams
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 class SampledRow(NamedTuple):
@@ -219,12 +222,18 @@ class EncoderDecoderModelRunner:
         sampling_md = self.input_batch.refresh_metadata()
         index = torch.tensor([rows[i][1] for i in order], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
-        out = self.sampler(logits, sampling_md)
+        # Beam search: its groups' rows go to candidate selection, not sampling.
+        beam = find_beam_rows(metas, {rows[i][0]: r for r, i in enumerate(order)}, self.device)
+        out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
+               else self.sampler(logits, sampling_md))
+        candidates = select_candidates(beam, out.processed_logprobs) if beam else {}
+        beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
         lp = self._logprobs(out.logprobs_tensors, [rows[i][2].sampling_params.logprobs for i in order])
         samples = [SampledToken(rows[i][0], tok, lp[r] if lp else {})
-                   for r, (i, tok) in enumerate(zip(order, sampled))]
-        return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden))
+                   for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i][0] not in beam_seqs]
+        return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
+                                 beam_candidates=candidates)
 
     def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:

@@ -15,6 +15,10 @@ from encdec.sample.logits_processor import (
     build_logitsprocs,
     resolve_logitsproc_class,
 )
+from encdec.sample.logits_processor.generation import (
+    ForcedBOSEOSLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+)
 from encdec.sample.sampler import Sampler
 from encdec.sampling_params import SamplingParams
 from encdec.worker.input_batch import InputBatch
@@ -28,9 +32,10 @@ FQCN = "tests.sample.dummy_processor:DummyLogitsProcessor"
 def test_builtins_split_by_argmax_invariance() -> None:
     procs = build_logitsprocs(None, "cpu", include_entry_points=False)
     assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
-    assert {type(p) for p in procs.non_argmax_invariant} == {MinTokensLogitsProcessor,
-                                                             LogitBiasLogitsProcessor}
-    assert len(procs.all) == 3
+    assert {type(p) for p in procs.non_argmax_invariant} == {
+        MinTokensLogitsProcessor, LogitBiasLogitsProcessor, NoRepeatNGramLogitsProcessor,
+        ForcedBOSEOSLogitsProcessor}
+    assert len(procs.all) == 5
 
 
 def test_min_tokens_lifts_once_enough_outputs() -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from encdec.sample.logits_processor.generation import GENERATION_LOGITS_PROCESSORS
 from encdec.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 from encdec.sample.logits_processor.state import process_dict_updates
 
@@ -127,4 +128,5 @@ BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
+    *GENERATION_LOGITS_PROCESSORS,  # HF's order: min length, n-grams, then forced BOS/EOS win
 )

@@ -1,0 +1,13 @@
+"""Beam search inside continuous batching, token for token as Hugging Face's
+``_beam_search`` (transformers 5.x).
+
+    params.py      BeamSearchParams (the user's), BeamSearchOutput (vLLM's shape)
+    rows.py        BeamRowParams: the SamplingParams every beam row runs with
+    candidates.py  device side: the top 2k continuations of every beam group, batched
+    scorer.py      HF's rules: running beams, the finished pool, early stopping
+    manager.py     engine side: forks and frees a group's beams, builds outputs
+    defaults.py    a checkpoint's generation defaults, read as HF reads them
+
+This package's ``__init__`` imports nothing, so ``encdec.sampling_params`` can
+re-export ``BeamSearchParams`` without an import cycle.
+"""

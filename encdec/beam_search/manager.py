@@ -1,0 +1,216 @@
+"""Engine side of beam search: a beam request's beams are the decoder sequences
+of its one ``SequenceGroup``.
+
+The group is created with ``beam_width`` sequences sharing the decoder prompt's
+blocks and the request's single cross-attention table; beam j's running score is
+its sequence's ``cumulative_logprob`` (HF starts beams 1..k-1 at -1e9, so the
+first step draws every candidate from beam 0). After each step
+(``process``), the new running beams are made from their parents:
+
+    parent kept by one new beam    the sequence appends the token in place
+    parent kept by m > 1 beams     m - 1 forks (block manager ``fork``: shared
+                                   blocks, copy-on-write of the last one later)
+    parent kept by none            freed
+
+so a step copies at most one partly filled block per fork, never a beam's whole
+KV. Finished hypotheses are copied out as token lists into a pool of the k
+best (HF's ``beam_scores``); when HF's stopping rules say so the group's
+sequences finish and ``make_output`` returns the pool, best first.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from encdec.beam_search.candidates import BeamCandidates
+from encdec.beam_search.rows import BeamRowParams
+from encdec.beam_search.scorer import RequestScalars, beam_step
+from encdec.outputs import CompletionOutput, RequestOutput
+from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_NEG = -1.0e9
+
+
+@dataclass
+class BeamCompletionOutput(CompletionOutput):
+    score: float = 0.0  # HF's length-normalised score (sequences_scores)
+
+
+@dataclass
+class _Hypothesis:
+    tokens: list[int]  # decoder prompt + generated ids
+    cum_logprob: float
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+class _BeamState:
+    """One request's search state beyond its running sequences."""
+
+    def __init__(self, group: SequenceGroup, params: BeamRowParams, forced_bos_in_prompt: bool):
+        self.params = params
+        k = params.beam.beam_width
+        prompt_len = len(group.prompt_token_ids)
+        self.prompt_len = prompt_len
+        # HF counts a forced BOS as generated; BART's default prompt holds it.
+        self.hf_prompt_len = prompt_len - int(forced_bos_in_prompt)
+        self.max_length = prompt_len + params.max_tokens  # engine caps max_tokens at entry
+        self.pool_scores = torch.full((k,), _NEG, dtype=torch.float32)
+        self.pool_finished = torch.zeros(k, dtype=torch.bool)
+        self.pool: list[_Hypothesis | None] = [None] * k  # None: not a finished hypothesis
+        self.improvable = True
+
+
+class BeamSearchManager:
+    """Holds every live beam request's state; the engine calls ``add_group``,
+    ``process`` (each step), ``make_output`` (when finished) and ``forget`` (abort)."""
+
+    def __init__(self, free_seq, seq_counter: itertools.count, tokenizer: Any, fork_seq):
+        self._free_seq = free_seq  # scheduler.free_seq
+        self._fork_seq = fork_seq  # block_manager.fork
+        self._seq_counter = seq_counter
+        self._tokenizer = tokenizer
+        self._states: dict[str, _BeamState] = {}
+
+    @staticmethod
+    def is_beam_group(group: SequenceGroup) -> bool:
+        return isinstance(group.sampling_params, BeamRowParams)
+
+    def add_group(self, group: SequenceGroup) -> None:
+        params: BeamRowParams = group.sampling_params
+        for seq in group.get_seqs()[1:]:
+            seq.data.cumulative_logprob = _NEG
+        bos = params.beam.forced_bos_token_id
+        prompt = group.prompt_token_ids
+        forced_bos_in_prompt = bos is not None and len(prompt) == 2 and prompt[1] == bos
+        self._states[group.request_id] = _BeamState(group, params, forced_bos_in_prompt)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def num_live_requests(self) -> int:
+        return len(self._states)
+
+    # -- one step ----------------------------------------------------------------
+    def process(self, candidates: dict[str, BeamCandidates], groups: dict[str, SequenceGroup]) -> None:
+        buckets: dict[tuple[int, int], list[str]] = {}
+        for request_id, cand in candidates.items():
+            state = self._states[request_id]
+            key = (state.params.beam.beam_width, len(cand.scores))
+            buckets.setdefault(key, []).append(request_id)
+        for ids in buckets.values():
+            self._process_bucket(ids, candidates, groups)
+
+    def _process_bucket(self, ids: list[str], candidates: dict[str, BeamCandidates],
+                        groups: dict[str, SequenceGroup]) -> None:
+        scalars, ends, reasons = [], [], []
+        for request_id in ids:
+            state, group, cand = self._states[request_id], groups[request_id], candidates[request_id]
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            cur_len = seqs[0].get_len()
+            beam = state.params.beam
+            # One beam is HF's greedy search (generate(num_beams=1)): stop at the first end.
+            early = True if beam.beam_width == 1 else beam.early_stopping
+            scalars.append(RequestScalars(cur_len, state.hf_prompt_len, state.max_length,
+                                          beam.length_penalty, early))
+            why = [self._end_reason(state, seqs[p], t, cur_len) for p, t in zip(cand.parents, cand.tokens)]
+            reasons.append(why)
+            ends.append([w is not None for w in why])
+        states = [self._states[i] for i in ids]
+        step = beam_step(
+            scalars, torch.tensor([candidates[i].scores for i in ids], dtype=torch.float32),
+            torch.tensor(ends, dtype=torch.bool), torch.stack([s.pool_scores for s in states]),
+            torch.stack([s.pool_finished for s in states]), torch.tensor([s.improvable for s in states]))
+        running, running_scores = step.running.tolist(), step.running_scores.tolist()
+        pool_from, done = step.pool_from.tolist(), step.done.tolist()
+        for r, request_id in enumerate(ids):
+            state, group, cand = states[r], groups[request_id], candidates[request_id]
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            k = len(state.pool)
+            state.pool_scores = step.pool_scores[r].clone()
+            state.pool_finished = step.pool_finished[r].clone()
+            # Only finished entries hold a hypothesis; the rest are HF's -1e9 placeholders.
+            state.pool = [None if not finished else state.pool[i] if i < k
+                          else self._hypothesis(seqs, cand, i - k, reasons[r][i - k])
+                          for i, finished in zip(pool_from[r], state.pool_finished.tolist())]
+            state.improvable = bool(step.improvable[r])
+            if done[r]:
+                for seq in seqs:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    self._free_seq(seq)
+            else:
+                self._advance(group, seqs, [(cand.parents[c], cand.tokens[c]) for c in running[r]],
+                              running_scores[r])
+
+    def _end_reason(self, state: _BeamState, parent: Sequence, token: int,
+                    cur_len: int) -> tuple[str, int | str | None] | None:
+        """HF's stopping criteria for one candidate: eos / stop token, stop string, max length."""
+        params = state.params
+        if token in params.all_stop_token_ids:
+            return "stop", (token if token in params.stop_token_ids else None)
+        if params.stop:
+            text = self._tokenizer.decode(parent.get_output_token_ids() + [token],
+                                          skip_special_tokens=params.skip_special_tokens)
+            for stop in params.stop:
+                if text.endswith(stop):
+                    return "stop", stop
+        if cur_len + 1 >= state.max_length:
+            return "length", None
+        return None
+
+    @staticmethod
+    def _hypothesis(seqs: list[Sequence], cand: BeamCandidates, c: int,
+                    reason: tuple[str, int | str | None]) -> _Hypothesis:
+        tokens = seqs[cand.parents[c]].get_token_ids() + [cand.tokens[c]]
+        return _Hypothesis(tokens, cand.scores[c], reason[0], reason[1])
+
+    def _advance(self, group: SequenceGroup, seqs: list[Sequence], beams: list[tuple[int, int]],
+                 scores: list[float]) -> None:
+        """Make the group's running sequences the new beams, in order."""
+        new_seqs: list[Sequence] = []
+        claimed: set[int] = set()
+        for parent, _ in beams:
+            seq = seqs[parent]
+            if parent in claimed:  # fork before the parent appends its own token
+                child = seq.fork(next(self._seq_counter))
+                self._fork_seq(seq, child)
+                group.add(child)
+                seq = child
+            claimed.add(parent)
+            new_seqs.append(seq)
+        for p, seq in enumerate(seqs):
+            if p not in claimed:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self._free_seq(seq)
+                group.remove(seq.seq_id)
+        for seq, (_, token), score in zip(new_seqs, beams, scores):
+            seq.append_token_id(token)
+            seq.data.cumulative_logprob = score
+        position = {seq.seq_id: j for j, seq in enumerate(new_seqs)}
+        group.seqs.sort(key=lambda s: position.get(s.seq_id, -1))
+
+    # -- results -----------------------------------------------------------------
+    def make_output(self, group: SequenceGroup) -> RequestOutput:
+        state = self._states.pop(group.request_id, None)
+        if state is None or group.error is not None:
+            return RequestOutput.from_seq_group(group)
+        params = state.params
+        scores = state.pool_scores.tolist()
+        outputs = []
+        for i, hyp in enumerate(state.pool[: params.beam.num_return_sequences]):
+            if hyp is None:
+                continue
+            generated = hyp.tokens[state.prompt_len:]
+            text = self._tokenizer.decode(generated, skip_special_tokens=params.skip_special_tokens)
+            if isinstance(hyp.stop_reason, str) and not params.include_stop_str_in_output:
+                text = text[: len(text) - len(hyp.stop_reason)]
+            outputs.append(BeamCompletionOutput(
+                index=i, text=text, token_ids=generated, cumulative_logprob=hyp.cum_logprob,
+                logprobs=None, finish_reason=hyp.finish_reason, stop_reason=hyp.stop_reason,
+                score=scores[i]))
+        base = RequestOutput.from_seq_group(group)
+        base.outputs = outputs
+        return base
