@@ -39,7 +39,9 @@ def summary(out) -> list[tuple]:
 
 
 def make_llm(path: str, num_blocks: int, **kwargs) -> LLM:
-    return LLM(path, kv_cache_memory=num_blocks * BLOCK_BYTES, swap_space=0.02, num_threads=1, **kwargs)
+    # max_model_len=128 (8 + 8 blocks for the longest request) lets LLM() accept 26 blocks.
+    return LLM(path, kv_cache_memory=num_blocks * BLOCK_BYTES, swap_space=0.02, num_threads=1,
+               max_model_len=128, **kwargs)
 
 
 def count_cross_allocations(llm: LLM) -> Counter:
