@@ -34,7 +34,6 @@ BAD = [
     ({"max_token": 5}, 400, ("unsupported field 'max_token'",), "max_token"),
     ({"echo": True}, 400, ("echo",), "echo"),
     ({"suffix": "end"}, 400, ("suffix",), "suffix"),
-    ({"use_beam_search": True}, 400, ("beam search",), "use_beam_search"),
     ({"length_penalty": 2.0}, 400, ("length_penalty",), "length_penalty"),
     ({"prompt": []}, 400, ("prompt",), "prompt"),
     ({"prompt": [0, 5, 99999]}, 400, ("99999", "vocabulary"), None),
