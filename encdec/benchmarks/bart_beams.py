@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 
+from .bart_bench import padded
 from .common import OtherCPUMonitor, timed
 
 
@@ -28,18 +29,6 @@ def run_ours_beams(model_dir: str, enc, out_lens, beams: int) -> tuple[int, floa
     return sum(out_lens), seconds
 
 
-def _padded(chunk):
-    import torch
-
-    width = max(map(len, chunk))
-    ids = torch.full((len(chunk), width), 1, dtype=torch.long)
-    mask = torch.zeros((len(chunk), width), dtype=torch.long)
-    for r, e in enumerate(chunk):
-        ids[r, :len(e)] = torch.tensor(e)
-        mask[r, :len(e)] = 1
-    return ids, mask
-
-
 def run_hf_beams(model_dir: str, enc, out_lens, batch: int, beams: int) -> tuple[int, float]:
     import torch
     from transformers import BartForConditionalGeneration
@@ -48,7 +37,7 @@ def run_hf_beams(model_dir: str, enc, out_lens, batch: int, beams: int) -> tuple
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(enc), batch):
-            ids, mask = _padded(enc[i:i + batch])
+            ids, mask = padded(enc[i:i + batch])
             m = max(out_lens[i:i + batch])
             model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False,
                            num_beams=beams, decoder_start_token_id=2, forced_bos_token_id=0,

@@ -26,6 +26,19 @@ def make_workload(n: int, vocab: int, seed: int):
     return enc, out
 
 
+def padded(chunk: list[list[int]]):
+    """(ids, attention mask) of a right-padded batch (BART's pad id 1), as HF takes them."""
+    import torch
+
+    width = max(map(len, chunk))
+    ids = torch.full((len(chunk), width), 1, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for r, e in enumerate(chunk):
+        ids[r, :len(e)] = torch.tensor(e)
+        mask[r, :len(e)] = 1
+    return ids, mask
+
+
 def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
     import time
 
@@ -38,12 +51,7 @@ def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
     with torch.inference_mode():
         for i in range(0, len(enc), batch):
             chunk, lens = enc[i:i + batch], out_lens[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), 1, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, e in enumerate(chunk):
-                ids[r, :len(e)] = torch.tensor(e)
-                mask[r, :len(e)] = 1
+            ids, mask = padded(chunk)
             m = max(lens)
             g = model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m,
                                do_sample=False, num_beams=1, decoder_start_token_id=2,
