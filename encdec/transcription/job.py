@@ -13,49 +13,10 @@ from encdec.audio import SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
+from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.windows import cut_windows, segments_from_tokens
 
-_PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
-
-
-@dataclass(frozen=True)
-class TranscribeOptions:
-    """How to transcribe; the same for every input of a call. Types are checked
-    here, model-dependent values by ``validate(engine)``."""
-
-    language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
-    task: str = "transcribe"  # "transcribe" | "translate"
-    timestamps: bool = False  # segments from timestamp tokens; False: one segment per window
-    prompt: str | None = None  # text the speech continues (names, spelling), as <|startofprev|> + text
-    sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
-
-    def __post_init__(self) -> None:
-        for name in ("language", "prompt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
-        if not isinstance(self.task, str):
-            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
-        if not isinstance(self.timestamps, (bool, np.bool_)):
-            raise TypeError(f"timestamps must be a bool, got {type(self.timestamps).__name__}")
-        if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
-
-    def validate(self, engine: Any) -> None:
-        """Refuse what this engine's model cannot do (not Whisper, an unknown
-        language, translate on an English-only model, sampling params outside its
-        vocabulary) before any input is decoded or any request queued."""
-        from encdec.models.whisper import default_decoder_prompt
-
-        gc = getattr(engine, "generation_config", None)
-        if getattr(gc, "no_timestamps_token_id", None) is None:
-            raise ValueError(f"transcribe needs a Whisper model; this engine runs "
-                             f"{getattr(getattr(engine, 'hf_config', None), 'model_type', '?')}")
-        dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
-                                     timestamps=self.timestamps)
-        if self.sampling_params is not None:
-            engine.process_request(_window_prompt(_PROBE, dec), self.sampling_params)
 
 
 @dataclass(frozen=True)
@@ -65,6 +26,7 @@ class JobRequest:
     ticket: int  # job-local id; give it back with the output to ``add_output``
     prompt: PromptType  # audio window (16 kHz array) + decoder prompt ids
     params: SamplingParams
+    features: Any = None  # (n_mels, 3000) log-mel to encode instead of the prompt's audio's, or None
 
 
 def _window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
@@ -96,7 +58,7 @@ class TranscriptionJob:
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
-        self._prev = self._prompt_ids(options.prompt)
+        self._prev = self._prompt_ids(options.initial_prompt)
         self._tokens: list[list[int] | None] = [None] * len(self._windows)  # per window, once done
         self._asked: dict[int, int | None] = {}  # ticket -> window index (None: language detection)
         self._ready: list[JobRequest] = []  # asked for, not yet handed out
@@ -158,7 +120,7 @@ class TranscriptionJob:
         text = "".join(s.text for s in segments).strip()
         for s in segments:
             s.text = s.text.strip()
-        return Transcription(text, segments, self.language, self.duration)
+        return Transcription(text, segments, language=self.language, duration=self.duration)
 
     # -- steps -----------------------------------------------------------------------
     def _ask(self, window: int | None, prompt: dict, params: SamplingParams) -> None:
