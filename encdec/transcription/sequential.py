@@ -95,6 +95,8 @@ class SequentialJob:
         self.language_probability: float | None = None
         self.encoder_passes = 0  # requests that ran the encoder (retries/probes don't, with the encoder cache)
         self.num_requests = 0
+        self.encoder_cache_reported = False  # some output said whether it reused an encoder pass
+        self.windows_skipped = 0  # windows dropped by the no-speech rule
         self._asked: dict[int, str] = {}  # ticket -> "detect" | "window" | "probe"
         self._ready: list[JobRequest] = []
         self._window: _Window | None = None
@@ -126,7 +128,9 @@ class SequentialJob:
         completion = output.outputs[0]
         if completion.finish_reason == "abort":
             raise RuntimeError(f"audio input {self.index}: request {output.request_id} was aborted")
-        if getattr(getattr(output, "metrics", None), "encoder_cache_hit", None) is not True:
+        hit = getattr(getattr(output, "metrics", None), "encoder_cache_hit", None)
+        self.encoder_cache_reported |= hit is not None
+        if hit is not True:
             self.encoder_passes += 1
         if kind == "detect":
             lps = completion.logprobs[0]
@@ -235,6 +239,7 @@ class SequentialJob:
             return
         self._condition = opts.condition_on_previous_text and t < 0.5
         if skip:
+            self.windows_skipped += 1
             self._seek += w.num_frames
         else:
             out = ids[:-1] if ids and ids[-1] == eot else ids
