@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import N_FRAMES, SAMPLE_RATE, load_audio
+from encdec.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_spectrogram
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
@@ -78,7 +78,10 @@ class SequentialJob:
         gc = self._gc
         self._ids = WhisperSpecialTokens.of(gc)
         self._vocab, self._max_length = hf.vocab_size, hf.max_target_positions
-        self._features = whole_file_log_mel(wav, hf.num_mel_bins)  # (n_mels, frames), the one log-mel
+        if len(wav) > N_SAMPLES:  # (n_mels, frames): HF's long-form features, the one log-mel of the file
+            self._features = whole_file_log_mel(wav, hf.num_mel_bins)
+        else:  # HF's short-form input: the audio padded to 30 s, then the log-mel (3000 frames)
+            self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1])
         self._clip, self._seek = 0, self._clips[0][0]
         encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)  # noqa: E731
