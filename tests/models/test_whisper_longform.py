@@ -137,3 +137,39 @@ def test_bad_options():
         TranscribeOptions(mode="parallel")
     with pytest.raises(ValueError, match="clip_timestamps"):
         TranscribeOptions(clip_timestamps=[5.0, 1.0])
+
+
+def _window_prompt_ids(llm, audio, **kw) -> list[int]:
+    job = SequentialJob(llm.llm_engine, (audio, 16000), TranscribeOptions(**kw))
+    (req,) = [r for r in job.next_requests() if r.params.max_tokens != 1]  # the window, not the probe
+    return list(req.prompt["decoder_prompt"]["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("option", [{}, {"initial_prompt": "Seashells, SEASHELLS."}, {"prefix": "Please remember"},
+                                    {"hotwords": "lights room"}, {"hotwords": "lights", "prefix": "Please"},
+                                    {"hotwords": "lights", "initial_prompt": "Turn them off."}])
+def test_prompts_follow_faster_whisper_get_prompt(tiny, ct2_dir, speech_clips, option):
+    """The first window's decoder prompt is faster-whisper's ``get_prompt`` for the
+    same options (previous tokens = the initial prompt), and each option changes
+    the decoding."""
+    import os
+    from types import SimpleNamespace
+
+    fw = pytest.importorskip("faster_whisper", reason="pip install faster-whisper (test extra)")
+    from faster_whisper.tokenizer import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
+
+    _, _, wavs = speech_clips
+    tok = Tokenizer(HFTokenizer.from_file(os.path.join(str(ct2_dir), "tokenizer.json")), False, task="transcribe",
+                    language="en")
+    previous = tok.encode(" " + option["initial_prompt"].strip()) if "initial_prompt" in option else []
+    want = fw.transcribe.WhisperModel.get_prompt(SimpleNamespace(max_length=448), tok, previous,
+                                                 without_timestamps=False, prefix=option.get("prefix"),
+                                                 hotwords=option.get("hotwords"))
+    assert _window_prompt_ids(tiny, wavs[3], **option) == want
+    if option:
+        plain = tiny.transcribe((wavs[3], 16000), use_tqdm=False)[0]
+        got = tiny.transcribe((wavs[3], 16000), use_tqdm=False, **option)[0]
+        assert got.segments[0].tokens != plain.segments[0].tokens or got.text != plain.text
+        if "prefix" in option:
+            assert got.text.startswith(option["prefix"])
