@@ -22,9 +22,18 @@ import numpy as np
 from encdec.sampling_params import SamplingParams
 from encdec.transcription.job import JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions, feature_unavailable
+from encdec.transcription.result import (
+    FORMATS,
+    Segment,
+    Transcription,
+    format_transcription,
+)
 from encdec.transcription.sequential import SequentialJob
-from encdec.transcription.result import FORMATS, Segment, Transcription, format_transcription
-from encdec.transcription.windows import SEARCH_SAMPLES, cut_windows, segments_from_tokens
+from encdec.transcription.windows import (
+    SEARCH_SAMPLES,
+    cut_windows,
+    segments_from_tokens,
+)
 
 __all__ = ["FORMATS", "SEARCH_SAMPLES", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions",
            "Transcription", "TranscriptionJob", "format_transcription", "run_jobs", "transcribe"]

@@ -91,9 +91,8 @@ def run_transcribe(args: argparse.Namespace) -> int:
         print(f"encdec transcribe: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     from encdec import LLM
-    from encdec.transcribe import transcribe
-
     from encdec.models.whisper import default_whisper_model
+    from encdec.transcribe import transcribe
 
     timestamps = args.timestamps or args.format in ("srt", "vtt")
     try:

@@ -37,7 +37,13 @@ from __future__ import annotations
 
 from encdec.transcription.job import JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
-from encdec.transcription.result import FORMATS, Segment, Transcription, Word, format_transcription
+from encdec.transcription.result import (
+           FORMATS,
+           Segment,
+           Transcription,
+           Word,
+           format_transcription,
+)
 from encdec.transcription.sequential import SequentialJob
 
 __all__ = ["FORMATS", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions", "Transcription",

@@ -18,7 +18,6 @@ from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.windows import cut_windows, segments_from_tokens
 
 
-
 @dataclass(frozen=True)
 class JobRequest:
     """One engine request a job asks for."""
@@ -29,7 +28,17 @@ class JobRequest:
     features: Any = None  # (n_mels, 3000) log-mel to encode instead of the prompt's audio's, or None
 
 
-def _window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
+def finished_completion(output: RequestOutput, index: int):
+    """The completion of a finished job request; errors and aborts raise, naming the input."""
+    if getattr(output, "error", None):
+        raise ValueError(f"audio input {index}: {output.error}")
+    completion = output.outputs[0]
+    if completion.finish_reason == "abort":
+        raise RuntimeError(f"audio input {index}: request {output.request_id} was aborted")
+    return completion
+
+
+def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
     return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
             "decoder_prompt": {"prompt_token_ids": dec_ids}}
 
@@ -69,7 +78,7 @@ class TranscriptionJob:
         elif options.language is None:
             lang_ids = sorted(self._gc.lang_to_id.values())
             detect = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=lang_ids)
-            self._ask(None, _window_prompt(self._windows[0][1], [self._gc.decoder_start_token_id]), detect)
+            self._ask(None, window_prompt(self._windows[0][1], [self._gc.decoder_start_token_id]), detect)
         else:
             token = language_token(self._gc, options.language)
             self._start_windows(next(k[2:-2] for k, v in self._gc.lang_to_id.items() if v == token))
@@ -84,11 +93,7 @@ class TranscriptionJob:
         """The finished output of the request this job handed out as ``ticket``."""
         if ticket not in self._asked:
             raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
-        if getattr(output, "error", None):
-            raise ValueError(f"audio input {self.index}: {output.error}")
-        completion = output.outputs[0]
-        if completion.finish_reason == "abort":
-            raise RuntimeError(f"audio input {self.index}: request {output.request_id} was aborted")
+        completion = finished_completion(output, self.index)
         window = self._asked.pop(ticket)
         tokens = completion.token_ids
         if window is None:
@@ -138,7 +143,7 @@ class TranscriptionJob:
                                                   language=language if self._multilingual else None,
                                                   task=opts.task, timestamps=opts.timestamps)
         for i, (_, window) in enumerate(self._windows):
-            self._ask(i, _window_prompt(window, dec), self._params)
+            self._ask(i, window_prompt(window, dec), self._params)
 
     def _prompt_ids(self, prompt: str | None) -> list[int]:
         """HF ``get_prompt_ids``: ``<|startofprev|>`` + " text", keeping at most

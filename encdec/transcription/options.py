@@ -92,7 +92,7 @@ class TranscribeOptions:
         language, translate on an English-only model, sampling params outside its
         vocabulary) before any input is decoded or any request queued."""
         from encdec.models.whisper import default_decoder_prompt
-        from encdec.transcription.job import _window_prompt
+        from encdec.transcription.job import window_prompt
 
         gc = getattr(engine, "generation_config", None)
         if getattr(gc, "no_timestamps_token_id", None) is None:
@@ -101,7 +101,7 @@ class TranscribeOptions:
         dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
                                      timestamps=self.timestamps)
         if self.sampling_params is not None:
-            engine.process_request(_window_prompt(_PROBE, dec), self.sampling_params)
+            engine.process_request(window_prompt(_PROBE, dec), self.sampling_params)
 
 
 def _clips(value: Any) -> tuple[float, ...]:

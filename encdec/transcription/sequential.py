@@ -36,16 +36,27 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_spectrogram
+from encdec.audio import (
+    N_FRAMES,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    load_audio,
+    log_mel_spectrogram,
+)
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
 from encdec.transcription.features import whole_file_log_mel, window_features
-from encdec.transcription.job import JobRequest, _window_prompt
+from encdec.transcription.job import JobRequest, finished_completion, window_prompt
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
-from encdec.transcription.rules import (compression_ratio, decoder_prompt, needs_fallback, previous_tokens,
-                                        split_window)
+from encdec.transcription.rules import (
+    compression_ratio,
+    decoder_prompt,
+    needs_fallback,
+    previous_tokens,
+    split_window,
+)
 
 _STUB_AUDIO = np.zeros(SAMPLE_RATE // 10, np.float32)  # the prompt's audio; ``features`` replaces its log-mel
 FRAMES_PER_SECOND = 100
@@ -84,7 +95,7 @@ class SequentialJob:
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1])
         self._clip, self._seek = 0, self._clips[0][0]
-        encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)  # noqa: E731
+        encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)
         self._prompt_text = encode(options.initial_prompt) if options.initial_prompt else []
         self._hotwords = encode(options.hotwords) if options.hotwords else None
         self._prefix = encode(options.prefix) if options.prefix else None
@@ -126,11 +137,7 @@ class SequentialJob:
         kind = self._asked.pop(ticket, None)
         if kind is None:
             raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
-        if getattr(output, "error", None):
-            raise ValueError(f"audio input {self.index}: {output.error}")
-        completion = output.outputs[0]
-        if completion.finish_reason == "abort":
-            raise RuntimeError(f"audio input {self.index}: request {output.request_id} was aborted")
+        completion = finished_completion(output, self.index)
         hit = getattr(getattr(output, "metrics", None), "encoder_cache_hit", None)
         self.encoder_cache_reported |= hit is not None
         if hit is not True:
@@ -176,7 +183,7 @@ class SequentialJob:
         ticket = self.num_requests
         self.num_requests += 1
         self._asked[ticket] = kind
-        self._ready.append(JobRequest(ticket, _window_prompt(_STUB_AUDIO, dec), params, features))
+        self._ready.append(JobRequest(ticket, window_prompt(_STUB_AUDIO, dec), params, features))
 
     def _set_language(self, language: str, probability: float | None) -> None:
         from encdec.models.whisper import default_decoder_prompt

@@ -13,7 +13,7 @@ from encdec.transcribe import run_jobs
 from encdec.transcription import SequentialJob, TranscribeOptions
 
 TEMPS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
-RULES = dict(compression_ratio_threshold=2.4, log_prob_threshold=-1.0, no_speech_threshold=0.6)
+RULES = {"compression_ratio_threshold": 2.4, "log_prob_threshold": -1.0, "no_speech_threshold": 0.6}
 
 
 def long_file(wavs, gap_s: float = 2.0) -> np.ndarray:
@@ -124,7 +124,7 @@ def test_silence_is_skipped_by_the_no_speech_rule(tiny, speech_clips):
     job, t = _job(tiny, audio)
     assert job.windows_skipped == 1
     assert all(s.start >= 30.0 for s in t.segments) and "leave the room" in t.text
-    off, t_off = _job(tiny, audio, no_speech_threshold=None)
+    off, _ = _job(tiny, audio, no_speech_threshold=None)
     assert off.windows_skipped == 0
 
 
