@@ -20,12 +20,23 @@ from typing import Any
 import numpy as np
 
 from encdec.sampling_params import SamplingParams
-from encdec.transcription.job import JobRequest, TranscribeOptions, TranscriptionJob
-from encdec.transcription.result import FORMATS, Segment, Transcription, format_transcription
-from encdec.transcription.windows import SEARCH_SAMPLES, cut_windows, segments_from_tokens
+from encdec.transcription.job import JobRequest, TranscriptionJob
+from encdec.transcription.options import TranscribeOptions, feature_unavailable
+from encdec.transcription.result import (
+    FORMATS,
+    Segment,
+    Transcription,
+    format_transcription,
+)
+from encdec.transcription.sequential import SequentialJob
+from encdec.transcription.windows import (
+    SEARCH_SAMPLES,
+    cut_windows,
+    segments_from_tokens,
+)
 
-__all__ = ["FORMATS", "SEARCH_SAMPLES", "JobRequest", "Segment", "TranscribeOptions", "Transcription",
-           "TranscriptionJob", "format_transcription", "run_jobs", "transcribe"]
+__all__ = ["FORMATS", "SEARCH_SAMPLES", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions",
+           "Transcription", "TranscriptionJob", "format_transcription", "run_jobs", "transcribe"]
 
 # Older names, kept for callers and tests of the pure helpers.
 _windows, _segments = cut_windows, segments_from_tokens
@@ -52,22 +63,42 @@ def _is_array_and_rate(audio: Any) -> bool:
 
 
 def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str = "transcribe",
-               timestamps: bool = False, prompt: str | None = None,
-               sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[Transcription]:
-    """One ``Transcription`` per input of ``audio`` (one input or a list). Every
-    option and input is checked, and every input decoded, before anything is
-    queued: a bad input ``i`` raises a ``ValueError`` naming "audio input i"."""
+               timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
+               temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+               compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
+               no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
+               initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
+               vad_filter: bool = False, clip_timestamps: Any = None,
+               sampling_params: SamplingParams | None = None, mode: str = "sequential",
+               use_tqdm: bool = True, prompt: str | None = None) -> list[Transcription]:
+    """One ``Transcription`` per input of ``audio`` (one input or a list), with
+    faster-whisper's options (``TranscribeOptions`` documents them and ``mode``).
+    ``prompt`` is the older name of ``initial_prompt``. Every option and input is
+    checked, and every input decoded, before anything is queued: a bad input ``i``
+    raises a ``ValueError`` naming "audio input i"."""
     engine = getattr(llm, "llm_engine", None)
     if engine is None:
         raise ValueError("transcribe needs an encdec LLM (with llm_engine) running a Whisper model")
-    options = TranscribeOptions(language=language, task=task, timestamps=timestamps, prompt=prompt,
-                                sampling_params=sampling_params)
+    if prompt is not None:
+        if initial_prompt is not None:
+            raise ValueError("give initial_prompt or its older name prompt, not both")
+        initial_prompt = prompt
+    for name, value in (("word_timestamps", word_timestamps), ("vad_filter", vad_filter)):
+        if value:
+            feature_unavailable(name)
+    options = TranscribeOptions(language=language, task=task, timestamps=timestamps, beam_size=beam_size,
+                                temperature=temperature, compression_ratio_threshold=compression_ratio_threshold,
+                                log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
+                                condition_on_previous_text=condition_on_previous_text,
+                                initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
+                                clip_timestamps=clip_timestamps, sampling_params=sampling_params, mode=mode)
     options.validate(engine)
-    jobs = [TranscriptionJob(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]
+    job_class = SequentialJob if options.mode == "sequential" else TranscriptionJob
+    jobs = [job_class(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]
     return run_jobs(engine, jobs, use_tqdm=use_tqdm)
 
 
-def run_jobs(engine: Any, jobs: list[TranscriptionJob], *, use_tqdm: bool = True) -> list[Transcription]:
+def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Transcription]:
     """Drive ``jobs`` to completion on ``engine`` (an ``LLMEngine`` no one else
     steps meanwhile) and return their results in order."""
     prefix = f"transcribe-{uuid.uuid4().hex[:12]}-"
@@ -111,6 +142,8 @@ def _submit(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]], ids: 
         return
     processed = _process(engine, batch)
     for (job, req), (inputs, params) in zip(batch, processed):
+        if req.features is not None:  # the job's own log-mel (a slice of the whole file's)
+            inputs["encoder_features"] = req.features
         rid = next(ids)
         engine.add_processed_request(rid, inputs, params)
         owner[rid] = (job, req.ticket)

@@ -87,7 +87,7 @@ def test_jobs_driven_by_hand_equal_transcribe(llm, clips, long_wav):
     assert not in_flight and all(job.done for job in jobs)
     assert [job.seconds_done for job in jobs] == [job.duration for job in jobs]
     ours = [job.result() for job in jobs]
-    assert ours == llm.transcribe(audios, timestamps=True, use_tqdm=False)
+    assert ours == llm.transcribe(audios, timestamps=True, use_tqdm=False, mode="independent")
     assert "lights" in ours[1].text.lower() and len(ours[0].segments) >= 4
     assert ours[0].duration == jobs[0].duration and ours[0].language == "en"
     with pytest.raises(ValueError, match="not an open request"):
@@ -144,7 +144,8 @@ def test_transcribe_uses_only_public_engine_methods(llm, clips, long_wav):
     engine = PublicEngine(llm.llm_engine)
     stand_in = SimpleNamespace(llm_engine=engine)  # no generate, no _generate, no counters
     audios = [files[2], (long_wav, 16000)]
-    assert transcribe(stand_in, audios, use_tqdm=False) == llm.transcribe(audios, use_tqdm=False)
+    assert transcribe(stand_in, audios, use_tqdm=False, mode="independent") == \
+        llm.transcribe(audios, use_tqdm=False, mode="independent")
     assert engine.used["add_processed_request"] == 3 and engine.used["step"] > 0
     assert set(engine.used) <= PublicEngine.PUBLIC
     root = os.path.join(os.path.dirname(__file__), "..", "encdec")
@@ -185,7 +186,7 @@ def test_each_input_decoded_once(llm, clips, long_wav, monkeypatch):
 
     monkeypatch.setattr(librosa, "load", load)
     monkeypatch.setattr(librosa, "resample", resample)
-    results = llm.transcribe([files[3], (at_44k, 44100)], use_tqdm=False)
+    results = llm.transcribe([files[3], (at_44k, 44100)], use_tqdm=False, mode="independent")
     assert calls == {"load": 1, "resample": 1}
     assert len(results[1].segments) == 2 and "lights" in results[0].text.lower()
 

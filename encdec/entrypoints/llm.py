@@ -163,10 +163,23 @@ class LLM:
             for c in out.outputs]) for out in outs]
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
-                   timestamps: bool = False, prompt: str | None = None,
-                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
+                   timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
+                   temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                   compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
+                   no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
+                   initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
+                   vad_filter: bool = False, clip_timestamps=None, sampling_params: SamplingParams | None = None,
+                   use_tqdm: bool = True, **kwargs):
+        """faster-whisper's options (``encdec.transcription.TranscribeOptions``);
+        ``mode=`` and the older ``prompt=`` (= ``initial_prompt``) pass through."""
         from encdec.transcribe import transcribe
 
         with self._lock:  # the whole job: its requests never share steps with another call's
             return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                              prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm)
+                              word_timestamps=word_timestamps, beam_size=beam_size, temperature=temperature,
+                              compression_ratio_threshold=compression_ratio_threshold,
+                              log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
+                              condition_on_previous_text=condition_on_previous_text,
+                              initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
+                              vad_filter=vad_filter, clip_timestamps=clip_timestamps,
+                              sampling_params=sampling_params, use_tqdm=use_tqdm, **kwargs)

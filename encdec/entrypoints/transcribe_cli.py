@@ -1,7 +1,8 @@
 """``encdec transcribe FILES... --model M [--format txt|json|srt|vtt] ...``
 
 All files go to the engine in one call (their <= 30 s windows share the batch).
-srt and vtt need times, so they turn timestamps on. Without ``--output-dir``
+srt and vtt need times, so they turn timestamps on; verbose_json adds every
+segment field (tokens, temperature, avg_logprob, no_speech_prob, ...). Without ``--output-dir``
 results go to stdout; with it, each file becomes ``<output-dir>/<stem>.<format>``.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import tempfile
 
 from encdec.transcribe import FORMATS, format_transcription
+from encdec.transcription.options import MODES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,7 +32,24 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language", default=None, help="e.g. en, de, 'german'; default: detect (multilingual)")
     p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
     p.add_argument("--timestamps", action="store_true", help="segment times from timestamp tokens")
-    p.add_argument("--prompt", default=None, help="previous text to condition on (names, spelling)")
+    p.add_argument("--initial-prompt", "--prompt", dest="initial_prompt", default=None,
+                   help="text the speech continues (names, spelling)")
+    p.add_argument("--prefix", default=None, help="text the first window's transcript starts with")
+    p.add_argument("--hotwords", default=None, help="words to bias towards (ignored with --prefix)")
+    p.add_argument("--mode", choices=MODES, default="sequential",
+                   help="sequential: openai/whisper's long-form algorithm with fallback and conditioning "
+                   "(default); independent: all 30 s windows at once")
+    p.add_argument("--beam-size", type=int, default=1, help="beams per window (> 1 not in this build)")
+    p.add_argument("--temperature", type=_floats, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+                   help="temperatures tried in order on fallback, e.g. 0,0.2,0.4 (default 0..1 by 0.2)")
+    p.add_argument("--compression-ratio-threshold", type=_maybe_float, default=2.4, help="'none' to disable")
+    p.add_argument("--log-prob-threshold", type=_maybe_float, default=-1.0, help="'none' to disable")
+    p.add_argument("--no-speech-threshold", type=_maybe_float, default=0.6, help="'none' to disable")
+    p.add_argument("--no-condition-on-previous-text", dest="condition_on_previous_text", action="store_false",
+                   help="do not prompt each window with the text before it")
+    p.add_argument("--clip-timestamps", default=None, help="start,end,... seconds to transcribe")
+    p.add_argument("--word-timestamps", action="store_true", help="per-word times")
+    p.add_argument("--vad-filter", action="store_true", help="drop non-speech with Silero VAD first")
     p.add_argument("--output-dir", default=None, help="write <stem>.<format> files here instead of stdout")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -38,6 +57,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache size, e.g. 512MiB or 2GiB (default: the engine's)")
     p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU swap for KV blocks (default 4)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def _maybe_float(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
 
 
 def _bytes(text: str) -> int:
@@ -78,7 +113,6 @@ def run_transcribe(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     from encdec import LLM, configure_cpu_runtime
-
     from encdec.models.whisper import default_whisper_model
 
     timestamps = args.timestamps or args.format in ("srt", "vtt")
@@ -87,8 +121,16 @@ def run_transcribe(args: argparse.Namespace) -> int:
         llm = LLM(model=args.model or default_whisper_model(), device=args.device, num_threads=args.num_threads,
                   kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space)
         results = llm.transcribe(list(args.files), language=args.language, task=args.task,
-                                 timestamps=timestamps, prompt=args.prompt, use_tqdm=not args.no_progress)
-    except (ValueError, TypeError) as e:
+                                 timestamps=timestamps, word_timestamps=args.word_timestamps,
+                                 beam_size=args.beam_size, temperature=args.temperature,
+                                 compression_ratio_threshold=args.compression_ratio_threshold,
+                                 log_prob_threshold=args.log_prob_threshold,
+                                 no_speech_threshold=args.no_speech_threshold,
+                                 condition_on_previous_text=args.condition_on_previous_text,
+                                 initial_prompt=args.initial_prompt, prefix=args.prefix, hotwords=args.hotwords,
+                                 vad_filter=args.vad_filter, clip_timestamps=args.clip_timestamps,
+                                 mode=args.mode, use_tqdm=not args.no_progress)
+    except (ValueError, TypeError, NotImplementedError) as e:
         print(f"encdec transcribe: {e}", file=sys.stderr)
         return 2
     for path, result in zip(args.files, results):

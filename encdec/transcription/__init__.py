@@ -21,21 +21,30 @@ every ``add_output``, abort the job's open requests if the client goes away).
 ``next_requests()`` hands each request out once; ``done`` is true when nothing
 is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds.
 
-Today's algorithm (``TranscriptionJob``): language detection on multilingual
+Two jobs: ``SequentialJob`` (the default, ``mode="sequential"``): openai/whisper's
+long-form algorithm as HF ``generate`` runs it, see ``encdec.transcription.sequential``;
+and ``TranscriptionJob`` (``mode="independent"``): language detection on multilingual
 models when no language is given (one step restricted to language tokens), then
 all 30 s windows of the file at once, cut at the quietest 100 ms of each
-window's last 5 s. openai/whisper's sequential long-form algorithm (seek to the
-last timestamp, temperature fallback, conditioning on the previous text) fits
-the same protocol: a job that asks for one window at a time, and on each output
-either asks for a retry of that window (new ticket, higher temperature) or for
-the next window with the seek moved and the previous text in its prompt. The
-driver needs no change: it already admits a job's next request the step its
-previous one finishes, while other files' requests keep the batch full.
+window's last 5 s. The sequential job asks for one window at a time, and on each
+output either asks for a retry of that window (new ticket, higher temperature)
+or for the next window with the seek moved and the previous text in its prompt;
+the driver admits a job's next request the step its previous one finishes, while
+other files' requests keep the batch full. A ``JobRequest.features`` tensor, when
+set, is the log-mel the engine encodes (the prompt's audio is then a stub).
 """
 from __future__ import annotations
 
-from encdec.transcription.job import JobRequest, TranscribeOptions, TranscriptionJob
-from encdec.transcription.result import FORMATS, Segment, Transcription, format_transcription
+from encdec.transcription.job import JobRequest, TranscriptionJob
+from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.result import (
+           FORMATS,
+           Segment,
+           Transcription,
+           Word,
+           format_transcription,
+)
+from encdec.transcription.sequential import SequentialJob
 
-__all__ = ["FORMATS", "JobRequest", "Segment", "TranscribeOptions", "Transcription", "TranscriptionJob",
-           "format_transcription"]
+__all__ = ["FORMATS", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions", "Transcription",
+           "TranscriptionJob", "Word", "format_transcription"]

@@ -13,49 +13,9 @@ from encdec.audio import SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
+from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.windows import cut_windows, segments_from_tokens
-
-_PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
-
-
-@dataclass(frozen=True)
-class TranscribeOptions:
-    """How to transcribe; the same for every input of a call. Types are checked
-    here, model-dependent values by ``validate(engine)``."""
-
-    language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
-    task: str = "transcribe"  # "transcribe" | "translate"
-    timestamps: bool = False  # segments from timestamp tokens; False: one segment per window
-    prompt: str | None = None  # text the speech continues (names, spelling), as <|startofprev|> + text
-    sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
-
-    def __post_init__(self) -> None:
-        for name in ("language", "prompt"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
-        if not isinstance(self.task, str):
-            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
-        if not isinstance(self.timestamps, (bool, np.bool_)):
-            raise TypeError(f"timestamps must be a bool, got {type(self.timestamps).__name__}")
-        if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
-
-    def validate(self, engine: Any) -> None:
-        """Refuse what this engine's model cannot do (not Whisper, an unknown
-        language, translate on an English-only model, sampling params outside its
-        vocabulary) before any input is decoded or any request queued."""
-        from encdec.models.whisper import default_decoder_prompt
-
-        gc = getattr(engine, "generation_config", None)
-        if getattr(gc, "no_timestamps_token_id", None) is None:
-            raise ValueError(f"transcribe needs a Whisper model; this engine runs "
-                             f"{getattr(getattr(engine, 'hf_config', None), 'model_type', '?')}")
-        dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
-                                     timestamps=self.timestamps)
-        if self.sampling_params is not None:
-            engine.process_request(_window_prompt(_PROBE, dec), self.sampling_params)
 
 
 @dataclass(frozen=True)
@@ -65,9 +25,20 @@ class JobRequest:
     ticket: int  # job-local id; give it back with the output to ``add_output``
     prompt: PromptType  # audio window (16 kHz array) + decoder prompt ids
     params: SamplingParams
+    features: Any = None  # (n_mels, 3000) log-mel to encode instead of the prompt's audio's, or None
 
 
-def _window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
+def finished_completion(output: RequestOutput, index: int):
+    """The completion of a finished job request; errors and aborts raise, naming the input."""
+    if getattr(output, "error", None):
+        raise ValueError(f"audio input {index}: {output.error}")
+    completion = output.outputs[0]
+    if completion.finish_reason == "abort":
+        raise RuntimeError(f"audio input {index}: request {output.request_id} was aborted")
+    return completion
+
+
+def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
     return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
             "decoder_prompt": {"prompt_token_ids": dec_ids}}
 
@@ -96,7 +67,7 @@ class TranscriptionJob:
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
-        self._prev = self._prompt_ids(options.prompt)
+        self._prev = self._prompt_ids(options.initial_prompt)
         self._tokens: list[list[int] | None] = [None] * len(self._windows)  # per window, once done
         self._asked: dict[int, int | None] = {}  # ticket -> window index (None: language detection)
         self._ready: list[JobRequest] = []  # asked for, not yet handed out
@@ -107,7 +78,7 @@ class TranscriptionJob:
         elif options.language is None:
             lang_ids = sorted(self._gc.lang_to_id.values())
             detect = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=lang_ids)
-            self._ask(None, _window_prompt(self._windows[0][1], [self._gc.decoder_start_token_id]), detect)
+            self._ask(None, window_prompt(self._windows[0][1], [self._gc.decoder_start_token_id]), detect)
         else:
             token = language_token(self._gc, options.language)
             self._start_windows(next(k[2:-2] for k, v in self._gc.lang_to_id.items() if v == token))
@@ -122,11 +93,7 @@ class TranscriptionJob:
         """The finished output of the request this job handed out as ``ticket``."""
         if ticket not in self._asked:
             raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
-        if getattr(output, "error", None):
-            raise ValueError(f"audio input {self.index}: {output.error}")
-        completion = output.outputs[0]
-        if completion.finish_reason == "abort":
-            raise RuntimeError(f"audio input {self.index}: request {output.request_id} was aborted")
+        completion = finished_completion(output, self.index)
         window = self._asked.pop(ticket)
         tokens = completion.token_ids
         if window is None:
@@ -158,7 +125,7 @@ class TranscriptionJob:
         text = "".join(s.text for s in segments).strip()
         for s in segments:
             s.text = s.text.strip()
-        return Transcription(text, segments, self.language, self.duration)
+        return Transcription(text, segments, language=self.language, duration=self.duration)
 
     # -- steps -----------------------------------------------------------------------
     def _ask(self, window: int | None, prompt: dict, params: SamplingParams) -> None:
@@ -176,7 +143,7 @@ class TranscriptionJob:
                                                   language=language if self._multilingual else None,
                                                   task=opts.task, timestamps=opts.timestamps)
         for i, (_, window) in enumerate(self._windows):
-            self._ask(i, _window_prompt(window, dec), self._params)
+            self._ask(i, window_prompt(window, dec), self._params)
 
     def _prompt_ids(self, prompt: str | None) -> list[int]:
         """HF ``get_prompt_ids``: ``<|startofprev|>`` + " text", keeping at most

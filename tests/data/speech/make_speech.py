@@ -6,6 +6,11 @@
 Voices alternate between US and British English and the speaking rate varies a
 little, so the set is not one voice at one speed. The ~3-minute long file is
 built at test time by concatenating these (keeps the repository small).
+
+``python tests/data/speech/make_speech.py --multilingual`` writes the
+multilingual clips instead: ``m_<lang>_<i>.wav`` for the sentences of
+``multilingual.txt`` (``<lang>|<text>`` per line: German, French, Spanish and
+English), for language detection, transcription and translation tests.
 """
 from __future__ import annotations
 
@@ -32,9 +37,22 @@ def synth(text: str, voice: str, speed: int, out_path: str) -> float:
     return len(audio) / 16000
 
 
+def multilingual() -> None:
+    with open(os.path.join(HERE, "multilingual.txt"), encoding="utf-8") as f:
+        rows = [line.strip().split("|", 1) for line in f if line.strip()]
+    total, count = 0.0, {}
+    for lang, text in rows:
+        i = count[lang] = count.get(lang, -1) + 1
+        total += synth(text, lang, 140 + 10 * (i % 2), os.path.join(HERE, f"m_{lang}_{i}.wav"))
+    print(f"wrote {len(rows)} files, {total:.1f} s of audio")
+
+
 def main() -> None:
     if shutil.which("espeak-ng") is None:
         sys.exit("espeak-ng is not installed (apt-get install -y espeak-ng)")
+    if "--multilingual" in sys.argv[1:]:
+        multilingual()
+        return
     with open(os.path.join(HERE, "sentences.txt")) as f:
         sentences = [line.strip() for line in f if line.strip()]
     total = 0.0

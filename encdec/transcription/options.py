@@ -1,0 +1,118 @@
+"""``TranscribeOptions``: faster-whisper's transcription options, checked once
+per call (types here, model-dependent values in ``validate(engine)``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from encdec.audio import SAMPLE_RATE
+from encdec.sampling_params import SamplingParams
+
+MODES = ("sequential", "independent")
+_PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
+
+
+def beam_search_unavailable(beam_size: int) -> None:
+    """The one place that refuses beam search in transcription (wire BeamSearchParams here)."""
+    if beam_size != 1:
+        raise NotImplementedError(f"beam_size > 1 needs beam search, not in this build (got beam_size={beam_size})")
+
+
+def feature_unavailable(name: str) -> None:
+    """The one place that refuses options whose implementation is not in this build."""
+    raise NotImplementedError(f"{name}=True is not in this build")
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    """How to transcribe; the same for every input of a call. Names and meanings
+    are faster-whisper's ``transcribe`` options; ``mode`` picks the algorithm:
+
+    - ``"sequential"`` (default): openai/whisper's long-form algorithm as HF
+      ``generate`` runs it (seek to the last timestamp, temperature fallback,
+      no-speech skip, conditioning on the previous text): what users of the other
+      Whisper runtimes get, and token-identical to HF.
+    - ``"independent"``: every 30 s window at once, cut at quiet points, no
+      fallback or conditioning (faster on one long file, no retries).
+    """
+
+    language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
+    task: str = "transcribe"  # "transcribe" | "translate"
+    timestamps: bool = False  # segments from timestamp tokens; False: <|notimestamps|> decoding
+    beam_size: int = 1  # > 1 needs beam search (not in this build)
+    temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback
+    compression_ratio_threshold: float | None = 2.4  # retry when a window's ratio is above this
+    log_prob_threshold: float | None = -1.0  # retry when a window's avg logprob is below this
+    no_speech_threshold: float | None = 0.6  # skip when P(no speech) is above this and logprob low
+    condition_on_previous_text: bool = True  # previous windows' tokens as <|startofprev|> prompt
+    initial_prompt: str | None = None  # text the speech continues (names, spelling)
+    prefix: str | None = None  # text the first window's transcript must start with
+    hotwords: str | None = None  # words to bias towards, as a <|startofprev|> prompt (no prefix)
+    clip_timestamps: tuple[float, ...] | None = None  # [start, end, start, end...] seconds to transcribe
+    sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
+    mode: str = "sequential"  # "sequential" | "independent", see the class docstring
+
+    def __post_init__(self) -> None:
+        for name in ("language", "initial_prompt", "prefix", "hotwords"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a str, got {type(value).__name__}")
+        if not isinstance(self.task, str):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        for name in ("timestamps", "condition_on_previous_text"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or self.beam_size < 1:
+            raise ValueError(f"beam_size must be an int >= 1, got {self.beam_size!r}")
+        beam_search_unavailable(self.beam_size)
+        temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
+        try:
+            temps = tuple(float(t) for t in temps)
+        except (TypeError, ValueError):
+            raise ValueError(f"temperature must be a float or a sequence of floats, got {self.temperature!r}") \
+                from None
+        if not temps or any(not 0.0 <= t <= 2.0 for t in temps):
+            raise ValueError(f"temperature must be one or more values in [0, 2], got {self.temperature!r}")
+        object.__setattr__(self, "temperature", temps)
+        for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number or None, got {value!r}")
+        if self.clip_timestamps is not None:
+            object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
+        if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
+
+    def validate(self, engine: Any) -> None:
+        """Refuse what this engine's model cannot do (not Whisper, an unknown
+        language, translate on an English-only model, sampling params outside its
+        vocabulary) before any input is decoded or any request queued."""
+        from encdec.models.whisper import default_decoder_prompt
+        from encdec.transcription.job import window_prompt
+
+        gc = getattr(engine, "generation_config", None)
+        if getattr(gc, "no_timestamps_token_id", None) is None:
+            raise ValueError(f"transcribe needs a Whisper model; this engine runs "
+                             f"{getattr(getattr(engine, 'hf_config', None), 'model_type', '?')}")
+        dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
+                                     timestamps=self.timestamps)
+        if self.sampling_params is not None:
+            engine.process_request(window_prompt(_PROBE, dec), self.sampling_params)
+
+
+def _clips(value: Any) -> tuple[float, ...]:
+    """faster-whisper's ``clip_timestamps``: a list of seconds (or "0,10.5,20"),
+    start/end pairs; a missing last end means "to the end of the file"."""
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"clip_timestamps must be a list of seconds, got {value!r}") from None
+    if not out or any(t < 0 for t in out) or any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"clip_timestamps must be increasing non-negative seconds, got {list(out)}")
+    return out

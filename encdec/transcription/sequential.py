@@ -1,0 +1,278 @@
+"""``SequentialJob``: openai/whisper's long-form algorithm, as HF ``generate``
+runs it, as a ``TranscriptionJob``-protocol job (see ``encdec.transcription``).
+
+Per file, one 30 s window at a time::
+
+    features = log-mel of the whole file (once)
+    [language detection on the first 30 s, multilingual models without a language]
+    while seek < end of clip:
+        window = features[:, seek:seek + 3000]   (one tensor, shared by every retry)
+        decode at temperatures[0]  (+ a one-step probe for P(<|nospeech|>) at SOT)
+        while compression ratio > threshold or avg logprob < threshold:
+            decode again at the next temperature   (same window features)
+        if avg logprob < threshold and P(no speech) > threshold: skip the window
+        else: segments from timestamp pairs; seek to the last closing timestamp
+        condition the next window on all earlier segments' tokens (if temperature < 0.5)
+
+Every request is an ordinary engine request, so the windows of all files of a
+call, and their retries, share the engine's continuous batching: a file's next
+window is asked for the moment its previous one is decided. Retries and probes
+carry the window's features tensor itself, so with the engine's encoder cache
+they reuse one encoder pass (``encoder_passes`` counts the passes run).
+
+Where HF and openai/whisper differ this follows HF (the tests compare against
+it): the compression ratio is over token ids, not text; conditioning keeps all
+earlier segments (the last 223 tokens) and is skipped for one window after a
+retry at temperature >= 0.5, where openai/whisper drops the text before it;
+``initial_prompt`` is the first "segment" of that history, and without
+conditioning it is the prompt of every window. ``hotwords`` and ``prefix``
+follow faster-whisper's ``get_prompt``; the prefix is kept in the first
+window's transcript. The temperature > 0 retries sample from the full
+distribution (openai/faster-whisper), not HF's default top-k 50.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from encdec.audio import (
+    N_FRAMES,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    load_audio,
+    log_mel_spectrogram,
+)
+from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
+from encdec.outputs import RequestOutput
+from encdec.sampling_params import SamplingParams
+from encdec.transcription.features import whole_file_log_mel, window_features
+from encdec.transcription.job import JobRequest, finished_completion, window_prompt
+from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.result import Segment, Transcription
+from encdec.transcription.rules import (
+    compression_ratio,
+    decoder_prompt,
+    needs_fallback,
+    previous_tokens,
+    split_window,
+)
+
+_STUB_AUDIO = np.zeros(SAMPLE_RATE // 10, np.float32)  # the prompt's audio; ``features`` replaces its log-mel
+FRAMES_PER_SECOND = 100
+
+
+class _Window:
+    """The window being decided: its features and the outputs of its attempts."""
+
+    def __init__(self, seek: int, num_frames: int, features: Any, prompt: list[int], first: bool) -> None:
+        self.seek, self.num_frames, self.features, self.prompt = seek, num_frames, features, prompt
+        self.first = first  # the first window of the file (carries the prefix)
+        self.temp_index = 0
+        self.no_speech_prob: float | None = None
+        self.attempt: tuple[list[int], float] | None = None  # (output ids incl. eos, sum of logprobs)
+        self.waiting = 0  # requests of the current attempt not back yet
+
+
+class SequentialJob:
+    """One audio input -> a ``Transcription`` by the sequential algorithm (module docstring)."""
+
+    def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
+        self.index = index
+        self.options = options
+        try:
+            wav = load_audio(audio)
+        except ValueError as e:
+            raise ValueError(f"audio input {index}: {e}") from None
+        self.duration = len(wav) / SAMPLE_RATE
+        hf, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
+        gc = self._gc
+        self._ids = WhisperSpecialTokens.of(gc)
+        self._vocab, self._max_length = hf.vocab_size, hf.max_target_positions
+        if len(wav) > N_SAMPLES:  # (n_mels, frames): HF's long-form features, the one log-mel of the file
+            self._features = whole_file_log_mel(wav, hf.num_mel_bins)
+        else:  # HF's short-form input: the audio padded to 30 s, then the log-mel (3000 frames)
+            self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
+        self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1])
+        self._clip, self._seek = 0, self._clips[0][0]
+        encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)
+        self._prompt_text = encode(options.initial_prompt) if options.initial_prompt else []
+        self._hotwords = encode(options.hotwords) if options.hotwords else None
+        self._prefix = encode(options.prefix) if options.prefix else None
+        self._history: list[list[int]] = [self._prompt_text] if self._prompt_text else []
+        self._condition = options.condition_on_previous_text
+        base = options.sampling_params
+        self._max_tokens = base.max_tokens if base is not None else None
+        self._seed = base.seed if base is not None else None
+        self.segments: list[Segment] = []
+        self.language: str | None = None
+        self.language_probability: float | None = None
+        self.encoder_passes = 0  # requests that ran the encoder (retries/probes don't, with the encoder cache)
+        self.num_requests = 0
+        self.encoder_cache_reported = False  # some output said whether it reused an encoder pass
+        self.windows_skipped = 0  # windows dropped by the no-speech rule
+        self._asked: dict[int, str] = {}  # ticket -> "detect" | "window" | "probe"
+        self._ready: list[JobRequest] = []
+        self._window: _Window | None = None
+        self._finished = False
+        self._multilingual = self._ids.is_multilingual
+        if not self._multilingual:
+            self._set_language("en", None)
+        elif options.language is None:
+            first = window_features(self._features, 0, min(N_FRAMES, self._features.shape[1]))
+            lang_ids = sorted(self._ids.lang_to_id.values())
+            detect = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=lang_ids,
+                                    logprobs=self._vocab)
+            self._ask("detect", [self._ids.sot], detect, first)
+        else:
+            token = language_token(gc, options.language)
+            self._set_language(next(k[2:-2] for k, v in self._ids.lang_to_id.items() if v == token), None)
+
+    # -- the protocol --------------------------------------------------------------
+    def next_requests(self) -> list[JobRequest]:
+        out, self._ready = self._ready, []
+        return out
+
+    def add_output(self, output: RequestOutput, ticket: int) -> None:
+        kind = self._asked.pop(ticket, None)
+        if kind is None:
+            raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
+        completion = finished_completion(output, self.index)
+        hit = getattr(getattr(output, "metrics", None), "encoder_cache_hit", None)
+        self.encoder_cache_reported |= hit is not None
+        if hit is not True:
+            self.encoder_passes += 1
+        if kind == "detect":
+            lps = completion.logprobs[0]
+            langs = {code: lps[tid].logprob for code, tid in self._ids.lang_to_id.items()}
+            best = max(langs, key=langs.get)  # the sampled token: argmax over language tokens
+            assert self._ids.lang_to_id[best] == completion.token_ids[0]
+            norm = np.logaddexp.reduce(np.array(list(langs.values()), dtype=np.float64))
+            self._set_language(best[2:-2], float(np.exp(langs[best] - norm)))
+            return
+        w = self._window
+        assert w is not None and w.waiting > 0
+        w.waiting -= 1
+        if kind == "probe":
+            w.no_speech_prob = float(np.exp(completion.logprobs[0][completion.token_ids[0]].logprob))
+        else:
+            ids = list(completion.token_ids)
+            w.attempt = (ids, sum(d[t].logprob for t, d in zip(ids, completion.logprobs)))
+        if w.waiting == 0:
+            self._decide(w)
+
+    @property
+    def done(self) -> bool:
+        return self._finished and not self._asked and not self._ready
+
+    @property
+    def seconds_done(self) -> float:
+        return self.duration if self.done else min(self._seek / FRAMES_PER_SECOND, self.duration)
+
+    def result(self) -> Transcription:
+        if not self.done:
+            raise RuntimeError(f"audio input {self.index}: result() before the job is done")
+        text = "".join(s.text for s in self.segments).strip()
+        for i, s in enumerate(self.segments):
+            s.id, s.text = i, s.text.strip()
+        return Transcription(text, self.segments, language=self.language,
+                             language_probability=self.language_probability, duration=self.duration)
+
+    # -- steps -----------------------------------------------------------------------
+    def _ask(self, kind: str, dec: list[int], params: SamplingParams, features: Any) -> None:
+        ticket = self.num_requests
+        self.num_requests += 1
+        self._asked[ticket] = kind
+        self._ready.append(JobRequest(ticket, window_prompt(_STUB_AUDIO, dec), params, features))
+
+    def _set_language(self, language: str, probability: float | None) -> None:
+        from encdec.models.whisper import default_decoder_prompt
+
+        self.language, self.language_probability = language, probability
+        self._init = default_decoder_prompt(None, self._gc, language=language if self._multilingual else None,
+                                            task=self.options.task, timestamps=True)
+        self._next_window()
+
+    def _next_window(self) -> None:
+        while self._clip < len(self._clips):
+            start, end = self._clips[self._clip]
+            self._seek = max(self._seek, start)
+            if self._seek < end:
+                break
+            self._clip += 1
+        else:
+            self._finished, self._window = True, None
+            return
+        n = min(end - self._seek, N_FRAMES)
+        first = self._window is None and not self.segments
+        opts, tb, half = self.options, self._ids.timestamp_begin, self._max_length // 2
+        if self._condition and self._history:
+            prev = previous_tokens(self._history, tb, half - 1)
+        else:
+            prev = self._prompt_text
+        dec = decoder_prompt(self._init, prev_sot=self._ids.prev_sot, previous=prev, hotwords=self._hotwords,
+                             prefix=self._prefix if first else None, timestamp_begin=tb, timestamps=True,
+                             max_length=self._max_length)
+        self._window = _Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
+        if opts.no_speech_threshold is not None and opts.log_prob_threshold is not None:
+            sot_at = len(dec) - 1 - dec[::-1].index(self._ids.sot)
+            probe = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[self._ids.no_timestamps - 1],
+                                   logprobs=0, extra_args={"whisper_timestamps": False,
+                                                           "whisper_suppress_tokens": False})
+            self._window.waiting += 1
+            self._ask("probe", dec[: sot_at + 1], probe, self._window.features)
+        self._attempt(self._window)
+
+    def _attempt(self, w: _Window) -> None:
+        t = self.options.temperature[w.temp_index]
+        seed = None
+        if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
+            seed = self._seed + 1000 * w.seek + w.temp_index
+        params = SamplingParams(temperature=t, max_tokens=self._max_tokens, logprobs=0, seed=seed)
+        w.attempt = None
+        w.waiting += 1
+        self._ask("window", w.prompt, params, w.features)
+
+    def _decide(self, w: _Window) -> None:
+        opts, eot = self.options, self._ids.eot
+        ids, sum_lp = w.attempt
+        t = opts.temperature[w.temp_index]
+        avg = sum_lp / max(len(ids), 1)
+        ratio = compression_ratio(ids, self._vocab)
+        retry, skip = needs_fallback(ratio, avg, w.no_speech_prob,
+                                     compression_ratio_threshold=opts.compression_ratio_threshold,
+                                     log_prob_threshold=opts.log_prob_threshold,
+                                     no_speech_threshold=opts.no_speech_threshold)
+        if retry and w.temp_index + 1 < len(opts.temperature):
+            w.temp_index += 1
+            self._attempt(w)
+            return
+        self._condition = opts.condition_on_previous_text and t < 0.5
+        if skip:
+            self.windows_skipped += 1
+            self._seek += w.num_frames
+        else:
+            out = ids[:-1] if ids and ids[-1] == eot else ids
+            if w.first and self._prefix:  # the forced start belongs to the transcript
+                out = w.prompt[len(w.prompt) - len(self._prefix) - 1:] + out
+            segs, step = split_window(out, time_offset=w.seek * 0.01, seek_num_frames=w.num_frames,
+                                      timestamp_begin=self._ids.timestamp_begin)
+            for s in segs:
+                self._history.append(s.tokens)
+                text = self._tokenizer.decode([x for x in s.tokens if x < eot], skip_special_tokens=True)
+                self.segments.append(Segment(s.start, s.end, text, seek=w.seek, tokens=s.tokens, temperature=t,
+                                             avg_logprob=avg, compression_ratio=ratio,
+                                             no_speech_prob=w.no_speech_prob))
+            # A window must move on (HF would loop forever on <|0.00|><|0.00|> at its end).
+            self._seek += step if step > 0 else w.num_frames
+        self._next_window()
+
+
+def _clip_frames(clips: tuple[float, ...] | None, num_frames: int) -> list[tuple[int, int]]:
+    """faster-whisper's ``clip_timestamps`` (seconds, start/end pairs) -> frame ranges."""
+    if not clips:
+        return [(0, num_frames)]
+    frames = [min(round(t * FRAMES_PER_SECOND), num_frames) for t in clips]
+    if len(frames) % 2:
+        frames.append(num_frames)
+    return [(s, e) for s, e in zip(frames[::2], frames[1::2]) if e > s] or [(0, 0)]
