@@ -53,7 +53,9 @@ def _is_array_and_rate(audio: Any) -> bool:
 
 def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, prompt: str | None = None,
-               sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[Transcription]:
+               sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+               word_timestamps: bool = False, vad_filter: bool = False,
+               vad_parameters: dict | None = None) -> list[Transcription]:
     """One ``Transcription`` per input of ``audio`` (one input or a list). Every
     option and input is checked, and every input decoded, before anything is
     queued: a bad input ``i`` raises a ``ValueError`` naming "audio input i"."""
@@ -61,7 +63,8 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
     if engine is None:
         raise ValueError("transcribe needs an encdec LLM (with llm_engine) running a Whisper model")
     options = TranscribeOptions(language=language, task=task, timestamps=timestamps, prompt=prompt,
-                                sampling_params=sampling_params)
+                                sampling_params=sampling_params, word_timestamps=word_timestamps,
+                                vad_filter=vad_filter, vad_parameters=vad_parameters)
     options.validate(engine)
     jobs = [TranscriptionJob(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]
     return run_jobs(engine, jobs, use_tqdm=use_tqdm)

@@ -144,9 +144,12 @@ class LLM:
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, prompt: str | None = None,
-                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
+                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+                   word_timestamps: bool = False, vad_filter: bool = False, vad_parameters: dict | None = None):
         from encdec.transcribe import transcribe
 
         with self._lock:  # the whole job: its requests never share steps with another call's
             return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                              prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm)
+                              prompt=prompt, sampling_params=sampling_params, use_tqdm=use_tqdm,
+                              word_timestamps=word_timestamps, vad_filter=vad_filter,
+                              vad_parameters=vad_parameters)

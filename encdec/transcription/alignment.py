@@ -167,8 +167,8 @@ class WordAligner:
         self.eot = generation_config.eos_token_id
 
     def align(self, window: np.ndarray, sot_sequence: list[int], text_tokens: list[int],
-              offset: float) -> list[Word]:
-        """Words of ``text_tokens`` (the window's text tokens, no timestamps or
+              offset: float) -> list[tuple[Word, list[int]]]:
+        """(word, its tokens) for the words of ``text_tokens`` (the window's text tokens, no timestamps or
         specials) spoken in ``window`` (16 kHz samples, <= 30 s) decoded after
         ``sot_sequence``; times in seconds plus ``offset``."""
         if not text_tokens:
@@ -194,4 +194,48 @@ class WordAligner:
                  for k in range(len(groups) - 1)]  # the last group is eot
         tokens = [list(g) for g in groups[:-1]]
         merge_punctuations(words, tokens)
-        return [w for w in words if w.word]
+        return [(w, t) for w, t in zip(words, tokens) if w.word]
+
+
+def text_runs(tokens: list[int], ts_begin: int, eot: int, tokenizer: Any) -> list[list[int]]:
+    """A window's output ids -> the text tokens of each segment, in the order and
+    with the rule of ``windows.segments_from_tokens`` (a run ends at a timestamp
+    token; runs whose text is blank make no segment)."""
+    runs, current = [], []
+    for t in tokens:
+        if t >= ts_begin:
+            if current:
+                runs.append(current)
+            current = []
+        elif t < eot:
+            current.append(t)
+    if current:
+        runs.append(current)
+    return [r for r in runs if tokenizer.decode(r, skip_special_tokens=True).strip()]
+
+
+def words_for_segments(aligner: WordAligner, window: np.ndarray, sot_sequence: list[int], tokens: list[int],
+                       segments: list[Any], offset: float, ts_begin: int) -> None:
+    """Set ``segment.words`` for the ``segments`` one window's ``tokens`` made:
+    one alignment over all the window's text, each word given to the segment of
+    its first token and clamped inside it (monotonic within the window)."""
+    runs = text_runs(tokens, ts_begin, aligner.eot, aligner.tokenizer)
+    if len(runs) != len(segments):
+        raise RuntimeError(f"word timestamps: {len(runs)} text runs for {len(segments)} segments")
+    words = aligner.align(window, sot_sequence, [t for r in runs for t in r], offset)
+    owner = np.repeat(np.arange(len(runs)), [len(r) for r in runs])  # segment of each text token
+    first = np.cumsum([0] + [len(ids) for _, ids in words])  # index of each word's first token
+    durations = [w.end - w.start for w, _ in words if w.end > w.start]
+    # openai/whisper's cap: DTW gives a segment's first word the silence before it.
+    max_duration = 2 * min(0.7, float(np.median(durations))) if durations else 0.0
+    last_end = offset
+    for seg in segments:
+        seg.words = []
+    for (w, _), tok in zip(words, first[:-1]):
+        seg = segments[int(owner[int(tok)])]
+        w.start = min(max(w.start, seg.start, last_end), seg.end)
+        w.end = min(max(w.end, w.start), seg.end)
+        if not seg.words and max_duration and w.end - w.start > max_duration:
+            w.start = w.end - max_duration
+        last_end = w.end
+        seg.words.append(w)

@@ -29,6 +29,11 @@ class TranscribeOptions:
     timestamps: bool = False  # segments from timestamp tokens; False: one segment per window
     prompt: str | None = None  # text the speech continues (names, spelling), as <|startofprev|> + text
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
+    # -- k-words: word timestamps and VAD ---------------------------------------
+    word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
+    vad_filter: bool = False  # decode only Silero VAD speech regions, packed into <= 30 s windows
+    vad_parameters: dict | None = None  # overrides of transcription.vad.VAD_DEFAULTS (faster-whisper's names)
+    # -- end k-words --
 
     def __post_init__(self) -> None:
         for name in ("language", "prompt"):
@@ -37,8 +42,19 @@ class TranscribeOptions:
                 raise ValueError(f"{name} must be a str, got {type(value).__name__}")
         if not isinstance(self.task, str):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
-        if not isinstance(self.timestamps, (bool, np.bool_)):
-            raise TypeError(f"timestamps must be a bool, got {type(self.timestamps).__name__}")
+        for name in ("timestamps", "word_timestamps", "vad_filter"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.vad_parameters is not None:  # k-words
+            from encdec.transcription.vad import VAD_DEFAULTS
+
+            if not isinstance(self.vad_parameters, dict):
+                raise TypeError(f"vad_parameters must be a dict, got {type(self.vad_parameters).__name__}")
+            unknown = sorted(set(self.vad_parameters) - set(VAD_DEFAULTS))
+            if unknown:
+                raise ValueError(f"vad_parameters: unknown {unknown}; known: {sorted(VAD_DEFAULTS)}")
+            if not self.vad_filter:
+                raise ValueError("vad_parameters given without vad_filter=True")
         if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
 
@@ -93,6 +109,21 @@ class TranscriptionJob:
             raise ValueError(f"audio input {index}: {e}") from None
         self.duration = len(wav) / SAMPLE_RATE  # seconds of audio
         self._windows = cut_windows(wav)  # (start sample, 16 kHz samples), views of wav
+        # -- k-words: VAD packs speech into windows (times mapped back in result); word aligner
+        self._tmap = None
+        if options.vad_filter:
+            from encdec.transcription.vad import pack_speech, speech_regions
+
+            _, vad_windows, self._tmap = pack_speech(wav, speech_regions(wav, **(options.vad_parameters or {})))
+            self._windows = vad_windows or self._windows[:1]  # no speech: one window, for language detection
+            self._no_speech = not vad_windows
+        self._aligner = None
+        if options.word_timestamps:
+            from encdec.transcription.alignment import WordAligner
+
+            self._aligner = WordAligner(engine.model, engine.hf_config, engine.generation_config,
+                                        engine.tokenizer)
+        # -- end k-words
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
@@ -153,8 +184,21 @@ class TranscriptionJob:
         segments: list[Segment] = []
         for (start, window), tokens in zip(self._windows, self._tokens):
             offset = start / SAMPLE_RATE
-            segments += segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
-                                             eot, self._tokenizer, self.options.timestamps)
+            window_segments = segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
+                                                   eot, self._tokenizer, self.options.timestamps)
+            if self._aligner is not None and window_segments:  # k-words
+                from encdec.models.whisper import default_decoder_prompt
+                from encdec.transcription.alignment import words_for_segments
+
+                sot = default_decoder_prompt(self._hf_config, self._gc, timestamps=False, task=self.options.task,
+                                             language=self.language if self._multilingual else None)
+                words_for_segments(self._aligner, window, sot, tokens, window_segments, offset, ts_begin)
+            segments += window_segments
+        if self._tmap is not None:  # k-words: packed speech time -> input time
+            segments = [] if self._no_speech else segments
+            for s in segments:
+                for item in [s, *(s.words or [])]:
+                    item.start, item.end = self._tmap.original(item.start), self._tmap.original(item.end, is_end=True)
         text = "".join(s.text for s in segments).strip()
         for s in segments:
             s.text = s.text.strip()

@@ -10,6 +10,7 @@ class Segment:
     start: float  # seconds from the start of the input
     end: float  # seconds from the start of the input, >= start
     text: str
+    words: list | None = None  # alignment.Word per word, with word_timestamps=True (k-words)
 
 
 @dataclass
