@@ -67,3 +67,13 @@ def make_random_bart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_m
         model.model.decoder.embed_positions.weight.normal_(0, position_std)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """jiwer WER after lower-casing, "-" -> space, and dropping punctuation (how
+    tests and benchmarks score transcripts against the clips' sentences)."""
+    import jiwer
+
+    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
+                          jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+    return jiwer.wer(reference, hypothesis, reference_transform=norm, hypothesis_transform=norm)

