@@ -9,7 +9,7 @@ import numpy as np
 
 from encdec.audio import N_SAMPLES, SAMPLE_RATE as SR
 from encdec.transcription.alignment import Word, dtw, merge_punctuations
-from encdec.transcription.vad import TimestampMap, pack_speech
+from encdec.transcription.vad import pack_speech
 
 
 def brute_dtw_cost(cost: np.ndarray) -> float:
