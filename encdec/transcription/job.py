@@ -64,6 +64,21 @@ class TranscriptionJob:
             raise ValueError(f"audio input {index}: {e}") from None
         self.duration = len(wav) / SAMPLE_RATE  # seconds of audio
         self._windows = cut_windows(wav)  # (start sample, 16 kHz samples), views of wav
+        # -- k-words: VAD packs speech into windows (times mapped back in result); word aligner
+        self._tmap = None
+        if options.vad_filter:
+            from encdec.transcription.vad import pack_speech, speech_regions
+
+            _, vad_windows, self._tmap = pack_speech(wav, speech_regions(wav, **(options.vad_parameters or {})))
+            self._windows = vad_windows or self._windows[:1]  # no speech: one window, for language detection
+            self._no_speech = not vad_windows
+        self._aligner = None
+        if options.word_timestamps:
+            from encdec.transcription.alignment import WordAligner
+
+            self._aligner = WordAligner(engine.model, engine.hf_config, engine.generation_config,
+                                        engine.tokenizer)
+        # -- end k-words
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
@@ -120,8 +135,21 @@ class TranscriptionJob:
         segments: list[Segment] = []
         for (start, window), tokens in zip(self._windows, self._tokens):
             offset = start / SAMPLE_RATE
-            segments += segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
-                                             eot, self._tokenizer, self.options.timestamps)
+            window_segments = segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
+                                                   eot, self._tokenizer, self.options.timestamps)
+            if self._aligner is not None and window_segments:  # k-words
+                from encdec.models.whisper import default_decoder_prompt
+                from encdec.transcription.alignment import words_for_segments
+
+                sot = default_decoder_prompt(self._hf_config, self._gc, timestamps=False, task=self.options.task,
+                                             language=self.language if self._multilingual else None)
+                words_for_segments(self._aligner, window, sot, tokens, window_segments, offset, ts_begin)
+            segments += window_segments
+        if self._tmap is not None:  # k-words: packed speech time -> input time
+            segments = [] if self._no_speech else segments
+            for s in segments:
+                for item in [s, *(s.words or [])]:
+                    item.start, item.end = self._tmap.original(item.start), self._tmap.original(item.end, is_end=True)
         text = "".join(s.text for s in segments).strip()
         for s in segments:
             s.text = s.text.strip()

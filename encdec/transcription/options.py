@@ -20,11 +20,6 @@ def beam_search_unavailable(beam_size: int) -> None:
         raise NotImplementedError(f"beam_size > 1 needs beam search, not in this build (got beam_size={beam_size})")
 
 
-def feature_unavailable(name: str) -> None:
-    """The one place that refuses options whose implementation is not in this build."""
-    raise NotImplementedError(f"{name}=True is not in this build")
-
-
 @dataclass(frozen=True)
 class TranscribeOptions:
     """How to transcribe; the same for every input of a call. Names and meanings
@@ -52,6 +47,9 @@ class TranscribeOptions:
     hotwords: str | None = None  # words to bias towards, as a <|startofprev|> prompt (no prefix)
     clip_timestamps: tuple[float, ...] | None = None  # [start, end, start, end...] seconds to transcribe
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
+    word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
+    vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
+    vad_parameters: dict | None = None  # overrides of transcription.vad.VAD_DEFAULTS (faster-whisper's names)
     mode: str = "sequential"  # "sequential" | "independent", see the class docstring
 
     def __post_init__(self) -> None:
@@ -61,7 +59,7 @@ class TranscribeOptions:
                 raise ValueError(f"{name} must be a str, got {type(value).__name__}")
         if not isinstance(self.task, str):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
-        for name in ("timestamps", "condition_on_previous_text"):
+        for name in ("timestamps", "condition_on_previous_text", "word_timestamps", "vad_filter"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.mode not in MODES:
@@ -84,6 +82,10 @@ class TranscribeOptions:
                 raise ValueError(f"{name} must be a number or None, got {value!r}")
         if self.clip_timestamps is not None:
             object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
+        if self.vad_parameters is not None:
+            _check_vad_parameters(self.vad_parameters, self.vad_filter)
+        if self.vad_filter and self.clip_timestamps is not None:
+            raise ValueError("give vad_filter or clip_timestamps, not both (both choose what to decode)")
         if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
 
@@ -102,6 +104,18 @@ class TranscribeOptions:
                                      timestamps=self.timestamps)
         if self.sampling_params is not None:
             engine.process_request(window_prompt(_PROBE, dec), self.sampling_params)
+
+
+def _check_vad_parameters(value: Any, vad_filter: bool) -> None:
+    from encdec.transcription.vad import VAD_DEFAULTS
+
+    if not isinstance(value, dict):
+        raise TypeError(f"vad_parameters must be a dict, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(VAD_DEFAULTS))
+    if unknown:
+        raise ValueError(f"vad_parameters: unknown {unknown}; known: {sorted(VAD_DEFAULTS)}")
+    if not vad_filter:
+        raise ValueError("vad_parameters given without vad_filter=True")
 
 
 def _clips(value: Any) -> tuple[float, ...]:

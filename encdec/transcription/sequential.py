@@ -85,6 +85,14 @@ class SequentialJob:
         except ValueError as e:
             raise ValueError(f"audio input {index}: {e}") from None
         self.duration = len(wav) / SAMPLE_RATE
+        self._tmap, speech = None, True
+        if options.vad_filter:  # decode the speech only; result() maps times back
+            from encdec.transcription.vad import pack_speech, speech_regions
+
+            regions = speech_regions(wav, **(options.vad_parameters or {}))
+            speech = bool(regions)
+            if speech:
+                wav, _, self._tmap = pack_speech(wav, regions)
         hf, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         gc = self._gc
         self._ids = WhisperSpecialTokens.of(gc)
@@ -93,7 +101,13 @@ class SequentialJob:
             self._features = whole_file_log_mel(wav, hf.num_mel_bins)
         else:  # HF's short-form input: the audio padded to 30 s, then the log-mel (3000 frames)
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
-        self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1])
+        # No speech at all: no window is decoded (a multilingual model still detects the language).
+        self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
+        self._aligner = None
+        if options.word_timestamps:
+            from encdec.transcription.alignment import WordAligner
+
+            self._aligner = WordAligner(engine.model, hf, engine.generation_config, engine.tokenizer)
         self._clip, self._seek = 0, self._clips[0][0]
         encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)
         self._prompt_text = encode(options.initial_prompt) if options.initial_prompt else []
@@ -172,6 +186,10 @@ class SequentialJob:
     def result(self) -> Transcription:
         if not self.done:
             raise RuntimeError(f"audio input {self.index}: result() before the job is done")
+        if self._tmap is not None:  # packed speech time -> input time
+            for s in self.segments:
+                for item in [s, *(s.words or [])]:
+                    item.start, item.end = self._tmap.original(item.start), self._tmap.original(item.end, is_end=True)
         text = "".join(s.text for s in self.segments).strip()
         for i, s in enumerate(self.segments):
             s.id, s.text = i, s.text.strip()
@@ -189,8 +207,11 @@ class SequentialJob:
         from encdec.models.whisper import default_decoder_prompt
 
         self.language, self.language_probability = language, probability
-        self._init = default_decoder_prompt(None, self._gc, language=language if self._multilingual else None,
-                                            task=self.options.task, timestamps=True)
+        lang = language if self._multilingual else None
+        self._init = default_decoder_prompt(None, self._gc, language=lang, task=self.options.task, timestamps=True)
+        # openai/whisper aligns words after sot, language, task and <|notimestamps|>
+        self._align_sot = default_decoder_prompt(None, self._gc, language=lang, task=self.options.task,
+                                                 timestamps=False)
         self._next_window()
 
     def _next_window(self) -> None:
@@ -257,15 +278,29 @@ class SequentialJob:
                 out = w.prompt[len(w.prompt) - len(self._prefix) - 1:] + out
             segs, step = split_window(out, time_offset=w.seek * 0.01, seek_num_frames=w.num_frames,
                                       timestamp_begin=self._ids.timestamp_begin)
+            new: list[Segment] = []
             for s in segs:
                 self._history.append(s.tokens)
                 text = self._tokenizer.decode([x for x in s.tokens if x < eot], skip_special_tokens=True)
-                self.segments.append(Segment(s.start, s.end, text, seek=w.seek, tokens=s.tokens, temperature=t,
-                                             avg_logprob=avg, compression_ratio=ratio,
-                                             no_speech_prob=w.no_speech_prob))
+                new.append(Segment(s.start, s.end, text, seek=w.seek, tokens=s.tokens, temperature=t,
+                                   avg_logprob=avg, compression_ratio=ratio, no_speech_prob=w.no_speech_prob))
+            if self._aligner is not None:
+                self._add_words(w, new)
+            self.segments += new
             # A window must move on (HF would loop forever on <|0.00|><|0.00|> at its end).
             self._seek += step if step > 0 else w.num_frames
         self._next_window()
+
+    def _add_words(self, w: _Window, segments: list[Segment]) -> None:
+        """Word timestamps for one decided window (an extra dense pass: the engine
+        frees the window's cross K/V when its request ends)."""
+        from encdec.transcription.alignment import assign_words
+
+        runs = [[x for x in s.tokens if x < self._ids.eot] for s in segments]
+        offset = w.seek * 0.01
+        words = self._aligner.align_features(w.features, w.num_frames, self._align_sot,
+                                             [x for r in runs for x in r], offset)
+        assign_words(words, runs, segments, offset)
 
 
 def _clip_frames(clips: tuple[float, ...] | None, num_frames: int) -> list[tuple[int, int]]:
