@@ -59,12 +59,16 @@ def last_token_of_each_word(words: list[str], tokens: list[int], tokenizer, *, s
     return out
 
 
-@pytest.mark.parametrize("timestamps", [False, True])
-def test_words_match_hf_token_timestamps(llm, hf, speech_clips, timestamps):
+@pytest.mark.parametrize("mode,timestamps", [("independent", False), ("independent", True), ("sequential", True)])
+def test_words_match_hf_token_timestamps(llm, hf, speech_clips, mode, timestamps):
+    """HF's token timestamps are for the no-timestamps decoding (independent mode,
+    timestamps=False); with timestamp tokens (and in the sequential mode, which
+    always predicts them) words are checked for order and containment."""
     _, _, wavs = speech_clips
     tok = llm.get_tokenizer()
     for i in CLIPS:
-        result = llm.transcribe(wavs[i], timestamps=timestamps, word_timestamps=True, use_tqdm=False)[0]
+        result = llm.transcribe(wavs[i], timestamps=timestamps, word_timestamps=True, mode=mode,
+                                use_tqdm=False)[0]
         words = [w for s in result.segments for w in s.words]
         assert words and "".join(w.word for w in words).strip() == result.text
         last = -1.0
