@@ -13,16 +13,15 @@ Each ``schedule()``, most urgent first ("urgent": fcfs = earliest arrival;
      the prefill token budget (encoder + decoder tokens) allow.
 A request that can never fit (too big for the whole cache, more sequences than
 ``max_num_seqs``, nowhere to preempt it to) finishes with ``error`` set and is
-returned in ``ignored_seq_groups``; the others go on.
-New prefills and running decodes share one step: the model runner packs both.
+returned in ``ignored_seq_groups``; the others go on. New prefills and running
+decodes share one step: the model runner packs both.
 
 Block moves of one step reach the cache engine as three lists, run in the
 order swap-out, swap-in, copy, before the forward. That order is safe because
 every swap-out is decided before any swap-in or copy of the same step (a
 swap-out's freed device blocks may be reused by them, never the reverse), and
 a victim is never a group already given slots this step (its copy-on-write
-copies would land in blocks that just left for the CPU).
-Nothing here imports torch.
+copies would land in blocks that just left for the CPU). No torch here.
 """
 from __future__ import annotations
 
@@ -334,8 +333,7 @@ class Scheduler:
     def _cross_kv_cached(self, group: SequenceGroup) -> bool:
         """Whether a prefill reuses its cross table's KV (no encoder pass); counts
         passes, queries and hits; ``metrics.encoder_cache_hit``: False once its encoder ran."""
-        stats = self.stats
-        cached = not self.block_manager.claim_cross_write(group)
+        cached, stats = not self.block_manager.claim_cross_write(group), self.stats
         if group.encoder_cache_key is not None:
             stats.encoder_cache_queries += 1
             stats.encoder_cache_hits += cached
