@@ -219,14 +219,16 @@ class LLMEngine:
                              f"(one block is {block_bytes} bytes)")
         # Admission keeps the block manager's default watermark (1%) free, so the
         # longest request needs that on top (encdec.engine.capacity agrees).
-        needed += int(0.01 * cfg.num_gpu_blocks)
+        watermark = int(0.01 * cfg.num_gpu_blocks)
+        needed += watermark
         if cfg.num_gpu_blocks < needed:
             raise ValueError(
                 f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes, {block_bytes} bytes "
                 f"per block of {cfg.block_size} tokens) but one request needs {needed} blocks "
                 f"({needed * block_bytes} bytes): {dec_blocks} for a max_model_len={mc.max_model_len} "
-                f"decoder sequence and {cross_blocks} for its cross-attention table of "
-                f"{mc.max_encoder_len} encoder tokens; raise kv_cache_memory or lower max_model_len")
+                f"decoder sequence, {cross_blocks} for its cross-attention table of "
+                f"{mc.max_encoder_len} encoder tokens and {watermark} kept free by admission (1% watermark); "
+                f"raise kv_cache_memory or lower max_model_len")
         cfg.num_cpu_blocks = int(cfg.swap_space * _GiB) // block_bytes
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.1f MiB each)",
                     cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size, block_bytes / 2**20)
