@@ -6,6 +6,7 @@ import asyncio
 import httpx
 import pytest
 
+from encdec.entrypoints.openai.serving_transcription import SEGMENT_FIELDS
 from encdec.transcribe import format_transcription
 
 from .conftest import SPEECH
@@ -38,14 +39,46 @@ def test_formats_equal_transcribe(wclient, whisper_llm, long_wav, path):
     assert srt == format_transcription(stamped, "srt")
     assert vtt == format_transcription(stamped, "vtt")
     verbose = create("verbose_json")
-    assert verbose.text == stamped.text and verbose.language == "english"
-    assert [(s.start, s.end, s.text) for s in verbose.segments] == \
-        [(s.start, s.end, s.text) for s in stamped.segments]
+    assert verbose.text == stamped.text and verbose.language == "english" and verbose.words is None
+    assert [{f: getattr(s, f) for f in SEGMENT_FIELDS} for s in verbose.segments] == \
+        [{**{f: getattr(s, f) for f in SEGMENT_FIELDS}, "id": i} for i, s in enumerate(stamped.segments)]
     import soundfile as sf
 
     assert verbose.duration == pytest.approx(sf.info(str(path)).duration, abs=1e-3)
     if path == long_wav:
         assert len(stamped.segments) > 1 and stamped.segments[-1].end > 30
+
+
+def test_word_granularity_equals_transcribe(wclient, whisper_llm, long_wav):
+    """A multi-window file: OpenAI's top-level ``words`` ({word, start, end}) are
+    ``LLM.transcribe(word_timestamps=True)``'s words; segments only when asked too."""
+    ref = whisper_llm.transcribe(str(long_wav), timestamps=True, word_timestamps=True, use_tqdm=False)[0]
+    want = [(w.word.strip(), w.start, w.end) for s in ref.segments for w in s.words]
+    assert len(want) > 50 and ref.segments[-1].end > 30
+    data = long_wav.read_bytes()
+    words = wclient.audio.transcriptions.create(model="tiny.en", file=(long_wav.name, data),
+                                                response_format="verbose_json", timestamp_granularities=["word"])
+    assert words.segments is None and words.text == ref.text
+    assert [(w.word, w.start, w.end) for w in words.words] == want
+    both = wclient.audio.transcriptions.create(model="tiny.en", file=(long_wav.name, data),
+                                               response_format="verbose_json",
+                                               timestamp_granularities=["word", "segment"])
+    assert [(w.word, w.start, w.end) for w in both.words] == want
+    assert [(s.seek, s.tokens, s.avg_logprob) for s in both.segments] == \
+        [(s.seek, s.tokens, s.avg_logprob) for s in ref.segments]
+
+
+def test_temperature_is_whisper_fallback_or_one_temperature(wclient, whisper_llm):
+    """0: the fallback ladder (as LLM.transcribe's default; a clean clip stays at 0);
+    t > 0: every window decoded at t, never retried elsewhere."""
+    data = CLIP.read_bytes()
+    ladder = wclient.audio.transcriptions.create(model="tiny.en", file=(CLIP.name, data),
+                                                 response_format="verbose_json", temperature=0.0)
+    ref = whisper_llm.transcribe(str(CLIP), timestamps=True, use_tqdm=False)[0]
+    assert [(s.tokens, s.temperature) for s in ladder.segments] == [(s.tokens, 0.0) for s in ref.segments]
+    hot = wclient.audio.transcriptions.create(model="tiny.en", file=(CLIP.name, data),
+                                              response_format="verbose_json", temperature=0.7)
+    assert hot.segments and all(s.temperature == pytest.approx(0.7) for s in hot.segments)
 
 
 def test_stream_events(wclient, whisper_llm, long_wav):
@@ -118,11 +151,22 @@ def test_bad_audio_requests_then_good(whisper_server):
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "2"}), 400, "temperature"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"stream": "true", "response_format": "srt"}),
          400, "stream"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"timestamp_granularities[]": "word"}), 400,
+         "verbose_json"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")},
+              data={"timestamp_granularities[]": "char", "response_format": "verbose_json"}), 400,
+         "timestamp_granularities"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "-0.1"}), 400, "temperature"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "hot"}), 400, "temperature"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "5"}), 400, "beam_size"),
     ]
     for kw, status, word in cases:
+        before = whisper_server.metrics()
         resp = bad(whisper_server, **kw)
         assert resp.status_code == status, (kw.get("data"), resp.text)
         assert word in resp.json()["error"]["message"], resp.json()
+        after = whisper_server.metrics()  # refused before anything was queued
+        assert after["vllm:prompt_tokens_total{}"] == before["vllm:prompt_tokens_total{}"], kw.get("data")
         ok = bad(whisper_server, files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "text"})
         assert ok.status_code == 200 and ok.text.strip()
 
