@@ -4,35 +4,11 @@ conditioning on previous tokens, the fallback thresholds), plus the independent
 mode and the CLI flag."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from tests.models.test_whisper_longform import RULES, TEMPS, long_file, tiny, tiny_hf  # noqa: F401
+from tests.models.test_whisper_longform import hf_longform, long_file, ours, tiny, tiny_hf  # noqa: F401
 
 BEAMS = 5
-
-
-def hf_segments(hf, audio: np.ndarray, **kw) -> list[tuple[float, float, list[int]]]:
-    """HF ``generate`` with timestamps, conditioning and thresholds: short-form
-    features for <= 30 s, long-form (whole-file features) beyond."""
-    model, proc = hf
-    long = len(audio) > 30 * 16000
-    feats = proc.feature_extractor(audio, sampling_rate=16000, return_tensors="pt", truncation=not long,
-                                   padding="longest" if long else "max_length", return_attention_mask=True)
-    with torch.inference_mode():
-        out = model.generate(feats.input_features, attention_mask=feats.attention_mask, return_timestamps=True,
-                             return_segments=True, condition_on_prev_tokens=True, temperature=TEMPS,
-                             compression_ratio_threshold=2.4, logprob_threshold=-1.0, no_speech_threshold=0.6,
-                             **kw)
-    return [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist())
-            for s in out["segments"][0]]
-
-
-def ours(llm, audio: np.ndarray, **kw):
-    (t,) = llm.transcribe((audio, 16000), temperature=TEMPS, condition_on_previous_text=True, use_tqdm=False,
-                          **RULES, **kw)
-    return [(round(s.start, 2), round(s.end, 2), s.tokens) for s in t.segments], t
 
 
 @pytest.mark.parametrize("which", ["short", "long"])
@@ -40,12 +16,11 @@ def test_beam_size_matches_hf_num_beams(tiny, tiny_hf, speech_clips, which):  # 
     _, _, wavs = speech_clips
     audio = wavs[3] if which == "short" else long_file(wavs[:14])
     assert (len(audio) > 30 * 16000) == (which == "long")
-    got, t = ours(tiny, audio, beam_size=BEAMS)
-    assert all(s.temperature == 0.0 for s in t.segments)  # beams, no sampled retry: comparable
-    assert got == hf_segments(tiny_hf, audio, num_beams=BEAMS)
-    greedy, _ = ours(tiny, audio)
+    got, t = ours(tiny, audio, beam_size=BEAMS)  # asserts temperature 0 everywhere: no sampled retry
+    assert got == hf_longform(tiny_hf, audio, num_beams=BEAMS)
+    (greedy,) = tiny.transcribe((audio, 16000), use_tqdm=False)
     print(f"\n{which}: {len(got)} segments; beams differ from greedy in "
-          f"{sum(a != b for a, b in zip(got, greedy))} of them")
+          f"{sum(a[2] != b.tokens for a, b in zip(got, greedy.segments))} of them")
     engine = tiny.llm_engine
     assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
 
