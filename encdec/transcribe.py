@@ -28,6 +28,7 @@ from encdec.transcription.result import (
     Transcription,
     format_transcription,
 )
+from encdec.transcription import make_job
 from encdec.transcription.sequential import SequentialJob
 from encdec.transcription.windows import (
     SEARCH_SAMPLES,
@@ -92,8 +93,7 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
                                 word_timestamps=word_timestamps, vad_filter=vad_filter,
                                 vad_parameters=vad_parameters, mode=mode)
     options.validate(engine)
-    job_class = SequentialJob if options.mode == "sequential" else TranscriptionJob
-    jobs = [job_class(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]
+    jobs = [make_job(engine, a, options, index=i) for i, a in enumerate(_as_inputs(audio))]
     return run_jobs(engine, jobs, use_tqdm=use_tqdm)
 
 

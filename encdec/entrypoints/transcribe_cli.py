@@ -39,7 +39,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="sequential",
                    help="sequential: openai/whisper's long-form algorithm with fallback and conditioning "
                    "(default); independent: all 30 s windows at once")
-    p.add_argument("--beam-size", type=int, default=1, help="beams per window (> 1 not in this build)")
+    p.add_argument("--beam-size", type=int, default=1, help="beam width at temperature 0 (HF num_beams)")
     p.add_argument("--temperature", type=_floats, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
                    help="temperatures tried in order on fallback, e.g. 0,0.2,0.4 (default 0..1 by 0.2)")
     p.add_argument("--compression-ratio-threshold", type=_maybe_float, default=2.4, help="'none' to disable")

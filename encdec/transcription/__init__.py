@@ -19,7 +19,10 @@ server that owns the engine loop (submit a job's requests, route each finished
 output back by request id -> (job, ticket), ask ``next_requests()`` again after
 every ``add_output``, abort the job's open requests if the client goes away).
 ``next_requests()`` hands each request out once; ``done`` is true when nothing
-is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds.
+is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds;
+``partial_text`` is the text decided so far (a prefix of the result's, for
+streaming). ``make_job`` builds the job ``options.mode`` names: ``LLM.transcribe``
+and the HTTP server both build their jobs with it.
 
 Two jobs: ``SequentialJob`` (the default, ``mode="sequential"``): openai/whisper's
 long-form algorithm as HF ``generate`` runs it, see ``encdec.transcription.sequential``;
@@ -35,6 +38,8 @@ set, is the log-mel the engine encodes (the prompt's audio is then a stub).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from encdec.transcription.job import JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import (
@@ -47,4 +52,13 @@ from encdec.transcription.result import (
 from encdec.transcription.sequential import SequentialJob
 
 __all__ = ["FORMATS", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions", "Transcription",
-           "TranscriptionJob", "Word", "format_transcription"]
+           "TranscriptionJob", "Word", "format_transcription", "make_job"]
+
+
+def make_job(engine: Any, audio: Any, options: TranscribeOptions, *,
+             index: int = 0) -> SequentialJob | TranscriptionJob:
+    """The job for one audio input under ``options.mode`` ("sequential", the
+    default, or "independent"); it decodes the audio here, so a bad input raises
+    a ``ValueError`` naming "audio input ``index``" before anything is queued."""
+    job_class = SequentialJob if options.mode == "sequential" else TranscriptionJob
+    return job_class(engine, audio, options, index=index)

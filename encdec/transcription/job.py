@@ -12,7 +12,7 @@ import numpy as np
 from encdec.audio import SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import BeamSearchParams, SamplingParams
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.windows import cut_windows, segments_from_tokens
@@ -82,6 +82,8 @@ class TranscriptionJob:
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
+        if options.beam_size > 1:  # every window by beam search (HF's short-form generate(num_beams=...))
+            self._params = BeamSearchParams(options.beam_size, self._params.max_tokens)
         self._prev = self._prompt_ids(options.initial_prompt)
         self._tokens: list[list[int] | None] = [None] * len(self._windows)  # per window, once done
         self._asked: dict[int, int | None] = {}  # ticket -> window index (None: language detection)
@@ -128,15 +130,32 @@ class TranscriptionJob:
             return self.duration
         return sum(len(w) for (_, w), t in zip(self._windows, self._tokens) if t is not None) / SAMPLE_RATE
 
+    @property
+    def partial_text(self) -> str:
+        """The text of the leading windows finished so far, a prefix of
+        ``result().text`` (for streaming drivers)."""
+        if self._tmap is not None and self._no_speech:
+            return ""
+        texts = []
+        for (_, window), tokens in zip(self._windows, self._tokens):
+            if tokens is None:
+                break
+            texts += [s.text for s in self._window_segments(0.0, window, tokens)]
+        return "".join(texts).strip()
+
+    def _window_segments(self, offset: float, window: np.ndarray, tokens: list[int]) -> list[Segment]:
+        ts_begin, eot = self._gc.no_timestamps_token_id + 1, self._gc.eos_token_id
+        return segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin, eot,
+                                    self._tokenizer, self.options.timestamps)
+
     def result(self) -> Transcription:
         if not self.done:
             raise RuntimeError(f"audio input {self.index}: result() before the job is done")
-        ts_begin, eot = self._gc.no_timestamps_token_id + 1, self._gc.eos_token_id
+        ts_begin = self._gc.no_timestamps_token_id + 1
         segments: list[Segment] = []
         for (start, window), tokens in zip(self._windows, self._tokens):
             offset = start / SAMPLE_RATE
-            window_segments = segments_from_tokens(tokens, offset, offset + len(window) / SAMPLE_RATE, ts_begin,
-                                                   eot, self._tokenizer, self.options.timestamps)
+            window_segments = self._window_segments(offset, window, tokens)
             if self._aligner is not None and window_segments:  # k-words
                 from encdec.models.whisper import default_decoder_prompt
                 from encdec.transcription.alignment import words_for_segments

@@ -14,12 +14,6 @@ MODES = ("sequential", "independent")
 _PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
 
 
-def beam_search_unavailable(beam_size: int) -> None:
-    """The one place that refuses beam search in transcription (wire BeamSearchParams here)."""
-    if beam_size != 1:
-        raise NotImplementedError(f"beam_size > 1 needs beam search, not in this build (got beam_size={beam_size})")
-
-
 @dataclass(frozen=True)
 class TranscribeOptions:
     """How to transcribe; the same for every input of a call. Names and meanings
@@ -36,7 +30,7 @@ class TranscribeOptions:
     language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
     task: str = "transcribe"  # "transcribe" | "translate"
     timestamps: bool = False  # segments from timestamp tokens; False: <|notimestamps|> decoding
-    beam_size: int = 1  # > 1 needs beam search (not in this build)
+    beam_size: int = 1  # > 1: beam search of this width at temperature 0 (transcription.decoding)
     temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback
     compression_ratio_threshold: float | None = 2.4  # retry when a window's ratio is above this
     log_prob_threshold: float | None = -1.0  # retry when a window's avg logprob is below this
@@ -66,7 +60,6 @@ class TranscribeOptions:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or self.beam_size < 1:
             raise ValueError(f"beam_size must be an int >= 1, got {self.beam_size!r}")
-        beam_search_unavailable(self.beam_size)
         temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
         try:
             temps = tuple(float(t) for t in temps)
@@ -88,6 +81,11 @@ class TranscribeOptions:
             raise ValueError("give vad_filter or clip_timestamps, not both (both choose what to decode)")
         if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
+        if self.beam_size > 1 and self.mode == "independent" and self.sampling_params is not None \
+                and self.sampling_params.temperature > 0:
+            raise ValueError(f"beam_size={self.beam_size} decodes every window by beam search, which does "
+                             f"not sample: sampling_params.temperature must be 0, got "
+                             f"{self.sampling_params.temperature}")
 
     def validate(self, engine: Any) -> None:
         """Refuse what this engine's model cannot do (not Whisper, an unknown

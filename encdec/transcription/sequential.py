@@ -46,6 +46,7 @@ from encdec.audio import (
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
+from encdec.transcription.decoding import attempt_params, attempt_result
 from encdec.transcription.features import whole_file_log_mel, window_features
 from encdec.transcription.job import JobRequest, finished_completion, window_prompt
 from encdec.transcription.options import TranscribeOptions
@@ -170,8 +171,7 @@ class SequentialJob:
         if kind == "probe":
             w.no_speech_prob = float(np.exp(completion.logprobs[0][completion.token_ids[0]].logprob))
         else:
-            ids = list(completion.token_ids)
-            w.attempt = (ids, sum(d[t].logprob for t, d in zip(ids, completion.logprobs)))
+            w.attempt = attempt_result(completion)
         if w.waiting == 0:
             self._decide(w)
 
@@ -182,6 +182,12 @@ class SequentialJob:
     @property
     def seconds_done(self) -> float:
         return self.duration if self.done else min(self._seek / FRAMES_PER_SECOND, self.duration)
+
+    @property
+    def partial_text(self) -> str:
+        """The text of the windows decided so far, a prefix of ``result().text``
+        (streaming drivers read it after each ``add_output``, before ``result()``)."""
+        return "".join(s.text for s in self.segments).strip()
 
     def result(self) -> Transcription:
         if not self.done:
@@ -249,7 +255,7 @@ class SequentialJob:
         seed = None
         if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
             seed = self._seed + 1000 * w.seek + w.temp_index
-        params = SamplingParams(temperature=t, max_tokens=self._max_tokens, logprobs=0, seed=seed)
+        params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed)
         w.attempt = None
         w.waiting += 1
         self._ask("window", w.prompt, params, w.features)

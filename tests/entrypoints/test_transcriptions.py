@@ -6,6 +6,7 @@ import asyncio
 import httpx
 import pytest
 
+from encdec.entrypoints.openai.serving_transcription import SEGMENT_FIELDS
 from encdec.transcribe import format_transcription
 
 from .conftest import SPEECH
@@ -38,14 +39,60 @@ def test_formats_equal_transcribe(wclient, whisper_llm, long_wav, path):
     assert srt == format_transcription(stamped, "srt")
     assert vtt == format_transcription(stamped, "vtt")
     verbose = create("verbose_json")
-    assert verbose.text == stamped.text and verbose.language == "english"
-    assert [(s.start, s.end, s.text) for s in verbose.segments] == \
-        [(s.start, s.end, s.text) for s in stamped.segments]
+    assert verbose.text == stamped.text and verbose.language == "english" and verbose.words is None
+    assert_same_segments(verbose.segments, stamped.segments)
     import soundfile as sf
 
     assert verbose.duration == pytest.approx(sf.info(str(path)).duration, abs=1e-3)
     if path == long_wav:
         assert len(stamped.segments) > 1 and stamped.segments[-1].end > 30
+
+
+def assert_same_segments(served, offline) -> None:
+    """OpenAI's segment fields equal: ids, tokens, times and text exactly; the
+    scores within float noise (the server's encoder cache may hand a window the
+    cross K/V an earlier request computed in another batch)."""
+    assert len(served) == len(offline)
+    for i, (a, b) in enumerate(zip(served, offline)):
+        for f in SEGMENT_FIELDS:
+            want = i if f == "id" else getattr(b, f)
+            if f in ("avg_logprob", "compression_ratio", "no_speech_prob"):
+                assert getattr(a, f) == pytest.approx(want, rel=1e-4, abs=1e-5), (i, f)
+            else:
+                assert getattr(a, f) == want, (i, f)
+    assert all(s.temperature == 0.0 for s in offline)  # no sampled retry: both sides deterministic
+
+
+def test_word_granularity_equals_transcribe(wclient, whisper_llm, long_wav):
+    """A multi-window file: OpenAI's top-level ``words`` ({word, start, end}) are
+    ``LLM.transcribe(word_timestamps=True)``'s words; segments only when asked too."""
+    ref = whisper_llm.transcribe(str(long_wav), timestamps=True, word_timestamps=True, use_tqdm=False)[0]
+    want = [(w.word.strip(), w.start, w.end) for s in ref.segments for w in s.words]
+    assert len(want) > 50 and ref.segments[-1].end > 30
+    data = long_wav.read_bytes()
+    words = wclient.audio.transcriptions.create(model="tiny.en", file=(long_wav.name, data),
+                                                response_format="verbose_json", timestamp_granularities=["word"])
+    assert words.segments is None and words.text == ref.text
+    assert [(w.word, w.start, w.end) for w in words.words] == want
+    both = wclient.audio.transcriptions.create(model="tiny.en", file=(long_wav.name, data),
+                                               response_format="verbose_json",
+                                               timestamp_granularities=["word", "segment"])
+    assert [(w.word, w.start, w.end) for w in both.words] == want
+    assert_same_segments(both.segments, ref.segments)
+
+
+def test_temperature_is_whisper_fallback_or_one_temperature(wclient, whisper_llm):
+    """0: the fallback ladder (as LLM.transcribe's default; a clean clip stays at 0);
+    t > 0: every window decoded at t, never retried elsewhere."""
+    clip = SPEECH / "s03.wav"
+    data = clip.read_bytes()
+    ladder = wclient.audio.transcriptions.create(model="tiny.en", file=(clip.name, data),
+                                                 response_format="verbose_json", temperature=0.0)
+    ref = whisper_llm.transcribe(str(clip), timestamps=True, use_tqdm=False)[0]
+    assert_same_segments(ladder.segments, ref.segments)
+    hot = wclient.audio.transcriptions.create(model="tiny.en", file=(clip.name, data),
+                                              response_format="verbose_json", temperature=0.7)
+    assert hot.segments and all(s.temperature == pytest.approx(0.7) for s in hot.segments)
 
 
 def test_stream_events(wclient, whisper_llm, long_wav):
@@ -60,12 +107,19 @@ def test_stream_events(wclient, whisper_llm, long_wav):
     assert done.usage.output_tokens > 0 and done.usage.input_tokens > done.usage.output_tokens
 
 
-def test_prompt_is_previous_text(wclient, whisper_llm):
-    prompt = "Foxes and dogs."
-    ref = whisper_llm.transcribe(str(CLIP), prompt=prompt, use_tqdm=False)[0]
-    with open(CLIP, "rb") as f:
-        got = wclient.audio.transcriptions.create(model="tiny.en", file=f, prompt=prompt)
+def test_prompt_is_initial_prompt(wclient, whisper_llm):
+    """``prompt`` is ``initial_prompt``; s03 (not s00: with a prompt tiny.en's
+    greedy pass on it falls below the log-prob threshold and the result is a
+    random sample) decodes at temperature 0 with it, and the prompt changes the scores."""
+    clip, prompt = SPEECH / "s03.wav", "Foxes and dogs."
+    ref = whisper_llm.transcribe(str(clip), initial_prompt=prompt, timestamps=True, use_tqdm=False)[0]
+    plain = whisper_llm.transcribe(str(clip), timestamps=True, use_tqdm=False)[0]
+    assert ref.segments[0].avg_logprob != pytest.approx(plain.segments[0].avg_logprob)
+    with open(clip, "rb") as f:
+        got = wclient.audio.transcriptions.create(model="tiny.en", file=f, prompt=prompt,
+                                                  response_format="verbose_json")
     assert got.text == ref.text
+    assert_same_segments(got.segments, ref.segments)
 
 
 def test_translation_on_english_only_model_is_refused_like_transcribe(wclient, whisper_llm):
@@ -118,11 +172,22 @@ def test_bad_audio_requests_then_good(whisper_server):
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "2"}), 400, "temperature"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"stream": "true", "response_format": "srt"}),
          400, "stream"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"timestamp_granularities[]": "word"}), 400,
+         "verbose_json"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")},
+              data={"timestamp_granularities[]": "char", "response_format": "verbose_json"}), 400,
+         "timestamp_granularities"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "-0.1"}), 400, "temperature"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "hot"}), 400, "temperature"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "5"}), 400, "beam_size"),
     ]
     for kw, status, word in cases:
+        before = whisper_server.metrics()
         resp = bad(whisper_server, **kw)
         assert resp.status_code == status, (kw.get("data"), resp.text)
         assert word in resp.json()["error"]["message"], resp.json()
+        after = whisper_server.metrics()  # refused before anything was queued
+        assert after["vllm:prompt_tokens_total{}"] == before["vllm:prompt_tokens_total{}"], kw.get("data")
         ok = bad(whisper_server, files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "text"})
         assert ok.status_code == 200 and ok.text.strip()
 

@@ -1,38 +1,43 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` over ``AsyncLLMEngine``.
 
-A file becomes a ``TranscriptionJob`` (the same one ``LLM.transcribe`` runs);
-``run_job`` submits what the job asks for to the shared engine, next to
-everyone else's requests, and feeds the outputs back. The result is written in
-the asked format: json, text, srt, vtt (text/plain bodies, so the ``openai``
-SDK returns ``str``) or verbose_json. ``stream=true`` sends
-``transcript.text.delta`` events as windows finish in order, then
-``transcript.text.done`` with the whole text and the usage, as the SDK's
-``TranscriptionStreamEvent`` parses them.
+A file becomes the job ``LLM.transcribe`` would make for the same options
+(``encdec.transcription.make_job``: the sequential long-form algorithm by
+default); ``run_job`` (``transcription_jobs``) submits what the job asks for to
+the shared engine, next to everyone else's requests, and feeds the outputs
+back. OpenAI's fields map onto ``TranscribeOptions``: ``prompt`` is the
+``initial_prompt``; ``temperature`` 0 means Whisper's automatic fallback through
+(0.0, 0.2, ..., 1.0) by the log-prob and compression-ratio thresholds, t > 0
+decodes at t only; ``timestamp_granularities[]=word`` turns word timestamps on.
+The result is written in the asked format: json, text, srt, vtt (text/plain
+bodies, so the ``openai`` SDK returns ``str``) or verbose_json (OpenAI's segment
+fields; ``segments`` unless only words were asked for, ``words`` when asked
+for). ``stream=true`` sends ``transcript.text.delta`` events as windows are
+decided, then ``transcript.text.done`` with the whole text and the usage, as the
+SDK's ``TranscriptionStreamEvent`` parses them.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
-from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_output
+from encdec.engine.async_llm_engine import AsyncLLMEngine
 from encdec.entrypoints.openai.metrics import ServerMetrics
 from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
 from encdec.entrypoints.openai.sse import DONE, SSEResponse, sse
-from encdec.outputs import RequestOutput
-from encdec.sampling_params import SamplingParams
-from encdec.transcription import TranscribeOptions, Transcription, TranscriptionJob, format_transcription
-from encdec.transcription.windows import segments_from_tokens
+from encdec.entrypoints.openai.transcription_jobs import JobProgress, run_job
+from encdec.transcription import TranscribeOptions, Transcription, format_transcription, make_job
 
+# OpenAI's verbose_json segment fields, in its order
+SEGMENT_FIELDS = ("id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
+                  "compression_ratio", "no_speech_prob")
 
 
 def _form_fields(form: Any) -> dict[str, Any]:
@@ -46,7 +51,7 @@ def _form_fields(form: Any) -> dict[str, Any]:
     return out
 
 
-def _make_job(engine: Any, data: bytes, filename: str, options: TranscribeOptions) -> TranscriptionJob:
+def _make_job(engine: Any, data: bytes, filename: str, options: TranscribeOptions) -> Any:
     """Uploaded bytes -> a job (which decodes them once; librosa reads paths, so
     through a temporary file). Runs off the event loop."""
     suffix = os.path.splitext(filename)[1][:10]
@@ -54,7 +59,7 @@ def _make_job(engine: Any, data: bytes, filename: str, options: TranscribeOption
         f.write(data)
         f.flush()
         try:
-            return TranscriptionJob(engine, f.name, options)
+            return make_job(engine, f.name, options)
         except ValueError as e:
             msg = str(e).replace(f"audio file {f.name!r}", "it").removeprefix("audio input 0: ")
             raise APIError(400, f"could not decode the audio file {filename!r}: {msg}", param="file") from None
@@ -118,9 +123,6 @@ class TranscriptionServer:
         if req.timestamp_granularities and req.response_format != "verbose_json":
             raise APIError(400, "timestamp_granularities needs response_format=verbose_json",
                            param="timestamp_granularities")
-        if "word" in req.timestamp_granularities:
-            raise APIError(400, "word timestamps are not available in this build",
-                           param="timestamp_granularities")
         if req.stream and req.response_format not in ("json", "text"):
             raise APIError(400, f"stream=true gives text events; response_format "
                            f"{req.response_format!r} cannot be streamed", param="stream")
@@ -132,21 +134,32 @@ class TranscriptionServer:
         if not 0.0 <= req.temperature <= 1.0:
             raise APIError(400, f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
 
+    @staticmethod
+    def options(req: TranscriptionRequest, task: str) -> TranscribeOptions:
+        """The ``TranscribeOptions`` that ``LLM.transcribe`` runs for this request
+        (module docstring); a value they refuse is a 400 naming the field."""
+        kwargs: dict[str, Any] = {}
+        if req.temperature > 0:  # 0: the default ladder, Whisper's automatic fallback
+            kwargs["temperature"] = (req.temperature,)
+        try:
+            return TranscribeOptions(language=req.language, task=task, initial_prompt=req.prompt,
+                                     timestamps=req.response_format in ("srt", "vtt", "verbose_json"),
+                                     word_timestamps="word" in req.timestamp_granularities, **kwargs)
+        except (ValueError, TypeError) as e:
+            name = next((f for f in ("language", "prompt", "temperature") if f in str(e)), None)
+            raise APIError(400, str(e), param=name) from None
+
     def _options(self, req: TranscriptionRequest, task: str) -> TranscribeOptions:
-        """The request's options, refused (400) where this model cannot do them.
-        ``validate`` runs without sampling params: with them it would run the
-        engine's request check off the engine thread."""
-        timestamps = req.response_format in ("srt", "vtt", "verbose_json")
-        options = TranscribeOptions(language=req.language, task=task, timestamps=timestamps, prompt=req.prompt)
+        """``options``, refused (400) where this model cannot do them. ``validate``
+        runs without sampling params: with them it would run the engine's request
+        check off the engine thread."""
+        options = self.options(req, task)
         try:
             options.validate(self.engine.engine)
         except ValueError as e:
             param = "language" if "language" in str(e) else "model"
             raise APIError(400, str(e), param=param) from None
-        if req.temperature == 0.0:
-            return options
-        params = SamplingParams(temperature=req.temperature, max_tokens=None)
-        return dataclasses.replace(options, sampling_params=params)
+        return options
 
     def _format(self, t: Transcription, req: TranscriptionRequest, task: str) -> Response:
         fmt = req.response_format
@@ -157,17 +170,11 @@ class TranscriptionServer:
         usage = {"type": "duration", "seconds": round(t.duration, 3)}
         if fmt == "json":
             return JSONResponse({"text": t.text, "usage": usage})
-        segments = [{"id": i, **asdict(s)} for i, s in enumerate(t.segments)]
-        from transformers.models.whisper.tokenization_whisper import LANGUAGES  # code -> name
+        return JSONResponse({**verbose_json(t, task, req.timestamp_granularities), "usage": usage})
 
-        # verbose_json names the language in full ("english"), as OpenAI does.
-        return JSONResponse({"task": task, "language": LANGUAGES.get(t.language, t.language),
-                             "duration": t.duration, "text": t.text, "segments": segments,
-                             "usage": usage})
-
-    async def _stream(self, job: TranscriptionJob, base: str) -> AsyncIterator[str]:
+    async def _stream(self, job: Any, base: str) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
-        progress = JobProgress(self.engine.engine, lambda: queue.put_nowait(None))
+        progress = JobProgress(lambda: queue.put_nowait(None))
         task = asyncio.ensure_future(run_job(self.engine, job, request_id_prefix=base, progress=progress))
         sent = ""
         try:
@@ -193,54 +200,6 @@ class TranscriptionServer:
         yield DONE
 
 
-class JobProgress:
-    """What a driver learns of a job from the requests it submits: the usage, and
-    the text of the windows finished in order (for ``transcript.text.delta``).
-
-    A window's text is ``segments_from_tokens`` of its tokens without timestamps,
-    as the job computes it (streams are json/text: no timestamps). Requests handed
-    out while the job has no language are language detection, not windows."""
-
-    AUDIO_TOKENS = 1500  # Whisper encoder positions per 30 s window
-
-    def __init__(self, engine: Any, notify: Callable[[], None] | None = None):
-        gc = engine.generation_config
-        self.ts_begin, self.eot, self.tokenizer = gc.no_timestamps_token_id + 1, gc.eos_token_id, engine.tokenizer
-        self.notify = notify
-        self.windows: list[int] = []  # window tickets, in order
-        self.texts: dict[int, str] = {}  # window ticket -> text, once finished
-        self.requests = self.text_tokens = self.output_tokens = 0
-
-    def handed_out(self, job: TranscriptionJob, batch: list[Any]) -> None:
-        if job.language is not None:
-            self.windows += [r.ticket for r in batch]
-
-    def finished(self, output: RequestOutput, ticket: int) -> None:
-        tokens = output.outputs[0].token_ids
-        self.requests += 1
-        self.text_tokens += len(output.prompt_token_ids)
-        self.output_tokens += len(tokens)
-        if ticket in self.windows:
-            segs = segments_from_tokens(tokens, 0.0, 0.0, self.ts_begin, self.eot, self.tokenizer, False)
-            self.texts[ticket] = "".join(s.text for s in segs)
-        if self.notify is not None:
-            self.notify()
-
-    def text(self) -> str:
-        done = []
-        for ticket in self.windows:
-            if ticket not in self.texts:
-                break
-            done.append(self.texts[ticket])
-        return "".join(done).strip()
-
-    def usage(self) -> dict[str, Any]:
-        audio = self.AUDIO_TOKENS * self.requests
-        return {"type": "tokens", "input_tokens": audio + self.text_tokens, "output_tokens": self.output_tokens,
-                "total_tokens": audio + self.text_tokens + self.output_tokens,
-                "input_token_details": {"audio_tokens": audio, "text_tokens": self.text_tokens}}
-
-
 def _refusal(e: ValidationError) -> APIError:
     parts, first = [], None
     for err in e.errors():
@@ -251,40 +210,17 @@ def _refusal(e: ValidationError) -> APIError:
     return APIError(400, "; ".join(parts), param=first)
 
 
-async def run_job(engine: AsyncLLMEngine, job: TranscriptionJob, *, request_id_prefix: str,
-                  is_disconnected: Callable | None = None, progress: JobProgress | None = None) -> Transcription:
-    """Submit the job's requests as it asks for them (all of a batch validated
-    before any is queued), feed back each output, return its result. Leaving early
-    (an error, the client gone) aborts what is still running."""
-    tasks: dict[asyncio.Future, int] = {}  # final output -> the job's ticket
-    counter = 0
-    try:
-        while not job.done:
-            batch = job.next_requests()
-            if batch:
-                if progress is not None:
-                    progress.handed_out(job, batch)
-                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", r.prompt, r.params) for i, r in enumerate(batch)]
-                counter += len(batch)
-                try:
-                    streams = await engine.add_requests(requests)
-                except (ValueError, TypeError) as e:
-                    raise APIError(400, str(e), param="file") from None
-                for r, stream in zip(batch, streams):
-                    tasks[asyncio.ensure_future(final_output(stream))] = r.ticket
-            if not tasks:
-                raise RuntimeError("the transcription job is not done but asks for no requests")
-            done, _ = await asyncio.wait(list(tasks), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            if not done and is_disconnected is not None and await is_disconnected():
-                raise APIError(499, "client closed the request")
-            for t in done:
-                out, ticket = t.result(), tasks.pop(t)
-                if out.error:
-                    raise APIError(400, out.error, param="file")
-                job.add_output(out, ticket)
-                if progress is not None:
-                    progress.finished(out, ticket)
-        return job.result()
-    finally:
-        for t in tasks:
-            t.cancel()
+def verbose_json(t: Transcription, task: str, granularities: list[str]) -> dict[str, Any]:
+    """OpenAI's verbose_json body (usage aside): the language named in full
+    ("english"); ``segments`` with OpenAI's fields unless only ``word`` was asked
+    for, ``words`` ({word, start, end}, the word without its leading space) when it was."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES  # code -> name
+
+    body: dict[str, Any] = {"task": task, "language": LANGUAGES.get(t.language, t.language),
+                            "duration": t.duration, "text": t.text}
+    if not granularities or "segment" in granularities:
+        body["segments"] = [{**{f: getattr(s, f) for f in SEGMENT_FIELDS}, "id": i} for i, s in enumerate(t.segments)]
+    if "word" in granularities:
+        body["words"] = [{"word": w.word.strip(), "start": w.start, "end": w.end}
+                         for s in t.segments for w in s.words or []]
+    return body

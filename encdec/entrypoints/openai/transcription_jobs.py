@@ -1,0 +1,131 @@
+"""Transcription jobs (``encdec.transcription``) driven from the server's event loop.
+
+``run_job`` is the asyncio twin of ``encdec.transcribe.run_jobs``: it submits what
+a job asks for to the shared ``AsyncLLMEngine`` (next to everyone else's
+requests), feeds each finished output back, and returns the job's result. A job
+request may carry its own log-mel (``JobRequest.features``: the sequential job
+encodes slices of the whole file's features, as HF long-form does);
+``AsyncRequest`` has no field for it, so the request's prompt carries it
+(``FeaturePrompt``) and ``JobEngine``, the engine the server's ``AsyncLLMEngine``
+steps, puts it in the processed inputs, as ``run_jobs`` does. (Once
+``AsyncRequest`` carries features itself, both go.)
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_output
+from encdec.entrypoints.openai.protocol import APIError
+from encdec.outputs import RequestOutput
+from encdec.transcription import Transcription
+
+AUDIO_TOKENS = 1500  # Whisper encoder positions per 30 s window
+
+
+class FeaturePrompt(dict):
+    """A job request's prompt (a dict, as the engine reads it) and the log-mel
+    ``(n_mels, 3000)`` the engine must encode instead of the prompt's audio's."""
+
+    def __init__(self, prompt: dict, features: Any) -> None:
+        super().__init__(prompt)
+        self.features = features
+
+
+class JobEngine:
+    """An ``LLMEngine`` whose ``process_request`` honours ``FeaturePrompt``;
+    everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any) -> None:
+        self.wrapped = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+    def process_request(self, prompt: Any, params: Any, **kwargs: Any) -> tuple[dict, Any]:
+        inputs, params = self.wrapped.process_request(prompt, params, **kwargs)
+        if isinstance(prompt, FeaturePrompt):
+            inputs["encoder_features"] = prompt.features
+        return inputs, params
+
+
+class JobProgress:
+    """What a driver learns of a job as it runs: the usage, and the text decided
+    so far (``job.partial_text`` after each output, for ``transcript.text.delta``)."""
+
+    def __init__(self, notify: Callable[[], None] | None = None):
+        self.notify = notify  # called after every finished request
+        self.latest = ""  # the job's partial text after its last output
+        self.encoder_passes = self.text_tokens = self.output_tokens = 0
+
+    def finished(self, output: RequestOutput, text: str) -> None:
+        hit = getattr(getattr(output, "metrics", None), "encoder_cache_hit", None)
+        self.encoder_passes += hit is not True  # a retry or probe on a cached window encodes nothing
+        self.text_tokens += len(output.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.latest = text
+        if self.notify is not None:
+            self.notify()
+
+    def text(self) -> str:
+        return self.latest
+
+    def usage(self) -> dict[str, Any]:
+        audio = AUDIO_TOKENS * self.encoder_passes
+        return {"type": "tokens", "input_tokens": audio + self.text_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": audio + self.text_tokens + self.output_tokens,
+                "input_token_details": {"audio_tokens": audio, "text_tokens": self.text_tokens}}
+
+
+async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
+                  is_disconnected: Callable | None = None, progress: JobProgress | None = None) -> Transcription:
+    """Submit the job's requests as it asks for them (all of a batch validated
+    before any is queued), feed back each output, return its result. Leaving early
+    (an error, the client gone) aborts what is still running. With word
+    timestamps a job runs a dense alignment pass as it folds outputs in: that
+    runs off the event loop."""
+    off_loop = bool(getattr(job.options, "word_timestamps", False))
+    tasks: dict[asyncio.Future, int] = {}  # final output -> the job's ticket
+    counter = 0
+    try:
+        while not job.done:
+            batch = job.next_requests()
+            if batch:
+                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", _prompt(engine, r), r.params)
+                            for i, r in enumerate(batch)]
+                counter += len(batch)
+                try:
+                    streams = await engine.add_requests(requests)
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e), param="file") from None
+                for r, stream in zip(batch, streams):
+                    tasks[asyncio.ensure_future(final_output(stream))] = r.ticket
+            if not tasks:
+                raise RuntimeError("the transcription job is not done but asks for no requests")
+            done, _ = await asyncio.wait(list(tasks), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if not done and is_disconnected is not None and await is_disconnected():
+                raise APIError(499, "client closed the request")
+            for t in done:
+                out, ticket = t.result(), tasks.pop(t)
+                if out.error:
+                    raise APIError(400, out.error, param="file")
+                if off_loop:
+                    await asyncio.to_thread(job.add_output, out, ticket)
+                else:
+                    job.add_output(out, ticket)
+                if progress is not None:
+                    progress.finished(out, job.partial_text)
+        return await asyncio.to_thread(job.result) if off_loop else job.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _prompt(engine: AsyncLLMEngine, request: Any) -> Any:
+    if request.features is None:
+        return request.prompt
+    if not isinstance(engine.engine, JobEngine):  # the features would be dropped: refuse, loudly
+        raise RuntimeError("this AsyncLLMEngine cannot take a job's own features: build it on "
+                           "JobEngine(LLMEngine(...)) (encdec serve does)")
+    return FeaturePrompt(request.prompt, request.features)

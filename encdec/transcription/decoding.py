@@ -1,0 +1,42 @@
+"""How one decoding attempt of a window is asked for, and what its output scores.
+
+``beam_size`` follows HF long-form ``generate(num_beams=beam_size)``: an attempt
+at temperature 0 is beam search of width ``beam_size``; an attempt at a
+temperature > 0 (a fallback retry) samples one sequence at that temperature --
+HF turns beams off when it samples (``num_beams = 1`` with ``do_sample``), and
+that is also faster-whisper with ``best_of=1``. (HF keeps ``num_beams = 1`` for
+every later window of the call once one window has sampled; we go back to beams
+at temperature 0, as faster-whisper does.)
+
+The fallback rule's average log-probability is the sum over the output tokens
+(eos included) divided by their number, as HF's ``_retrieve_avg_logprobs``. The
+sum is the engine's: the log-probs of the chosen tokens before the Whisper
+processors mask tokens (``logprobs=0``), and for a beam hypothesis its
+``cumulative_logprob`` (log-softmax, then the processors' masks, summed over
+the beam's path) -- the same values, since a chosen token is never masked. HF
+renormalises after the masks (it log-softmaxes the processed scores again), so
+where the timestamp rules mask much of a step's mass HF's average is a little
+higher; matching it exactly needs the engine to report renormalised log-probs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from encdec.sampling_params import BeamSearchParams, SamplingParams
+
+
+def attempt_params(temperature: float, *, beam_size: int, max_tokens: int | None,
+                   seed: int | None) -> SamplingParams | BeamSearchParams:
+    """The params of one attempt at ``temperature`` (module docstring)."""
+    if beam_size > 1 and temperature == 0.0:
+        return BeamSearchParams(beam_size, max_tokens)
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=seed)
+
+
+def attempt_result(completion: Any) -> tuple[list[int], float]:
+    """(output ids incl. eos, summed log-probs) of a finished attempt; a beam
+    hypothesis carries no per-token log-probs, only their sum."""
+    ids = list(completion.token_ids)
+    if completion.logprobs is None:
+        return ids, float(completion.cumulative_logprob)
+    return ids, sum(d[t].logprob for t, d in zip(ids, completion.logprobs))
