@@ -26,9 +26,14 @@ def isa_header() -> str:
 
     host = "avx512f" if "avx512f" in build.cpu_flags() else "avx2" if "avx2" in build.cpu_flags() else "neither"
     knobs = [f"{k}={os.environ[k]}" for k in ISA_KNOBS if os.environ.get(k)]
-    return (f"host ISA: {host} (/proc/cpuinfo); encdec C kernels: {build.cpu_isa()}; "
+    line = (f"host ISA: {host} (/proc/cpuinfo); encdec C kernels: {build.cpu_isa()}; "
             f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}"
             + (f"; knobs: {' '.join(knobs)}" if knobs else ""))
+    if knobs and host == "avx512f" and not os.environ.get("MKL_ENABLE_INSTRUCTIONS"):
+        # HF's nn.Linear runs MKL sgemm, ours oneDNN: capping only oneDNN leaves
+        # HF on AVX-512 GEMMs an AVX2-only host does not have.
+        line += "\nwarning: MKL_ENABLE_INSTRUCTIONS unset, so MKL (HF's linears) still uses AVX-512"
+    return line
 
 
 def allocator_for_both_sides() -> str:
