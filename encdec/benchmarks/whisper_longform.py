@@ -34,6 +34,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -89,19 +90,36 @@ def timed(fn):
     return out, dt, cpu.mean()
 
 
-def ours(model_dir: str, threads: int) -> dict:
-    from encdec import LLM
+class _Ours:
+    """One of our modes. ``reset()`` (untimed, before each timed run) starts a new
+    ``LLM``, warmed on other audio: the engine's encoder cache keeps the windows
+    of a run it has seen, and a repeat, or a row after the warm-up, must not reuse them."""
 
-    llm = LLM(model=model_dir, num_threads=threads)
-    # Every side is told the language (no detection pass on base); English-only models take none.
-    lang = {"language": "en"} if getattr(llm.llm_engine.generation_config, "is_multilingual", False) else {}
-    warm = np.zeros(SR, np.float32)
-    for kw in OURS_MODES.values():
-        llm.transcribe(warm, use_tqdm=False, **lang, **kw)  # warm up (kernels, VAD model)
+    def __init__(self, model_dir: str, threads: int, kw: dict, warm: np.ndarray) -> None:
+        self.model_dir, self.threads, self.kw, self.warm = model_dir, threads, kw, warm
+        self.llm = None
 
-    def run(kw):
-        return lambda wavs: [t.text for t in llm.transcribe(wavs, timestamps=True, use_tqdm=False, **lang, **kw)]
-    return {name: run(kw) for name, kw in OURS_MODES.items()}
+    def reset(self) -> None:
+        from encdec import LLM
+
+        self.llm = None
+        self.llm = LLM(model=self.model_dir, num_threads=self.threads)
+        # Every side is told the language (no detection pass on base); English-only models take none.
+        multilingual = getattr(self.llm.llm_engine.generation_config, "is_multilingual", False)
+        self.kw = {**self.kw, **({"language": "en"} if multilingual else {})}
+        self(self.warm)
+
+    def close(self) -> None:
+        """Drop the engine (its KV cache) until the next ``reset()``."""
+        self.llm = None
+        gc.collect()
+
+    def __call__(self, wavs) -> list[str]:
+        return [t.text for t in self.llm.transcribe(wavs, timestamps=True, use_tqdm=False, **self.kw)]
+
+
+def ours(model_dir: str, threads: int, warm: np.ndarray) -> dict:
+    return {name: _Ours(model_dir, threads, kw, warm) for name, kw in OURS_MODES.items()}
 
 
 def faster_whisper(model_dir: str, threads: int) -> dict:
@@ -198,6 +216,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     clips, texts = load_clips(args.audio_dir)
     counts = [int(c) for c in args.files.split(",")]
     files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]
+    warm = build_file(clips, texts, 1000, 1.0)[0]  # not part of any timed file
     engines = set(args.engines.split(","))
     print(f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     for model_name, model_dir in model_dirs(args.models.split(",")).items():
         runners: dict = {}
         if "ours" in engines:
-            runners.update(ours(model_dir, args.threads))
+            runners.update(ours(model_dir, args.threads, warm))
         if "fw" in engines:
             runners.update(faster_whisper(model_dir, args.threads))
         if "hf" in engines:
@@ -213,6 +232,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         if args.rows:
             keep = set(args.rows.split(","))
             runners = {k: v for k, v in runners.items() if k in keep}
+        for run in runners.values():  # warm up every row on 60 s of other speech (ours: in reset())
+            if not hasattr(run, "reset"):
+                run([warm])
         for n in counts:
             wavs, refs = [w for w, _ in files[:n]], [r for _, r in files[:n]]
             audio_s = sum(len(w) for w in wavs) / SR
@@ -223,7 +245,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
             for rep in range(args.repeats):
                 order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
                 for name in order:
+                    if hasattr(runners[name], "reset"):
+                        runners[name].reset()
                     hyps, wall, other = timed(lambda: runners[name](wavs))
+                    if hasattr(runners[name], "close"):
+                        runners[name].close()
                     walls[name].append(wall)
                     others[name].append(other)
                     wers[name] = word_error_rate(" ".join(refs), " ".join(hyps))
