@@ -19,20 +19,11 @@ import argparse  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
-from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header  # noqa: E402
+from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
-
-
-def timed(fn):
-    with OtherCPUMonitor() as cpu:
-        t = time.perf_counter()
-        result = fn()
-        dt = time.perf_counter() - t
-    return result, dt, cpu.mean()
 
 
 def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
@@ -43,7 +34,7 @@ def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
                           multi_modal_data={"audio": (w, 16000)}) for w in wavs]
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    outs, dt, other = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    outs, dt, other = timed_with_load(lambda: llm.generate(prompts, params, use_tqdm=False))
     return [o.outputs[0].token_ids for o in outs], dt, other
 
 
@@ -67,7 +58,7 @@ def run_hf(hf_dir: str, wavs, batch: int, max_new: int):
         return out
 
     go(wavs[:2])  # warm-up
-    return timed(go)
+    return timed_with_load(go)
 
 
 def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
@@ -83,7 +74,7 @@ def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
                                                          without_timestamps=True, vad_filter=False)[0])
                 for w in wavs]
 
-    return timed(go)
+    return timed_with_load(go)
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:

@@ -38,11 +38,10 @@ import gc  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header  # noqa: E402
+from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
@@ -80,14 +79,6 @@ def build_file(clips: list[np.ndarray], texts: list[str], seed: int, minutes: fl
             if n >= minutes * 60 * SR:
                 break
     return np.concatenate(parts), " ".join(spoken)
-
-
-def timed(fn):
-    with OtherCPUMonitor() as cpu:
-        t = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t
-    return out, dt, cpu.mean()
 
 
 class _Ours:
@@ -247,7 +238,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                 for name in order:
                     if hasattr(runners[name], "reset"):
                         runners[name].reset()
-                    hyps, wall, other = timed(lambda: runners[name](wavs))
+                    hyps, wall, other = timed_with_load(lambda: runners[name](wavs))
                     if hasattr(runners[name], "close"):
                         runners[name].close()
                     walls[name].append(wall)
