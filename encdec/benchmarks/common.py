@@ -94,3 +94,12 @@ def timed(fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - t0
+
+
+def timed_with_load(fn):
+    """``(fn(), wall seconds, other processes' mean CPU % meanwhile)``."""
+    with OtherCPUMonitor() as cpu:
+        t = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t
+    return result, dt, cpu.mean()

@@ -19,20 +19,11 @@ import argparse  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
-from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header  # noqa: E402
+from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
-
-
-def timed(fn):
-    with OtherCPUMonitor() as cpu:
-        t = time.perf_counter()
-        result = fn()
-        dt = time.perf_counter() - t
-    return result, dt, cpu.mean()
 
 
 def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
@@ -49,7 +40,7 @@ def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
             for p, w in zip(prompts[:2], wavs[:2])]
     llm.generate(warm, params, use_tqdm=False)
     hits = llm.llm_engine.get_stats().encoder_cache_hits
-    outs, dt, other = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    outs, dt, other = timed_with_load(lambda: llm.generate(prompts, params, use_tqdm=False))
     hits = llm.llm_engine.get_stats().encoder_cache_hits - hits
     if hits:
         print(f"note: {hits} of {len(prompts)} timed requests reused a cached encoder output")
@@ -76,7 +67,7 @@ def run_hf(hf_dir: str, wavs, batch: int, max_new: int):
         return out
 
     go(wavs[:2])  # warm-up
-    return timed(go)
+    return timed_with_load(go)
 
 
 def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
@@ -92,7 +83,7 @@ def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
                                                          without_timestamps=True, vad_filter=False)[0])
                 for w in wavs]
 
-    return timed(go)
+    return timed_with_load(go)
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:

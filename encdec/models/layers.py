@@ -45,11 +45,15 @@ class Linear(nn.Linear):
     def _packed(self, x: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] == 0:
+        rows = x2.shape[0]
+        if rows == 0:
             return x.new_empty(*lead, self.out_features)
+        bucket = _row_bucket(rows)
+        if bucket != rows:  # zero rows, computed and dropped: see _row_bucket
+            x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, post_op, [],
                                                  algorithm)
-        return out.view(*lead, self.out_features)
+        return out[:rows].view(*lead, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -62,6 +66,24 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias))
         return self._packed(x, "gelu", "none")
+
+
+ROW_BUCKET = 32  # rows
+ROW_BUCKET_MAX = 1024  # rows; larger inputs (encoder windows: 1500 per window) run as they are
+
+
+def _row_bucket(rows: int) -> int:
+    """The row count a packed matmul of ``rows`` rows runs at. oneDNN builds a
+    primitive per input shape (about 3 ms each on this project's 2-core host,
+    measured at 384x1536) and keeps 1024 in its cache; decoder prefills of every
+    prompt length (Whisper's conditioned long-form windows: 1-224 tokens, times
+    each layer's weight shapes) would build one per length and overflow it. Row
+    counts past 32 are rounded up to a multiple of 32, so at most 32 shapes per
+    weight exist below 1024 rows; decode batches (<= 32 rows) run unpadded.
+    Each output row depends on its input row only, so the padding changes no result."""
+    if rows <= ROW_BUCKET or rows >= ROW_BUCKET_MAX or rows % ROW_BUCKET == 0:
+        return rows
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
 def pack_linears(model: nn.Module) -> int:

