@@ -169,9 +169,10 @@ class LLM:
                    no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
                    initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
                    vad_filter: bool = False, vad_parameters: dict | None = None, clip_timestamps=None,
-                   sampling_params: SamplingParams | None = None, use_tqdm: bool = True, **kwargs):
+                   sampling_params: SamplingParams | None = None, mode: str = "sequential",
+                   use_tqdm: bool = True, prompt: str | None = None):
         """faster-whisper's options (``encdec.transcription.TranscribeOptions``);
-        ``mode=`` and the older ``prompt=`` (= ``initial_prompt``) pass through."""
+        ``mode`` picks the algorithm; ``prompt`` is the older name of ``initial_prompt``."""
         from encdec.transcribe import transcribe
 
         with self._lock:  # the whole job: its requests never share steps with another call's
@@ -183,4 +184,4 @@ class LLM:
                               initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
                               vad_filter=vad_filter, vad_parameters=vad_parameters,
                               clip_timestamps=clip_timestamps, sampling_params=sampling_params,
-                              use_tqdm=use_tqdm, **kwargs)
+                              mode=mode, use_tqdm=use_tqdm, prompt=prompt)
