@@ -25,16 +25,17 @@ def _all_free(llm: LLM) -> bool:
             and not engine.has_unfinished_requests())
 
 
-def refuse(llm: LLM, via: str, prompts: list, params, error, match: str, **kwargs) -> None:
+def refuse(llm: LLM, via: str, prompts: list, params, error, match: str, **kwargs) -> str:
     """The call raises ``error`` matching ``match``; nothing of it ran or stays
-    queued, every block is free, and the next good call gives the same tokens."""
+    queued, every block is free, and the next good call gives the same tokens.
+    Returns the error's message."""
     greedy = SamplingParams(temperature=0, max_tokens=5)
     ref = llm.generate(GOOD, greedy, use_tqdm=False)[0].outputs[0].token_ids
     done_before = llm.llm_engine.num_generated_tokens
     if via == "generate" and match.startswith("^prompt "):
         # LLM.generate may validate through process_request (no index) or process_requests.
         match = "^(" + match[1:].split(": ", 1)[0] + ": )?" + match[1:].split(": ", 1)[1]
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as refused:
         if via == "generate":
             llm.generate(prompts, params, use_tqdm=False, **kwargs)
         else:
@@ -44,6 +45,7 @@ def refuse(llm: LLM, via: str, prompts: list, params, error, match: str, **kwarg
     assert _all_free(llm)
     assert llm.generate(GOOD, greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
     assert _all_free(llm)
+    return str(refused.value)
 
 
 VIA = pytest.mark.parametrize("via", ["generate", "process_requests"])
@@ -150,18 +152,20 @@ def test_request_that_can_never_fit_is_refused_at_entry(small_llm, via):
     # n=3 x (2 + 200 tokens) = 3 x 13 self blocks + 1 cross block + 3 spare > 40.
     big = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=200, ignore_eos=True)
     small = SamplingParams(temperature=0, max_tokens=4)
-    refuse(small_llm, via, ["short one", TokensPrompt(prompt_token_ids=[0, 9, 8, 2]), "third"],
+    msg = refuse(small_llm, via, ["short one", TokensPrompt(prompt_token_ids=[0, 9, 8, 2]), "third"],
            [small, big, small], ValueError,
            r"^prompt 1: the request can never fit the KV cache: it needs up to 43 blocks of 16 tokens "
            r"\(39 for decoder self-attention: a 2-token prompt \+ max_tokens=200, best_of=3; 1 for "
            r"cross-attention over 4 encoder positions; 3 the scheduler keeps in reserve\) but the "
            r"cache has 40 blocks; lower max_tokens or raise kv_cache_memory$")
+    assert "max_tokens=200" in msg  # names the field to change
 
 
 @VIA
 def test_more_sequences_than_max_num_seqs_is_refused_at_entry(small_llm, via):
-    refuse(small_llm, via, ["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(n=5, max_tokens=2)],
-           ValueError, r"^prompt 1: best_of \(or n\) is 5, more sequences than max_num_seqs=4")
+    msg = refuse(small_llm, via, ["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(n=5, max_tokens=2)],
+                 ValueError, r"^prompt 1: best_of \(or n\) is 5, more sequences than max_num_seqs=4")
+    assert "best_of" in msg and "max_num_seqs" in msg
 
 
 def test_requests_at_the_capacity_limit_run_to_completion(small_llm):
@@ -183,15 +187,17 @@ def test_requests_at_the_capacity_limit_run_to_completion(small_llm):
 
 
 @VIA
-@pytest.mark.parametrize("prompts, match", [
+@pytest.mark.parametrize("prompts, match, culprit", [
     ([GOOD, ExplicitEncoderDecoderPrompt(encoder_prompt="hi", decoder_prompt=TokensPrompt(
-        prompt_token_ids=[0, 5, 4000]))], r"^prompt 1: prompt token ids \[4000\] are outside the vocabulary"),
-    ([GOOD, GOOD, TokensPrompt(prompt_token_ids=np.array([5, -1]))], r"^prompt 2: prompt token ids \[-1\]"),
+        prompt_token_ids=[0, 5, 4000]))], r"^prompt 1: prompt token ids \[4000\] are outside the vocabulary",
+     "[4000]"),
+    ([GOOD, GOOD, TokensPrompt(prompt_token_ids=np.array([5, -1]))], r"^prompt 2: prompt token ids \[-1\]", "[-1]"),
     ([GOOD, {"prompt": "x", "multi_modal_data": {"audio": (np.zeros(160, np.float32), 16000)}}],
-     "^prompt 1: prompt carries audio, but this model takes no audio input"),
+     "^prompt 1: prompt carries audio, but this model takes no audio input", "audio"),
 ])
-def test_bad_token_ids_and_audio_for_a_text_model(bart_llm, via, prompts, match):
-    refuse(bart_llm, via, prompts, SamplingParams(temperature=0, max_tokens=5), ValueError, match)
+def test_bad_token_ids_and_audio_for_a_text_model(bart_llm, via, prompts, match, culprit):
+    msg = refuse(bart_llm, via, prompts, SamplingParams(temperature=0, max_tokens=5), ValueError, match)
+    assert culprit in msg  # the message shows what was wrong
 
 
 @VIA
