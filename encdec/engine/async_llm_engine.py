@@ -43,6 +43,9 @@ class AsyncRequest:
     priority: int = 0
     stream: bool = False  # deliver partial outputs after every step, not only the final one
     arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
+    # (n_mels, frames) log-mel the encoder reads instead of the prompt's audio's
+    # (a transcription job's window: a slice of the whole file's features)
+    features: Any = None
 
 
 @dataclass
@@ -239,6 +242,8 @@ class AsyncLLMEngine:
         added = []
         try:
             for r, (inputs, params) in zip(payload, processed):
+                if r.features is not None:
+                    inputs["encoder_features"] = r.features
                 engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
                                              priority=r.priority)
                 added.append(r.request_id)

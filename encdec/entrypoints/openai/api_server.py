@@ -174,11 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     configure_cpu_runtime(engine_args.num_threads)  # a server owns its process: full CPU speed
     model_name = args.served_model_name or args.model
     metrics = ServerMetrics(model_name)
-    from encdec.engine.llm_engine import LLMEngine
-    from encdec.entrypoints.openai.transcription_jobs import JobEngine
-
-    # JobEngine: transcription jobs' requests may carry their own features (transcription_jobs).
-    engine = AsyncLLMEngine(JobEngine(LLMEngine(engine_args)), on_step=metrics.record_step)
+    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
     app = build_app(engine, model_name=model_name, model_path=args.model, api_key=args.api_key,
                     max_audio_mb=args.max_audio_mb, metrics=metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -4,11 +4,8 @@
 a job asks for to the shared ``AsyncLLMEngine`` (next to everyone else's
 requests), feeds each finished output back, and returns the job's result. A job
 request may carry its own log-mel (``JobRequest.features``: the sequential job
-encodes slices of the whole file's features, as HF long-form does);
-``AsyncRequest`` has no field for it, so the request's prompt carries it
-(``FeaturePrompt``) and ``JobEngine``, the engine the server's ``AsyncLLMEngine``
-steps, puts it in the processed inputs, as ``run_jobs`` does. (Once
-``AsyncRequest`` carries features itself, both go.)
+encodes slices of the whole file's features, as HF long-form does), passed on
+as ``AsyncRequest.features``.
 """
 from __future__ import annotations
 
@@ -22,32 +19,6 @@ from encdec.outputs import RequestOutput
 from encdec.transcription import Transcription
 
 AUDIO_TOKENS = 1500  # Whisper encoder positions per 30 s window
-
-
-class FeaturePrompt(dict):
-    """A job request's prompt (a dict, as the engine reads it) and the log-mel
-    ``(n_mels, 3000)`` the engine must encode instead of the prompt's audio's."""
-
-    def __init__(self, prompt: dict, features: Any) -> None:
-        super().__init__(prompt)
-        self.features = features
-
-
-class JobEngine:
-    """An ``LLMEngine`` whose ``process_request`` honours ``FeaturePrompt``;
-    everything else is the wrapped engine's."""
-
-    def __init__(self, engine: Any) -> None:
-        self.wrapped = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.wrapped, name)
-
-    def process_request(self, prompt: Any, params: Any, **kwargs: Any) -> tuple[dict, Any]:
-        inputs, params = self.wrapped.process_request(prompt, params, **kwargs)
-        if isinstance(prompt, FeaturePrompt):
-            inputs["encoder_features"] = prompt.features
-        return inputs, params
 
 
 class JobProgress:
@@ -92,7 +63,7 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
         while not job.done:
             batch = job.next_requests()
             if batch:
-                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", _prompt(engine, r), r.params)
+                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", r.prompt, r.params, features=r.features)
                             for i, r in enumerate(batch)]
                 counter += len(batch)
                 try:
@@ -121,11 +92,3 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
         for t in tasks:
             t.cancel()
 
-
-def _prompt(engine: AsyncLLMEngine, request: Any) -> Any:
-    if request.features is None:
-        return request.prompt
-    if not isinstance(engine.engine, JobEngine):  # the features would be dropped: refuse, loudly
-        raise RuntimeError("this AsyncLLMEngine cannot take a job's own features: build it on "
-                           "JobEngine(LLMEngine(...)) (encdec serve does)")
-    return FeaturePrompt(request.prompt, request.features)
