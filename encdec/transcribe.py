@@ -119,6 +119,7 @@ def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Tra
                 job, ticket = entry
                 job.add_output(out, ticket)
                 touched[id(job)] = job
+            _abort_abandoned(engine, touched.values(), owner)
             _submit(engine, [(job, r) for job in touched.values() for r in job.next_requests()], ids, owner)
             if bar is not None and touched:
                 bar.update(touched.values())
@@ -132,6 +133,16 @@ def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Tra
     finally:
         if bar is not None:
             bar.close()
+
+
+def _abort_abandoned(engine: Any, jobs: Any, owner: dict[str, tuple[TranscriptionJob, int]]) -> None:
+    """Abort the requests the ``jobs`` gave up (``abandoned_tickets``)."""
+    dropped = {(id(job), t) for job in jobs for t in job.abandoned_tickets()}
+    rids = [rid for rid, (job, t) in owner.items() if (id(job), t) in dropped]
+    for rid in rids:
+        del owner[rid]
+    if rids:
+        engine.abort_request(rids)
 
 
 def _submit(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]], ids: Any,

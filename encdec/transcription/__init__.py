@@ -20,6 +20,8 @@ output back by request id -> (job, ticket), ask ``next_requests()`` again after
 every ``add_output``, abort the job's open requests if the client goes away).
 ``next_requests()`` hands each request out once; ``done`` is true when nothing
 is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds;
+``abandoned_tickets()`` names requests handed out that the job no longer needs
+(the driver aborts them; their outputs, if they still come, are ignored);
 ``partial_text`` is the text decided so far (a prefix of the result's, for
 streaming). ``make_job`` builds the job ``options.mode`` names: ``LLM.transcribe``
 and the HTTP server both build their jobs with it.

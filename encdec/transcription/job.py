@@ -106,6 +106,10 @@ class TranscriptionJob:
         out, self._ready = self._ready, []
         return out
 
+    def abandoned_tickets(self) -> list[int]:
+        """Tickets handed out that the job no longer needs: none here (every window is kept)."""
+        return []
+
     def add_output(self, output: RequestOutput, ticket: int) -> None:
         """The finished output of the request this job handed out as ``ticket``."""
         if ticket not in self._asked:

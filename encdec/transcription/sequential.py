@@ -9,10 +9,19 @@ Per file, one 30 s window at a time::
         window = features[:, seek:seek + 3000]   (one tensor, shared by every retry)
         decode at temperatures[0]  (+ a one-step probe for P(<|nospeech|>) at SOT)
         while compression ratio > threshold or avg logprob < threshold:
-            decode again at the next temperature   (same window features)
+            take the attempt at the next temperature   (same window features)
         if avg logprob < threshold and P(no speech) > threshold: skip the window
         else: segments from timestamp pairs; seek to the last closing timestamp
         condition the next window on all earlier segments' tokens (if temperature < 0.5)
+
+The first failed attempt of a window asks for all of its remaining temperatures
+at once, and they are judged in ladder order as they come back: the first that
+passes is taken and the others are abandoned (``abandoned_tickets``; the driver
+aborts them). The choice is the one-at-a-time ladder's (each attempt's sampling
+is its own: with a seed, its own stream), but a window whose retries run to the
+token limit (hallucination loops: 224 steps each) costs one such run, not one
+per temperature, and at small batches the extra rows cost little (decode steps
+are bound by reading the weights).
 
 Every request is an ordinary engine request, so the windows of all files of a
 call, and their retries, share the engine's continuous batching: a file's next
@@ -69,10 +78,12 @@ class _Window:
     def __init__(self, seek: int, num_frames: int, features: Any, prompt: list[int], first: bool) -> None:
         self.seek, self.num_frames, self.features, self.prompt = seek, num_frames, features, prompt
         self.first = first  # the first window of the file (carries the prefix)
-        self.temp_index = 0
+        self.temp_index = 0  # the attempt being judged
+        self.launched = 0  # the highest temperature index asked for
         self.no_speech_prob: float | None = None
-        self.attempt: tuple[list[int], float] | None = None  # (output ids incl. eos, sum of logprobs)
-        self.waiting = 0  # requests of the current attempt not back yet
+        self.probe_open = False
+        self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
+        self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
 
 
 class SequentialJob:
@@ -128,6 +139,8 @@ class SequentialJob:
         self.windows_skipped = 0  # windows dropped by the no-speech rule
         self._asked: dict[int, str] = {}  # ticket -> "detect" | "window" | "probe"
         self._ready: list[JobRequest] = []
+        self._abandoned: list[int] = []  # tickets the driver should abort (abandoned_tickets)
+        self._dropped: set[int] = set()  # abandoned tickets whose output may still arrive
         self._window: _Window | None = None
         self._finished = False
         self._multilingual = self._ids.is_multilingual
@@ -148,8 +161,18 @@ class SequentialJob:
         out, self._ready = self._ready, []
         return out
 
+    def abandoned_tickets(self) -> list[int]:
+        """Tickets handed out that the job no longer needs (retries made moot by
+        an earlier temperature passing): the driver aborts them. An output of
+        one that still arrives is ignored."""
+        out, self._abandoned = self._abandoned, []
+        return out
+
     def add_output(self, output: RequestOutput, ticket: int) -> None:
         kind = self._asked.pop(ticket, None)
+        if kind is None and ticket in self._dropped:
+            self._dropped.discard(ticket)
+            return
         if kind is None:
             raise ValueError(f"audio input {self.index}: ticket {ticket} is not an open request of this job")
         completion = finished_completion(output, self.index)
@@ -166,14 +189,13 @@ class SequentialJob:
             self._set_language(best[2:-2], float(np.exp(langs[best] - norm)))
             return
         w = self._window
-        assert w is not None and w.waiting > 0
-        w.waiting -= 1
+        assert w is not None
         if kind == "probe":
             w.no_speech_prob = float(np.exp(completion.logprobs[0][completion.token_ids[0]].logprob))
+            w.probe_open = False
         else:
-            w.attempt = attempt_result(completion)
-        if w.waiting == 0:
-            self._decide(w)
+            w.results[w.open.pop(ticket)] = attempt_result(completion)
+        self._advance(w)
 
     @property
     def done(self) -> bool:
@@ -203,11 +225,12 @@ class SequentialJob:
                              language_probability=self.language_probability, duration=self.duration)
 
     # -- steps -----------------------------------------------------------------------
-    def _ask(self, kind: str, dec: list[int], params: SamplingParams, features: Any) -> None:
+    def _ask(self, kind: str, dec: list[int], params: SamplingParams, features: Any) -> int:
         ticket = self.num_requests
         self.num_requests += 1
         self._asked[ticket] = kind
         self._ready.append(JobRequest(ticket, window_prompt(_STUB_AUDIO, dec), params, features))
+        return ticket
 
     def _set_language(self, language: str, probability: float | None) -> None:
         from encdec.models.whisper import default_decoder_prompt
@@ -246,34 +269,58 @@ class SequentialJob:
             probe = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[self._ids.no_timestamps - 1],
                                    logprobs=0, extra_args={"whisper_timestamps": False,
                                                            "whisper_suppress_tokens": False})
-            self._window.waiting += 1
+            self._window.probe_open = True
             self._ask("probe", dec[: sot_at + 1], probe, self._window.features)
-        self._attempt(self._window)
+        self._attempt(self._window, 0)
 
-    def _attempt(self, w: _Window) -> None:
-        t = self.options.temperature[w.temp_index]
+    def _attempt(self, w: _Window, index: int) -> None:
+        t = self.options.temperature[index]
         seed = None
         if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
-            seed = self._seed + 1000 * w.seek + w.temp_index
+            seed = self._seed + 1000 * w.seek + index
         params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed)
-        w.attempt = None
-        w.waiting += 1
-        self._ask("window", w.prompt, params, w.features)
+        w.open[self._ask("window", w.prompt, params, w.features)] = index
+        w.launched = max(w.launched, index)
 
-    def _decide(self, w: _Window) -> None:
-        opts, eot = self.options, self._ids.eot
-        ids, sum_lp = w.attempt
-        t = opts.temperature[w.temp_index]
-        avg = sum_lp / max(len(ids), 1)
-        ratio = compression_ratio(ids, self._vocab)
-        retry, skip = needs_fallback(ratio, avg, w.no_speech_prob,
-                                     compression_ratio_threshold=opts.compression_ratio_threshold,
-                                     log_prob_threshold=opts.log_prob_threshold,
-                                     no_speech_threshold=opts.no_speech_threshold)
-        if retry and w.temp_index + 1 < len(opts.temperature):
-            w.temp_index += 1
-            self._attempt(w)
+    def _advance(self, w: _Window) -> None:
+        """Judge the window's attempts in ladder order as far as they are back
+        (and the no-speech probe is); decide it on the first that passes, or on
+        the last temperature's."""
+        opts = self.options
+        if w.probe_open:
             return
+        while w.temp_index in w.results:
+            ids, sum_lp = w.results[w.temp_index]
+            avg = sum_lp / max(len(ids), 1)
+            ratio = compression_ratio(ids, self._vocab)
+            retry, skip = needs_fallback(ratio, avg, w.no_speech_prob,
+                                         compression_ratio_threshold=opts.compression_ratio_threshold,
+                                         log_prob_threshold=opts.log_prob_threshold,
+                                         no_speech_threshold=opts.no_speech_threshold)
+            if retry and w.temp_index + 1 < len(opts.temperature):
+                if w.launched == w.temp_index:  # the first failure: every remaining temperature at once
+                    for i in range(w.temp_index + 1, len(opts.temperature)):
+                        self._attempt(w, i)
+                w.temp_index += 1
+                continue
+            self._abandon(w)
+            self._decide(w, ids, avg, ratio, skip)
+            return
+
+    def _abandon(self, w: _Window) -> None:
+        """Give up the window's attempts still in flight (higher temperatures)."""
+        unsent = {r.ticket for r in self._ready}
+        for ticket in w.open:
+            del self._asked[ticket]
+            if ticket not in unsent:
+                self._dropped.add(ticket)
+                self._abandoned.append(ticket)
+        self._ready = [r for r in self._ready if r.ticket not in w.open]
+        w.open.clear()
+
+    def _decide(self, w: _Window, ids: list[int], avg: float, ratio: float, skip: bool) -> None:
+        opts, eot = self.options, self._ids.eot
+        t = opts.temperature[w.temp_index]
         self._condition = opts.condition_on_previous_text and t < 0.5
         if skip:
             self.windows_skipped += 1

@@ -39,3 +39,4 @@ def configure_cpu_runtime(num_threads: int | None = None, *, retain_freed_memory
     if retain_freed_memory:
         _retain_freed_memory()
     return torch.get_num_threads()
+

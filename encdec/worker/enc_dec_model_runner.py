@@ -24,6 +24,7 @@ import torch
 
 from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, packed_slots
 from encdec.beam_search.candidates import BeamCandidates, find_beam_rows, select_candidates
+from encdec.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
@@ -216,16 +217,21 @@ class EncoderDecoderModelRunner:
             return ModelRunnerOutput(samples=[])
         inp = self.prepare(metas)
         rows = inp.sampled_rows
-        hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
-                            **inp.encoder_inputs)
+        # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
+        small = (self.device.type == "cpu" and inp.attn_metadata.num_prefill_tokens == 0
+                 and len(rows) <= SMALL_STEP_ROWS)
+        with single_thread(small):
+            hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
+                                **inp.encoder_inputs)
         order = self._update_batch(rows)
         sampling_md = self.input_batch.refresh_metadata()
         index = torch.tensor([rows[i][1] for i in order], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = find_beam_rows(metas, {rows[i][0]: r for r, i in enumerate(order)}, self.device)
-        out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
-               else self.sampler(logits, sampling_md))
+        with single_thread(small):
+            out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
+                   else self.sampler(logits, sampling_md))
         candidates = select_candidates(beam, out.processed_logprobs) if beam else {}
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()

@@ -174,3 +174,65 @@ def test_prompts_follow_faster_whisper_get_prompt(tiny, ct2_dir, speech_clips, o
         assert got.segments[0].tokens != plain.segments[0].tokens or got.text != plain.text
         if "prefix" in option:
             assert got.text.startswith(option["prefix"])
+
+
+def _attempt_output(ids: list[int], logprob: float):
+    """A finished engine output whose every token has log-prob ``logprob``."""
+    from encdec.outputs import CompletionOutput, RequestOutput
+    from encdec.sequence import Logprob
+
+    done = CompletionOutput(0, "", ids, logprob * len(ids), [{t: Logprob(logprob)} for t in ids], "stop")
+    return RequestOutput("fake", None, [], None, [], [done], finished=True)
+
+
+def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
+    """The first failed attempt asks for every remaining temperature at once; the
+    window is decided on the first temperature, in ladder order, whose attempt
+    passes (not the first to come back), the attempts still running are
+    abandoned, and a late output of one of them is ignored."""
+    from encdec.models.whisper_tokens import WhisperSpecialTokens
+
+    ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
+    tb, eot = ids.timestamp_begin, ids.eot
+    window = [tb, 440, 1000, 2000, tb + 100, eot]  # one segment, 0-2 s; then the window is done
+    good, bad = -0.1, -3.0  # average log-prob above / below log_prob_threshold (-1)
+    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions())
+    first = job.next_requests()
+    probe = next(r for r in first if r.params.allowed_token_ids)
+    (greedy,) = [r for r in first if r is not probe]
+    job.add_output(_attempt_output([ids.no_timestamps - 1], np.log(0.01)), probe.ticket)
+    assert job.next_requests() == []
+    job.add_output(_attempt_output(window, bad), greedy.ticket)
+    retries = job.next_requests()
+    assert [r.params.temperature for r in retries] == list(TEMPS[1:])
+    by_temp = {r.params.temperature: r.ticket for r in retries}
+    job.add_output(_attempt_output(window, good), by_temp[0.6])  # passes, but 0.2 and 0.4 come first
+    assert not job.segments and job.abandoned_tickets() == []
+    job.add_output(_attempt_output(window, bad), by_temp[0.2])
+    assert not job.segments
+    job.add_output(_attempt_output(window, good), by_temp[0.4])
+    assert sorted(job.abandoned_tickets()) == sorted([by_temp[0.8], by_temp[1.0]])
+    assert job.done and job.next_requests() == []
+    job.add_output(_attempt_output(window, good), by_temp[0.8])  # finished before its abort landed
+    (seg,) = job.result().segments
+    assert seg.temperature == 0.4 and seg.tokens == window[:-1] and (seg.start, seg.end) == (0.0, 2.0)
+    with pytest.raises(ValueError, match="ticket"):
+        job.add_output(_attempt_output(window, good), 999)
+
+
+def test_parallel_retries_choose_as_one_at_a_time_and_free_their_blocks(tiny, speech_clips):
+    """Through the engine, seeded: a compression-ratio threshold (0.775) that the
+    greedy output (0.78) and the seeded attempts at 0.2-0.6 fail and the one at
+    0.8 passes (0.77). The window takes the 0.8 attempt, token for token the one
+    a ladder that stops at 0.8 takes; what the job abandoned is aborted, nothing
+    stays queued and every KV block is free."""
+    _, _, wavs = speech_clips
+    engine = tiny.llm_engine
+    kw = dict(compression_ratio_threshold=0.775, log_prob_threshold=None, no_speech_threshold=None,
+              sampling_params=SamplingParams(seed=3))
+    job, t = _job(tiny, wavs[3], **kw)
+    assert [s.temperature for s in t.segments] == [0.8] and job.num_requests == len(TEMPS)
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().kv_cache_usage == 0.0
+    _, ladder = _job(tiny, wavs[3], temperature=TEMPS[:5], **kw)
+    assert [s.tokens for s in ladder.segments] == [s.tokens for s in t.segments]

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from encdec.attention.ops import build
+from encdec.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -46,5 +47,6 @@ def paged_decode_attention(
     kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, torch.get_num_threads())
+        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
+        bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else torch.get_num_threads())
     return out

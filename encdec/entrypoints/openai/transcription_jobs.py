@@ -87,6 +87,10 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
                     job.add_output(out, ticket)
                 if progress is not None:
                     progress.finished(out, job.partial_text)
+            dropped = set(job.abandoned_tickets())
+            if dropped:  # retries made moot: stop them (cancelling the stream aborts the request)
+                for t in [t for t, ticket in tasks.items() if ticket in dropped]:
+                    tasks.pop(t).cancel()
         return await asyncio.to_thread(job.result) if off_loop else job.result()
     finally:
         for t in tasks:
