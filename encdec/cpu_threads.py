@@ -31,7 +31,9 @@ _outer = threading.local()  # the thread count single_thread() set aside, per Py
 @contextlib.contextmanager
 def single_thread(enabled: bool = True) -> Iterator[None]:
     """Run the block on one intra-op thread, then restore the count. A no-op
-    when ``enabled`` is False or torch already runs one thread. Kernels bound
+    when ``enabled`` is False or torch already runs one thread. torch's count
+    is process-wide: torch work on other Python threads meanwhile (a server's
+    word alignment) runs on one thread too, for the few ms of a step. Kernels bound
     by memory bandwidth, not by the wake-up, may still ask for the count set
     aside (``bandwidth_threads``)."""
     import torch
