@@ -89,7 +89,10 @@ class WhisperEncoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # (B, n_mels, 3000)
-        x = self.frontend(features).transpose(1, 2)  # (B, 1500, d)
+        # Row-major once: an add keeps its input's (transposed) strides, so without
+        # this every residual add ran strided and every layer norm copied its input
+        # (9 copies of (1500, d) per window; 227 -> 217 ms per tiny.en window, AVX2).
+        x = self.frontend(features).transpose(1, 2).contiguous()  # (B, 1500, d)
         h = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             h = layer(h)

@@ -23,3 +23,25 @@ def test_packed_matches_plain(rows):
 def test_no_packing_off_cpu_float32():
     lin = Linear(8, 8).to(torch.float64)
     assert not lin.pack() and lin.packed is None
+
+
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_forward_gelu_paths_match(isa, monkeypatch):
+    """Both GELU paths give gelu(linear(x)); which one ran is the ISA's."""
+    from encdec.attention.ops import build
+    from encdec.models import layers
+
+    if isa not in build.host_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    path = layers.gelu_path()
+    assert path == {"avx512": "fused", "avx2": "separate"}[isa]
+    print(f"isa {isa}: gelu path {path}")
+    torch.manual_seed(0)
+    lin = Linear(48, 192)
+    x = torch.randn(70, 48)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert lin.pack()
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward_gelu(x), ref, atol=1e-5, rtol=1e-5)
