@@ -92,3 +92,83 @@ def test_event_loop_stays_free_while_the_engine_steps(engine):
 
     gaps = run(engine, go)
     assert len(gaps) > 10  # the loop kept turning while the engine decoded
+
+
+class _AbandoningJob:
+    """A job (``encdec.transcription`` protocol) that asks for a short and a long
+    request and, once the short one is back, no longer needs the long one but
+    goes on with a third (as a sequential job goes on to its next window)."""
+
+    def __init__(self):
+        from encdec.transcription import JobRequest
+
+        long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+        short = SamplingParams(max_tokens=2, temperature=0.0)
+        self.options = None
+        self._ready = [JobRequest(0, "hello", short), JobRequest(1, "hello there", long)]
+        self._abandoned: list[int] = []
+        self.seen: list[int] = []
+        self.done = False
+        self.partial_text = ""
+
+    def next_requests(self):
+        out, self._ready = self._ready, []
+        return out
+
+    def abandoned_tickets(self):
+        out, self._abandoned = self._abandoned, []
+        return out
+
+    def add_output(self, out, ticket):
+        from encdec.transcription import JobRequest
+
+        self.seen.append(ticket)
+        if ticket == 0:  # the long one is moot; ask for one more (30 steps) before finishing
+            self._abandoned = [1]
+            self._ready = [JobRequest(2, "hello", SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))]
+        if ticket == 2:
+            self.done = True
+
+    def result(self):
+        return self.seen
+
+
+def test_run_job_aborts_what_the_job_abandons(engine):
+    """The server's job driver aborts an abandoned request at once: the job never
+    gets its output, and every KV block is free when the job returns."""
+    from encdec.entrypoints.openai.transcription_jobs import run_job
+
+    job = _AbandoningJob()
+
+    async def go():
+        seen = await run_job(engine, job, request_id_prefix="job")
+        for _ in range(100):  # the abort lands on the engine thread
+            if engine.engine.num_free_blocks()[0] == engine.engine.cache_config.num_gpu_blocks:
+                break
+            await asyncio.sleep(0.05)
+        return seen
+
+    assert run(engine, go) == [0, 2]
+    assert engine.engine.num_free_blocks()[0] == engine.engine.cache_config.num_gpu_blocks
+    assert not engine.engine.has_unfinished_requests()
+    generated = sum(s.generation_tokens for s in engine.stats)
+    # 2 + 30 tokens, plus at most a few of the long one before its abort landed
+    assert generated < 2 + 30 + 10, f"{generated} tokens: the abandoned request ran on beside the third"
+
+
+def test_run_jobs_aborts_what_the_job_abandons(bart_llm):
+    """The same for ``LLM.transcribe``'s synchronous driver: the call ends when the
+    third request does (~30 steps), not when the abandoned 400-token one would."""
+    from encdec.transcribe import run_jobs
+
+    engine = bart_llm.llm_engine
+    steps, step = [], engine.step
+    engine.step = lambda: steps.append(1) or step()
+    try:
+        job = _AbandoningJob()
+        assert run_jobs(engine, [job], use_tqdm=False) == [[0, 2]]
+    finally:
+        del engine.step
+    assert len(steps) < 60, f"{len(steps)} steps: the abandoned request ran on"
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks

@@ -90,7 +90,8 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
             dropped = set(job.abandoned_tickets())
             if dropped:  # retries made moot: stop them (cancelling the stream aborts the request)
                 for t in [t for t, ticket in tasks.items() if ticket in dropped]:
-                    tasks.pop(t).cancel()
+                    del tasks[t]
+                    t.cancel()
         return await asyncio.to_thread(job.result) if off_loop else job.result()
     finally:
         for t in tasks:
