@@ -63,3 +63,18 @@ def test_import_encdec_does_not_import_silero():
     code = "import sys, encdec, encdec.transcription; print('silero_vad' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_vad_leaves_torch_threads_alone():
+    """silero-vad sets torch's threads to 1 when imported; the first VAD call must
+    not leave the process (our engine, HF beside it) on one thread."""
+    import pytest
+
+    pytest.importorskip("silero_vad")
+    code = ("import numpy as np, torch; torch.set_num_threads(2)\n"
+            "from encdec.transcription.vad import speech_regions\n"
+            "speech_regions(np.zeros(16000 * 2, np.float32))\n"
+            "import silero_vad, sys; assert 'silero_vad.model' in sys.modules\n"
+            "print(torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "2"

@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                 for name in order:
                     if hasattr(runners[name], "reset"):
                         runners[name].reset()
+                    if torch.get_num_threads() != args.threads:  # a row changed it (an import may)
+                        print(f"  note: torch ran {torch.get_num_threads()} thread(s) before {name}; reset "
+                              f"to {args.threads}")
+                        torch.set_num_threads(args.threads)
                     hyps, wall, other = timed_with_load(lambda: runners[name](wavs))
                     if hasattr(runners[name], "close"):
                         runners[name].close()

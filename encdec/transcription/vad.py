@@ -36,11 +36,19 @@ def _silero_model() -> tuple[Any, bool]:
     >= 6.2 with onnxruntime) gives the streaming model's probabilities bit for bit
     in a few ONNX calls: 0.75 s for 240 s of audio here, against 3.7 s for the
     per-32-ms-frame JIT loop, which is the fallback."""
+    import torch
+
+    threads = torch.get_num_threads()
     try:
         from silero_vad import load_silero_vad
     except ImportError as e:
         raise ImportError("vad_filter=True needs the 'silero-vad' package: pip install 'encdec[vad]' "
                           "(or pip install silero-vad onnxruntime)") from e
+    finally:
+        # silero-vad's ``model`` module runs ``torch.set_num_threads(1)`` on import: without
+        # this, every torch op in the process (our engine, HF beside it) ran on one thread
+        # after the first vad_filter=True call.
+        torch.set_num_threads(threads)
     try:
         if importlib.util.find_spec("onnxruntime") is None:
             raise ImportError("onnxruntime")
