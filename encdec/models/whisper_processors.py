@@ -118,7 +118,8 @@ class WhisperLogitsProcessor(LogitsProcessor):
     def _timestamp_rules(self, logits: torch.Tensor, ts_rows: list[int], outputs: list[list[int]]) -> None:
         """HF ``WhisperTimeStampLogitsProcessor``, row by row (begin_index = first output)."""
         tb, vocab = self.ts_begin, logits.shape[1]
-        sub = logits[ts_rows]  # (R, vocab) copy
+        whole = ts_rows == list(range(logits.shape[0]))  # every row: edit in place, no gather/scatter
+        sub = logits if whole else logits[ts_rows]  # (R, vocab)
         sub[:, self.no_ts] = _NEG_INF
         lows = []
         for k, seq in enumerate(outputs):
@@ -138,11 +139,14 @@ class WhisperLogitsProcessor(LogitsProcessor):
                 sub[k, :tb] = _NEG_INF
                 if self.max_initial is not None:
                     sub[k, tb + self.max_initial + 1:] = _NEG_INF
-        vocab_ids = torch.arange(vocab, device=sub.device)
+        # Monotonic: timestamps below each row's low. Masked on the timestamp columns
+        # only (1501 of ~51865): three vocab-wide ops fewer per decode step.
+        ts_ids = torch.arange(tb, vocab, device=sub.device)
         low_t = torch.tensor(lows, device=sub.device).unsqueeze(-1)
-        sub.masked_fill_((vocab_ids >= tb) & (vocab_ids < low_t), _NEG_INF)  # monotonic
+        sub[:, tb:].masked_fill_(ts_ids < low_t, _NEG_INF)
         logprobs = torch.log_softmax(sub.float(), dim=-1)
         ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
         best_text = logprobs[:, :tb].max(dim=-1).values
         sub[:, :tb].masked_fill_((ts_mass > best_text).unsqueeze(-1), _NEG_INF)
-        logits[ts_rows] = sub
+        if not whole:
+            logits[ts_rows] = sub
