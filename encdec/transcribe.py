@@ -138,6 +138,8 @@ def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Tra
 def _abort_abandoned(engine: Any, jobs: Any, owner: dict[str, tuple[TranscriptionJob, int]]) -> None:
     """Abort the requests the ``jobs`` gave up (``abandoned_tickets``)."""
     dropped = {(id(job), t) for job in jobs for t in job.abandoned_tickets()}
+    if not dropped:
+        return
     rids = [rid for rid, (job, t) in owner.items() if (id(job), t) in dropped]
     for rid in rids:
         del owner[rid]

@@ -64,8 +64,8 @@ class TranscriptionJob:
             raise ValueError(f"audio input {index}: {e}") from None
         self.duration = len(wav) / SAMPLE_RATE  # seconds of audio
         self._windows = cut_windows(wav)  # (start sample, 16 kHz samples), views of wav
-        # -- k-words: VAD packs speech into windows (times mapped back in result); word aligner
-        self._tmap = None
+        # VAD packs the speech into windows; result() maps times back.
+        self._tmap, self._no_speech = None, False
         if options.vad_filter:
             from encdec.transcription.vad import pack_speech, speech_regions
 
@@ -78,7 +78,6 @@ class TranscriptionJob:
 
             self._aligner = WordAligner(engine.model, engine.hf_config, engine.generation_config,
                                         engine.tokenizer)
-        # -- end k-words
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
@@ -138,7 +137,7 @@ class TranscriptionJob:
     def partial_text(self) -> str:
         """The text of the leading windows finished so far, a prefix of
         ``result().text`` (for streaming drivers)."""
-        if self._tmap is not None and self._no_speech:
+        if self._no_speech:
             return ""
         texts = []
         for (_, window), tokens in zip(self._windows, self._tokens):
@@ -157,25 +156,25 @@ class TranscriptionJob:
             raise RuntimeError(f"audio input {self.index}: result() before the job is done")
         ts_begin = self._gc.no_timestamps_token_id + 1
         segments: list[Segment] = []
-        for (start, window), tokens in zip(self._windows, self._tokens):
+        sot = None  # the decoder prompt words are aligned after (openai/whisper's sot_sequence)
+        if self._aligner is not None:
+            from encdec.models.whisper import default_decoder_prompt
+            from encdec.transcription.alignment import words_for_segments
+
+            sot = default_decoder_prompt(self._hf_config, self._gc, timestamps=False, task=self.options.task,
+                                         language=self.language if self._multilingual else None)
+        # No speech found by VAD: the one window decoded was for language detection only.
+        for (start, window), tokens in ([] if self._no_speech else zip(self._windows, self._tokens)):
             offset = start / SAMPLE_RATE
             window_segments = self._window_segments(offset, window, tokens)
-            if self._aligner is not None and window_segments:  # k-words
-                from encdec.models.whisper import default_decoder_prompt
-                from encdec.transcription.alignment import words_for_segments
-
-                sot = default_decoder_prompt(self._hf_config, self._gc, timestamps=False, task=self.options.task,
-                                             language=self.language if self._multilingual else None)
+            if sot is not None and window_segments:
                 words_for_segments(self._aligner, window, sot, tokens, window_segments, offset, ts_begin)
             segments += window_segments
-        if self._tmap is not None:  # k-words: packed speech time -> input time
-            segments = [] if self._no_speech else segments
-            for s in segments:
-                for item in [s, *(s.words or [])]:
-                    item.start, item.end = self._tmap.original(item.start), self._tmap.original(item.end, is_end=True)
+        if self._tmap is not None:
+            self._tmap.restore(segments)
         text = "".join(s.text for s in segments).strip()
-        for s in segments:
-            s.text = s.text.strip()
+        for i, s in enumerate(segments):
+            s.id, s.text = i, s.text.strip()
         return Transcription(text, segments, language=self.language, duration=self.duration)
 
     # -- steps -----------------------------------------------------------------------

@@ -79,7 +79,6 @@ class _Window:
         self.seek, self.num_frames, self.features, self.prompt = seek, num_frames, features, prompt
         self.first = first  # the first window of the file (carries the prefix)
         self.temp_index = 0  # the attempt being judged
-        self.launched = 0  # the highest temperature index asked for
         self.no_speech_prob: float | None = None
         self.probe_open = False
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
@@ -214,10 +213,9 @@ class SequentialJob:
     def result(self) -> Transcription:
         if not self.done:
             raise RuntimeError(f"audio input {self.index}: result() before the job is done")
-        if self._tmap is not None:  # packed speech time -> input time
-            for s in self.segments:
-                for item in [s, *(s.words or [])]:
-                    item.start, item.end = self._tmap.original(item.start), self._tmap.original(item.end, is_end=True)
+        if self._tmap is not None:  # packed speech time -> input time, once
+            self._tmap.restore(self.segments)
+            self._tmap = None
         text = "".join(s.text for s in self.segments).strip()
         for i, s in enumerate(self.segments):
             s.id, s.text = i, s.text.strip()
@@ -280,7 +278,6 @@ class SequentialJob:
             seed = self._seed + 1000 * w.seek + index
         params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed)
         w.open[self._ask("window", w.prompt, params, w.features)] = index
-        w.launched = max(w.launched, index)
 
     def _advance(self, w: _Window) -> None:
         """Judge the window's attempts in ladder order as far as they are back
@@ -298,7 +295,7 @@ class SequentialJob:
                                          log_prob_threshold=opts.log_prob_threshold,
                                          no_speech_threshold=opts.no_speech_threshold)
             if retry and w.temp_index + 1 < len(opts.temperature):
-                if w.launched == w.temp_index:  # the first failure: every remaining temperature at once
+                if w.temp_index == 0:  # the first failure: every remaining temperature at once
                     for i in range(w.temp_index + 1, len(opts.temperature)):
                         self._attempt(w, i)
                 w.temp_index += 1

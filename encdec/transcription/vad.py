@@ -97,6 +97,12 @@ class TimestampMap:
         i = max(int(np.searchsorted(self.packed_starts, t, side=side)) - 1, 0)
         return self.original_starts[i] + min(t - self.packed_starts[i], self.lengths[i])
 
+    def restore(self, segments: list[Any]) -> None:
+        """Move ``segments`` and their words from packed time to input time, in place."""
+        for s in segments:
+            for item in [s, *(s.words or [])]:
+                item.start, item.end = self.original(item.start), self.original(item.end, is_end=True)
+
 
 def pack_speech(wav: np.ndarray, regions: list[tuple[int, int]]
                 ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], TimestampMap]:

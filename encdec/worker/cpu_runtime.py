@@ -39,4 +39,3 @@ def configure_cpu_runtime(num_threads: int | None = None, *, retain_freed_memory
     if retain_freed_memory:
         _retain_freed_memory()
     return torch.get_num_threads()
-

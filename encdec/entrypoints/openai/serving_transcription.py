@@ -219,7 +219,7 @@ def verbose_json(t: Transcription, task: str, granularities: list[str]) -> dict[
     body: dict[str, Any] = {"task": task, "language": LANGUAGES.get(t.language, t.language),
                             "duration": t.duration, "text": t.text}
     if not granularities or "segment" in granularities:
-        body["segments"] = [{**{f: getattr(s, f) for f in SEGMENT_FIELDS}, "id": i} for i, s in enumerate(t.segments)]
+        body["segments"] = [{f: getattr(s, f) for f in SEGMENT_FIELDS} for s in t.segments]
     if "word" in granularities:
         body["words"] = [{"word": w.word.strip(), "start": w.start, "end": w.end}
                          for s in t.segments for w in s.words or []]
