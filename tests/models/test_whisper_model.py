@@ -199,3 +199,24 @@ def test_encoder_fast_paths_match_hf(ours, hf, monkeypatch):
         assert (err <= bound).all(), (err, hf_err)
     if dense_cpu.available():
         assert not torch.equal(fast, plain)  # the kernel did run
+
+
+@torch.inference_mode()
+def test_cpu_encoder_runs_a_few_windows_per_call(ours, monkeypatch):
+    """A large batch of windows is encoded CPU_WINDOWS_PER_CALL at a time (their
+    activations stay in the last-level cache), each window as if encoded alone:
+    within float32 error, as the frontend's constant-tail shortcut depends on the
+    batch's shortest tail (see test_encoder_fast_paths_match_hf)."""
+    from encdec.audio import log_mel_spectrogram
+    from encdec.models import whisper
+
+    model, _ = ours
+    feats = log_mel_spectrogram([speechlike(2.0 + i, i) for i in range(5)])
+    alone = torch.cat([model.encoder(feats[i:i + 1]) for i in range(5)])
+    calls = []
+    real_forward = model.encoder.forward
+    monkeypatch.setattr(model.encoder, "forward", lambda f: calls.append(f.shape[0]) or real_forward(f))
+    out = model.encode(feats)
+    per_call = whisper.CPU_WINDOWS_PER_CALL
+    assert calls == [per_call] * (5 // per_call) + ([5 % per_call] if 5 % per_call else [])
+    torch.testing.assert_close(out, alone, atol=1.5e-4 * float(alone.abs().max()), rtol=0)
