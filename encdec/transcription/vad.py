@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,16 @@ VAD_DEFAULTS: dict[str, Any] = {
 }
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()  # jobs are built on several threads (encdec.transcribe)
+
+
 def _silero_model() -> tuple[Any, bool]:
+    with _LOAD_LOCK:  # one load, and one thread at a time around the import's thread-count change
+        return _load_silero()
+
+
+@functools.cache
+def _load_silero() -> tuple[Any, bool]:
     """(model, is the batched "sequence" ONNX model). The sequence model (silero-vad
     >= 6.2 with onnxruntime) gives the streaming model's probabilities bit for bit
     in a few ONNX calls: 0.75 s for 240 s of audio here, against 3.7 s for the

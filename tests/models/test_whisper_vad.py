@@ -92,3 +92,39 @@ def test_vad_parameters_checked(llm, long_silences):
         llm.transcribe(audio, vad_parameters={"threshold": 0.3}, use_tqdm=False)
     silent = llm.transcribe(np.zeros(40 * SR, np.float32), vad_filter=True, use_tqdm=False)[0]
     assert silent.text == "" and silent.segments == []
+
+
+def test_vad_jobs_are_built_in_parallel_and_bad_inputs_still_named(llm, speech_clips, monkeypatch):
+    """With VAD, a call's jobs are built torch.get_num_threads() at a time (Silero
+    runs on one thread): the results equal one-at-a-time building, and a bad input
+    is still refused by its index before anything is queued."""
+    import threading
+
+    from encdec.transcription import vad
+
+    _, _, wavs = speech_clips
+    gap = np.zeros(3 * SR, np.float32)
+    files = [np.concatenate([gap, wavs[i], gap, wavs[i + 1]]) for i in (0, 2, 4)]
+    threads, real = set(), vad.speech_regions
+
+    def recording(wav, **kw):
+        threads.add(threading.current_thread().name)
+        return real(wav, **kw)
+
+    monkeypatch.setattr(vad, "speech_regions", recording)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    parallel = llm.transcribe(files, vad_filter=True, use_tqdm=False)
+    assert len(threads) == 2 and all(t.startswith("encdec-job") for t in threads), threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    threads.clear()
+    serial = llm.transcribe(files, vad_filter=True, use_tqdm=False)
+    assert threads == {threading.current_thread().name}
+    assert [t.text for t in parallel] == [t.text for t in serial]
+    assert [[(s.start, s.end) for s in t.segments] for t in parallel] == \
+        [[(s.start, s.end) for s in t.segments] for t in serial]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with pytest.raises(ValueError, match="audio input 1"):
+        llm.transcribe([files[0], np.zeros((2, 2, 2), np.float32), files[1]], vad_filter=True, use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks() == (engine.cache_config.num_gpu_blocks, engine.cache_config.num_cpu_blocks)
