@@ -31,6 +31,7 @@ def onednn_available() -> bool:
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
+    fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32); False where it does not apply."""
@@ -38,6 +39,7 @@ class Linear(nn.Linear):
         if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_available():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        self.fused_gelu = gelu_path() == "fused"
         return True
 
     def unpack(self) -> None:
@@ -66,7 +68,7 @@ class Linear(nn.Linear):
         where oneDNN's GELU post-op is the faster path (``gelu_path``)."""
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias))
-        if gelu_path() == "fused":
+        if self.fused_gelu:
             return self._packed(x, "gelu", "none")
         return torch.ops.aten.gelu_(self._packed(x, "none", ""))
 

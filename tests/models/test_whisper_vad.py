@@ -112,19 +112,23 @@ def test_vad_jobs_are_built_in_parallel_and_bad_inputs_still_named(llm, speech_c
         return real(wav, **kw)
 
     monkeypatch.setattr(vad, "speech_regions", recording)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    parallel = llm.transcribe(files, vad_filter=True, use_tqdm=False)
-    assert len(threads) == 2 and all(t.startswith("encdec-job") for t in threads), threads
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    threads.clear()
-    serial = llm.transcribe(files, vad_filter=True, use_tqdm=False)
-    assert threads == {threading.current_thread().name}
-    assert [t.text for t in parallel] == [t.text for t in serial]
-    assert [[(s.start, s.end) for s in t.segments] for t in parallel] == \
-        [[(s.start, s.end) for s in t.segments] for t in serial]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    with pytest.raises(ValueError, match="audio input 1"):
-        llm.transcribe([files[0], np.zeros((2, 2, 2), np.float32), files[1]], vad_filter=True, use_tqdm=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        parallel = llm.transcribe(files, vad_filter=True, use_tqdm=False)
+        assert len(threads) == 2 and all(t.startswith("encdec-job") for t in threads), threads
+        torch.set_num_threads(1)
+        threads.clear()
+        serial = llm.transcribe(files, vad_filter=True, use_tqdm=False)
+        assert threads == {threading.current_thread().name}
+        assert [t.text for t in parallel] == [t.text for t in serial]
+        assert [[(s.start, s.end) for s in t.segments] for t in parallel] == \
+            [[(s.start, s.end) for s in t.segments] for t in serial]
+        torch.set_num_threads(2)
+        with pytest.raises(ValueError, match="audio input 1"):
+            llm.transcribe([files[0], np.zeros((2, 2, 2), np.float32), files[1]], vad_filter=True, use_tqdm=False)
+    finally:
+        torch.set_num_threads(before)
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks() == (engine.cache_config.num_gpu_blocks, engine.cache_config.num_cpu_blocks)

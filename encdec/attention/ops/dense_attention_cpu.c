@@ -47,6 +47,9 @@ static float *alloc_floats(int64_t n) {
     void *p = NULL;
     return posix_memalign(&p, 64, sizeof(float) * (size_t)(n > 0 ? n : 1)) == 0 ? p : NULL;
 }
+
+/* Where K[t][d] goes in the packed K^T: panels of 16 keys, (ldk / 16, D, 16). */
+static inline int64_t kt_at(int64_t t, int d) { return (t & ~15) * D + d * 16 + (t & 15); }
 #endif
 
 #ifdef __AVX512F__
@@ -78,7 +81,7 @@ static inline __m512 exp_nonpos(__m512 x) {
             for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();            \
         for (int d = 0; d < D; d++) {                                                \
             __m512 kv[NV];                                                           \
-            for (int j = 0; j < NV; j++) kv[j] = _mm512_loadu_ps(kt + (c + 16 * j) * D + d * 16); \
+            for (int j = 0; j < NV; j++) kv[j] = _mm512_loadu_ps(kt + kt_at(c + 16 * j, d)); \
             for (int i = 0; i < R; i++) {                                            \
                 __m512 qb = _mm512_set1_ps(qs[i * D + d]);                           \
                 for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(qb, kv[j], acc[i][j]); \
@@ -95,6 +98,12 @@ static inline void qk_rows(const float *qs, const float *kt, int64_t ldk, float 
     int64_t c = 0;
     for (; c + 64 <= ldk; c += 64) qk_tile_4(qs, kt, ldk, s, c);
     for (; c < ldk; c += 16) qk_tile_1(qs, kt, ldk, s, c);
+}
+
+/* V row t into the packed V: (tk, D), whole rows (pv_rows reads a row per key). */
+static inline void pack_v_row(float *vp, const float *row, int64_t t, int64_t tk) {
+    (void)tk;
+    memcpy(vp + t * D, row, sizeof(float) * D);
 }
 
 /* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk; v is (tk, D)
@@ -207,7 +216,7 @@ static inline void qk_rows(const float *qs, const float *kt, int64_t ldk, float 
     for (int64_t c = 0; c < ldk; c += 16) {
         DECL6;
         for (int d = 0; d < D; d++) {
-            __m256 k0 = _mm256_loadu_ps(kt + c * D + d * 16), k1 = _mm256_loadu_ps(kt + c * D + d * 16 + 8);
+            __m256 k0 = _mm256_loadu_ps(kt + kt_at(c, d)), k1 = _mm256_loadu_ps(kt + kt_at(c, d) + 8);
             FMA6(k0, k1, qs + d, D);
         }
         __m256 rows[R][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
@@ -216,6 +225,11 @@ static inline void qk_rows(const float *qs, const float *kt, int64_t ldk, float 
             _mm256_storeu_ps(s + i * ldk + c + 8, rows[i][1]);
         }
     }
+}
+
+/* V row t into the packed V: panels of 16 columns, (D / 16, tk, 16). */
+static inline void pack_v_row(float *vp, const float *row, int64_t t, int64_t tk) {
+    for (int c = 0; c < D; c += 16) memcpy(vp + c * tk + t * 16, row + c, sizeof(float) * 16);
 }
 
 /* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk, in four passes of
@@ -294,15 +308,11 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
                 const float *kb = k + b * k_sb + h * D, *vb = v + b * v_sb + h * D;
                 for (int64_t t = 0; t < tk; t++) {
                     const float *kr = kb + t * k_st;
-                    for (int d = 0; d < D; d++) kt[(t & ~15) * D + d * 16 + (t & 15)] = kr[d];
-                    #ifdef __AVX512F__
-                    memcpy(vp + t * D, vb + t * v_st, sizeof(float) * D);
-#else
-                    for (int c = 0; c < D; c += 16) memcpy(vp + c * tk + t * 16, vb + t * v_st + c, sizeof(float) * 16);
-#endif
+                    for (int d = 0; d < D; d++) kt[kt_at(t, d)] = kr[d];
+                    pack_v_row(vp, vb + t * v_st, t, tk);
                 }
                 for (int d = 0; d < D; d++)
-                    for (int64_t t = tk; t < ldk; t++) kt[(t & ~15) * D + d * 16 + (t & 15)] = 0.f;
+                    for (int64_t t = tk; t < ldk; t++) kt[kt_at(t, d)] = 0.f;
                 for (int64_t r0 = 0; r0 < tq; r0 += R) {
                     const int rows = tq - r0 < R ? (int)(tq - r0) : R;
                     for (int i = 0; i < R; i++)
