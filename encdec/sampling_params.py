@@ -60,6 +60,9 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     return out
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """vLLM's ``SamplingParams``; see API.md. ``top_k`` of -1 or 0 disables it;
@@ -85,6 +88,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Which log-probs ``logprobs`` reports: "raw_logprobs" (the model's logits) or
+    # "processed_logprobs" (after the processors and penalties, before temperature
+    # and top-k/top-p: Whisper's fallback rule scores attempts at different
+    # temperatures on these, as HF and openai/whisper do). vLLM sets this per engine.
+    logprobs_mode: str = "raw_logprobs"
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -160,6 +168,8 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty, got []")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
     def verify_against(self, vocab_size: int) -> None:
         """Check every token id the user gave against the model's vocabulary; the

@@ -15,7 +15,7 @@ _SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)
 @dataclass
 class LogprobsTensors:
     logprob_token_ids: torch.Tensor  # (num_rows, k + 1) int64: chosen token, then the top k
-    logprobs: torch.Tensor  # (num_rows, k + 1) float32, from the raw logits
+    logprobs: torch.Tensor  # (num_rows, k + 1) float32, raw or processed (the row's logprobs_mode)
     selected_token_ranks: torch.Tensor  # (num_rows,) int64, 1-based rank of the chosen token
 
 
@@ -140,7 +140,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 class Sampler(nn.Module):
     """Samples one token per row. Steps, in order:
 
-    1. raw logprobs (log_softmax of the model's logits), if any row asks
+    1. raw logprobs (log_softmax of the model's logits), if any row asks for them
     2. logits to float32 (edited in place from here on)
     3. allowed_token_ids: mask every other token
     4. bad words: ban the last token of a word whose prefix ends the output
@@ -151,7 +151,8 @@ class Sampler(nn.Module):
     9. argmax-invariant processors (min-p, custom)
     10. top-k, then top-p
     11. softmax and exponential-race sampling (per-row generators for seeded rows)
-    12. logprobs of the sampled token (rank from the raw logits) and the top k
+    6b. processed logprobs, for rows with logprobs_mode="processed_logprobs"
+    12. logprobs of the sampled token (rank among the reported ones) and the top k
 
     An all-greedy batch with no logprobs, penalties, allowed ids or bad words
     costs steps 2, 5 (no-ops for idle processors) and one argmax.
@@ -167,17 +168,22 @@ class Sampler(nn.Module):
         beam search applies its processors to log-probs) and are returned, processed,
         as ``processed_logprobs``; their sampled tokens are meaningless."""
         md = sampling_metadata
-        num_logprobs = md.max_num_logprobs
-        raw_logprobs = compute_logprobs(logits) if num_logprobs is not None else None
+        num_logprobs, rows = md.max_num_logprobs, md.processed_logprobs_rows
+        reported = None  # (num_reqs, vocab): the log-probs each row's `logprobs` reports
+        if num_logprobs is not None and (rows is None or len(rows) < logits.shape[0]):
+            reported = compute_logprobs(logits)
         logits = logits.to(torch.float32)  # (num_reqs, vocab)
         if logprob_rows is not None:
             logits[logprob_rows] = compute_logprobs(logits.index_select(0, logprob_rows))
         logits = self.apply_logits_processors(logits, md)
+        if rows is not None:  # logprobs_mode="processed_logprobs": before temperature edits the logits
+            lp = compute_logprobs(logits.index_select(0, rows))
+            reported = lp if reported is None else reported.index_copy_(0, rows, lp)
         processed = logits.index_select(0, logprob_rows) if logprob_rows is not None else None
         sampled = self.sample(logits, md)  # (num_reqs,)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, num_logprobs, sampled)
+        if reported is not None:
+            logprobs = gather_logprobs(reported, num_logprobs, sampled)
         return SamplerOutput(sampled.unsqueeze(-1), logprobs, processed)
 
     def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -10,6 +10,7 @@ Per file, one 30 s window at a time::
         decode at temperatures[0]  (+ a one-step probe for P(<|nospeech|>) at SOT)
         while compression ratio > threshold or avg logprob < threshold:
             take the attempt at the next temperature   (same window features)
+            (all failed: the best avg logprob under the ratio threshold)
         if avg logprob < threshold and P(no speech) > threshold: skip the window
         else: segments from timestamp pairs; seek to the last closing timestamp
         condition the next window on all earlier segments' tokens (if temperature < 0.5)
@@ -30,7 +31,12 @@ carry the window's features tensor itself, so with the engine's encoder cache
 they reuse one encoder pass (``encoder_passes`` counts the passes run).
 
 Where HF and openai/whisper differ this follows HF (the tests compare against
-it): the compression ratio is over token ids, not text; conditioning keeps all
+it), except in two rules where it takes faster-whisper's, whose option names and
+defaults it has: the compression ratio is over the text, not token ids (HF's
+measure scores repetition far lower, so faster-whisper's 2.4 would rarely fire),
+and when every temperature fails the window takes the attempt with the best
+average log-prob under the ratio threshold, not the hottest (its segments show
+the last temperature, as faster-whisper's do). Conditioning keeps all
 earlier segments (the last 223 tokens) and is skipped for one window after a
 retry at temperature >= 0.5, where openai/whisper drops the text before it;
 ``initial_prompt`` is the first "segment" of that history, and without
@@ -61,6 +67,7 @@ from encdec.transcription.job import JobRequest, finished_completion, window_pro
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import (
+    best_attempt,
     compression_ratio,
     decoder_prompt,
     needs_fallback,
@@ -83,6 +90,7 @@ class _Window:
         self.probe_open = False
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
         self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
+        self.judged: list[tuple[list[int], float, float]] = []  # (ids, avg logprob, ratio), ladder order
 
 
 class SequentialJob:
@@ -281,25 +289,33 @@ class SequentialJob:
 
     def _advance(self, w: _Window) -> None:
         """Judge the window's attempts in ladder order as far as they are back
-        (and the no-speech probe is); decide it on the first that passes, or on
-        the last temperature's."""
+        (and the no-speech probe is); decide it on the first that passes, or,
+        when every temperature fails, on ``best_attempt``."""
         opts = self.options
         if w.probe_open:
             return
+
+        def judge(ratio: float, avg: float) -> tuple[bool, bool]:
+            return needs_fallback(ratio, avg, w.no_speech_prob,
+                                  compression_ratio_threshold=opts.compression_ratio_threshold,
+                                  log_prob_threshold=opts.log_prob_threshold,
+                                  no_speech_threshold=opts.no_speech_threshold)
+
         while w.temp_index in w.results:
             ids, sum_lp = w.results[w.temp_index]
             avg = sum_lp / max(len(ids), 1)
-            ratio = compression_ratio(ids, self._vocab)
-            retry, skip = needs_fallback(ratio, avg, w.no_speech_prob,
-                                         compression_ratio_threshold=opts.compression_ratio_threshold,
-                                         log_prob_threshold=opts.log_prob_threshold,
-                                         no_speech_threshold=opts.no_speech_threshold)
+            ratio = compression_ratio(self._tokenizer.decode([t for t in ids if t < self._ids.eot]).strip())
+            w.judged.append((ids, avg, ratio))
+            retry, skip = judge(ratio, avg)
             if retry and w.temp_index + 1 < len(opts.temperature):
                 if w.temp_index == 0:  # the first failure: every remaining temperature at once
                     for i in range(w.temp_index + 1, len(opts.temperature)):
                         self._attempt(w, i)
                 w.temp_index += 1
                 continue
+            if retry:  # every temperature failed; the no-speech rule judges the one taken
+                ids, avg, ratio = best_attempt(w.judged, opts.compression_ratio_threshold)
+                skip = judge(ratio, avg)[1]
             self._abandon(w)
             self._decide(w, ids, avg, ratio, skip)
             return

@@ -64,6 +64,7 @@ class InputBatch:
         self._penalties: set[str] = set()
         self._allowed: set[str] = set()
         self._num_logprobs: dict[str, int] = {}
+        self._processed_logprobs: set[str] = set()  # logprobs_mode="processed_logprobs"
         self._bad_words: dict[str, list[list[int]]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._metadata: SamplingMetadata | None = None
@@ -119,6 +120,8 @@ class InputBatch:
                 group.add(req_id)
         if params.logprobs is not None:
             self._num_logprobs[req_id] = min(params.logprobs, self.vocab_size)
+            if params.logprobs_mode == "processed_logprobs":
+                self._processed_logprobs.add(req_id)
         if params.bad_words_token_ids:
             self._bad_words[req_id] = params.bad_words_token_ids
         self._set_allowed_row(index, params.allowed_token_ids)
@@ -159,7 +162,7 @@ class InputBatch:
         self._rows[index] = None
         self.batch_update_builder.remove(index)
         for group in (self._greedy, self._random, self._top_p, self._top_k, self._penalties,
-                      self._allowed):
+                      self._allowed, self._processed_logprobs):
             group.discard(req_id)
         for mapping in (self._num_logprobs, self._bad_words, self._generators):
             mapping.pop(req_id, None)
@@ -230,6 +233,9 @@ class InputBatch:
             top_k=to_device(self.top_k_cpu) if self._top_k else None,
             generators={self.req_id_to_index[r]: g for r, g in self._generators.items()},
             max_num_logprobs=max(self._num_logprobs.values()) if self._num_logprobs else None,
+            processed_logprobs_rows=torch.tensor(sorted(self.req_id_to_index[r] for r in self._processed_logprobs),
+                                                 dtype=torch.int64, device=self.device)
+            if self._processed_logprobs else None,
             no_penalties=no_penalties,
             prompt_token_ids=prompt_ids,
             frequency_penalties=to_device(self.frequency_penalties_cpu),

@@ -103,7 +103,7 @@ def _job(llm, audio, **kw) -> tuple[SequentialJob, object]:
 
 
 def test_fallback_retries_hotter_on_one_encoder_pass(tiny, speech_clips):
-    """A threshold the greedy output of a real sentence exceeds (ratio ~0.78 >
+    """A threshold the greedy output of a real sentence exceeds (ratio ~0.97 >
     0.5): every attempt is retried up to the last temperature, which the segment
     shows; the window's features are one tensor for every attempt."""
     _, _, wavs = speech_clips
@@ -119,14 +119,48 @@ def test_fallback_retries_hotter_on_one_encoder_pass(tiny, speech_clips):
     assert job.encoder_passes == 1
 
 
-def test_silence_is_skipped_by_the_no_speech_rule(tiny, speech_clips):
+@pytest.fixture(scope="module")
+def fw_tiny(ct2_dir):
+    fw = pytest.importorskip("faster_whisper")
+    return fw.WhisperModel(str(ct2_dir), device="cpu", compute_type="float32", cpu_threads=2)
+
+
+@pytest.mark.parametrize("silence", ["zeros", "noise"])
+def test_silence_is_judged_as_faster_whisper_judges_it(tiny, fw_tiny, speech_clips, silence):
+    """35 s of silence, then a sentence. The fallback rule scores an attempt on the
+    log-probs after the Whisper processors (HF's and openai/whisper's), so digital
+    silence keeps tiny.en's "you" (average -0.81, above the -1.0 threshold) as
+    faster-whisper and HF do, while faint noise is skipped by the no-speech rule.
+    Segments, average log-probs and no-speech probabilities equal faster-whisper's."""
     _, _, wavs = speech_clips
-    audio = np.concatenate([np.zeros(16000 * 35, np.float32), wavs[3]])
+    quiet = (np.zeros(16000 * 35, np.float32) if silence == "zeros"
+             else np.random.default_rng(0).normal(0, 3e-4, 16000 * 35).astype(np.float32))
+    audio = np.concatenate([quiet, wavs[3]])
     job, t = _job(tiny, audio)
-    assert job.windows_skipped == 1
-    assert all(s.start >= 30.0 for s in t.segments) and "leave the room" in t.text
+    want, _ = fw_tiny.transcribe(audio, beam_size=1)
+    want = list(want)
+    assert [(s.start, s.end, s.text) for s in t.segments] == [(s.start, s.end, s.text.strip()) for s in want]
+    for a, b in zip(t.segments, want):
+        assert abs(a.avg_logprob - b.avg_logprob) < 0.01 and abs(a.no_speech_prob - b.no_speech_prob) < 0.01
+    assert job.windows_skipped == (1 if silence == "noise" else 0)
+    assert all(s.start >= 30.0 for s in t.segments) == (silence == "noise") and "leave the room" in t.text
     off, _ = _job(tiny, audio, no_speech_threshold=None)
     assert off.windows_skipped == 0
+
+
+def test_fallback_rules_are_faster_whispers():
+    """The compression ratio is over the text (a repeated phrase fails 2.4; HF's
+    token-id measure gives such a window 2.0), and when every temperature fails
+    the best average log-prob under the ratio threshold is taken."""
+    from encdec.transcription.rules import best_attempt, compression_ratio
+
+    assert compression_ratio("She's a little bit " * 13) > 2.4 > compression_ratio(
+        "Please remember to turn off the lights when you leave the room.")
+    assert compression_ratio("") == 0.0
+    attempts = [([1], -1.5, 3.0), ([2], -1.2, 1.1), ([3], -1.4, 1.0), ([4], -0.9, 2.6)]
+    assert best_attempt(attempts, 2.4) == ([2], -1.2, 1.1)
+    assert best_attempt(attempts, None) == ([4], -0.9, 2.6)
+    assert best_attempt(attempts[:1], 2.4) == ([1], -1.5, 3.0)
 
 
 def test_bad_options():
@@ -221,15 +255,15 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
 
 
 def test_parallel_retries_choose_as_one_at_a_time_and_free_their_blocks(tiny, speech_clips):
-    """Through the engine, seeded: a compression-ratio threshold (0.775) that the
-    greedy output (0.78) and the seeded attempts at 0.2-0.6 fail and the one at
-    0.8 passes (0.77). The window takes the 0.8 attempt, token for token the one
+    """Through the engine, seeded: a compression-ratio threshold (0.969) that the
+    greedy output's text (0.9692) and the seeded attempts at 0.2-0.6 fail and the
+    one at 0.8 passes (0.9683). The window takes the 0.8 attempt, token for token the one
     a ladder that stops at 0.8 takes; what the job abandoned is aborted, nothing
     stays queued and every KV block is free."""
     _, _, wavs = speech_clips
     engine = tiny.llm_engine
-    kw = dict(compression_ratio_threshold=0.775, log_prob_threshold=None, no_speech_threshold=None,
-              sampling_params=SamplingParams(seed=3))
+    kw = dict(compression_ratio_threshold=0.969, log_prob_threshold=None, no_speech_threshold=None,
+              sampling_params=SamplingParams(seed=19))
     job, t = _job(tiny, wavs[3], **kw)
     assert [s.temperature for s in t.segments] == [0.8] and job.num_requests == len(TEMPS)
     assert not engine.has_unfinished_requests()

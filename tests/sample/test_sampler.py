@@ -207,3 +207,28 @@ def test_empty_batch() -> None:
     ib = make_batch([], [], [], VOCAB)
     out = Sampler()(torch.zeros(0, VOCAB), ib.refresh_metadata())
     assert out.sampled_token_ids.shape == (0, 1)
+
+
+@pytest.mark.parametrize("raw_row", [False, True], ids=["processed-only", "mixed"])
+def test_processed_logprobs_are_after_the_processors_before_temperature(raw_row: bool) -> None:
+    """``logprobs_mode="processed_logprobs"`` rows report the log-softmax of the
+    logits after the processors and penalties (here a bias and allowed ids), not
+    divided by the temperature; a raw row in the same batch keeps the raw ones."""
+    mode = dict(logprobs=3, logprobs_mode="processed_logprobs")
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 5.0}, **mode),
+              SamplingParams(temperature=0.7, seed=2, allowed_token_ids=[3, 5, 9, 11], **mode)]
+    if raw_row:
+        params.insert(1, SamplingParams(temperature=0.0, logit_bias={7: 5.0}, logprobs=3))
+    prompts, outputs, logits = _random_batch(params, 4)
+    ib = make_batch(params, prompts, outputs, VOCAB)
+    out = Sampler()(logits.clone(), ib.refresh_metadata())
+    lp = out.logprobs_tensors
+    for i, p in enumerate(params):
+        base = logits[i] if p.logprobs_mode == "raw_logprobs" else ref_processed(logits[i], p, prompts[i], outputs[i])
+        want = base.log_softmax(-1)
+        token = int(out.sampled_token_ids[i, 0])
+        torch.testing.assert_close(lp.logprobs[i, 0], want[token])
+        torch.testing.assert_close(lp.logprobs[i, 1:], want.topk(3).values)
+    assert torch.isinf(lp.logprobs[-1, 1:]).sum() == 0 and int(out.sampled_token_ids[-1, 0]) in (3, 5, 9, 11)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        SamplingParams(logprobs_mode="processed")
