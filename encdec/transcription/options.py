@@ -22,7 +22,9 @@ class TranscribeOptions:
     - ``"sequential"`` (default): openai/whisper's long-form algorithm as HF
       ``generate`` runs it (seek to the last timestamp, temperature fallback,
       no-speech skip, conditioning on the previous text): what users of the other
-      Whisper runtimes get, and token-identical to HF.
+      Whisper runtimes get, token-identical to HF at temperature 0; the fallback
+      rules (text compression ratio, the best attempt when all fail) are
+      faster-whisper's (``transcription.sequential``).
     - ``"independent"``: every 30 s window at once, cut at quiet points, no
       fallback or conditioning (faster on one long file, no retries).
     """
