@@ -24,6 +24,9 @@ class BeamCandidates:
     scores: list[float]  # summed log-probs (float32 values)
     parents: list[int]  # the beam (slot in the group's seq order) each extends
     tokens: list[int]  # the token each appends
+    # the token's log-prob with its row renormalised after the processors' masks
+    # (what HF's Whisper fallback rule averages; the search itself ranks on `scores`)
+    token_logprobs: list[float]
 
 
 @dataclass
@@ -70,10 +73,13 @@ def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, 
         running = torch.tensor([sd.cumulative_logprob for g in groups
                                 for sd in beam_rows.metas[g].seq_data.values()],
                                dtype=torch.float32, device=logprobs.device)
-        scores = logprobs.index_select(0, index).view(len(groups), k, vocab) + running.view(-1, k, 1)
+        rows = logprobs.index_select(0, index).view(len(groups), k, vocab)
+        scores = rows + running.view(-1, k, 1)
         values, flat = torch.topk(scores.view(len(groups), k * vocab), k=min(num_cand, k * vocab))
-        values, flat = values.tolist(), flat.tolist()
+        norm = torch.logsumexp(rows, dim=-1)  # (G, k)
+        renormed = rows.view(len(groups), k * vocab).gather(1, flat) - norm.gather(1, flat // vocab)
+        values, flat, renormed = values.tolist(), flat.tolist(), renormed.tolist()
         for r, g in enumerate(groups):
             out[beam_rows.metas[g].request_id] = BeamCandidates(
-                values[r], [i // vocab for i in flat[r]], [i % vocab for i in flat[r]])
+                values[r], [i // vocab for i in flat[r]], [i % vocab for i in flat[r]], renormed[r])
     return out

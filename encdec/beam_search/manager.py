@@ -37,12 +37,16 @@ _NEG = -1.0e9
 @dataclass
 class BeamCompletionOutput(CompletionOutput):
     score: float = 0.0  # HF's length-normalised score (sequences_scores)
+    # sum of the tokens' log-probs, each step's row renormalised after the processors
+    # (HF Whisper's _retrieve_avg_logprobs numerator; cumulative_logprob is not renormalised)
+    renormalized_logprob: float = 0.0
 
 
 @dataclass
 class _Hypothesis:
     tokens: list[int]  # decoder prompt + generated ids
     cum_logprob: float
+    renormalized_logprob: float
     finish_reason: str
     stop_reason: int | str | None
 
@@ -62,6 +66,7 @@ class _BeamState:
         self.pool_finished = torch.zeros(k, dtype=torch.bool)
         self.pool: list[_Hypothesis | None] = [None] * k  # None: not a finished hypothesis
         self.improvable = True
+        self.renormalized: dict[int, float] = {}  # seq_id -> its path's renormalised log-prob sum
 
 
 class BeamSearchManager:
@@ -134,7 +139,7 @@ class BeamSearchManager:
             state.pool_finished = step.pool_finished[r].clone()
             # Only finished entries hold a hypothesis; the rest are HF's -1e9 placeholders.
             state.pool = [None if not finished else state.pool[i] if i < k
-                          else self._hypothesis(seqs, cand, i - k, reasons[r][i - k])
+                          else self._hypothesis(state, seqs, cand, i - k, reasons[r][i - k])
                           for i, finished in zip(pool_from[r], state.pool_finished.tolist())]
             state.improvable = bool(step.improvable[r])
             if done[r]:
@@ -142,8 +147,7 @@ class BeamSearchManager:
                     seq.status = SequenceStatus.FINISHED_STOPPED
                     self._free_seq(seq)
             else:
-                self._advance(group, seqs, [(cand.parents[c], cand.tokens[c]) for c in running[r]],
-                              running_scores[r])
+                self._advance(state, group, seqs, cand, running[r], running_scores[r])
 
     def _end_reason(self, state: _BeamState, parent: Sequence, token: int,
                     cur_len: int) -> tuple[str, int | str | None] | None:
@@ -162,14 +166,19 @@ class BeamSearchManager:
         return None
 
     @staticmethod
-    def _hypothesis(seqs: list[Sequence], cand: BeamCandidates, c: int,
+    def _hypothesis(state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int,
                     reason: tuple[str, int | str | None]) -> _Hypothesis:
-        tokens = seqs[cand.parents[c]].get_token_ids() + [cand.tokens[c]]
-        return _Hypothesis(tokens, cand.scores[c], reason[0], reason[1])
+        parent = seqs[cand.parents[c]]
+        renormalized = state.renormalized.get(parent.seq_id, 0.0) + cand.token_logprobs[c]
+        return _Hypothesis(parent.get_token_ids() + [cand.tokens[c]], cand.scores[c], renormalized,
+                           reason[0], reason[1])
 
-    def _advance(self, group: SequenceGroup, seqs: list[Sequence], beams: list[tuple[int, int]],
-                 scores: list[float]) -> None:
-        """Make the group's running sequences the new beams, in order."""
+    def _advance(self, state: _BeamState, group: SequenceGroup, seqs: list[Sequence],
+                 cand: BeamCandidates, chosen: list[int], scores: list[float]) -> None:
+        """Make the group's running sequences the new beams (candidates ``chosen``), in order."""
+        beams = [(cand.parents[c], cand.tokens[c]) for c in chosen]
+        renormalized = [state.renormalized.get(seqs[cand.parents[c]].seq_id, 0.0) + cand.token_logprobs[c]
+                        for c in chosen]
         new_seqs: list[Sequence] = []
         claimed: set[int] = set()
         for parent, _ in beams:
@@ -186,6 +195,7 @@ class BeamSearchManager:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 self._free_seq(seq)
                 group.remove(seq.seq_id)
+        state.renormalized = {seq.seq_id: value for seq, value in zip(new_seqs, renormalized)}
         for seq, (_, token), score in zip(new_seqs, beams, scores):
             seq.append_token_id(token)
             seq.data.cumulative_logprob = score
@@ -210,7 +220,7 @@ class BeamSearchManager:
             outputs.append(BeamCompletionOutput(
                 index=i, text=text, token_ids=generated, cumulative_logprob=hyp.cum_logprob,
                 logprobs=None, finish_reason=hyp.finish_reason, stop_reason=hyp.stop_reason,
-                score=scores[i]))
+                score=scores[i], renormalized_logprob=hyp.renormalized_logprob))
         base = RequestOutput.from_seq_group(group)
         base.outputs = outputs
         return base

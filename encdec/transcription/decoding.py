@@ -16,8 +16,9 @@ temperature, so an attempt asks for ``logprobs_mode="processed_logprobs"``. The
 raw log-probs differ where the timestamp rules mask much of a step's mass: on a
 window of silence tiny.en's "you" averages -2.11 raw against -0.83 processed,
 and the raw figure failed the -1.0 threshold, retrying windows HF and
-faster-whisper keep. For a beam hypothesis the sum is its ``cumulative_logprob``
-(log-softmax, then the processors' masks, summed over the beam's path).
+faster-whisper keep. For a beam hypothesis HF renormalises the same way the
+scores its search ranked on (log-softmax, then the processors' masks): the sum is
+the hypothesis' ``renormalized_logprob``, not its ``cumulative_logprob``.
 """
 from __future__ import annotations
 
@@ -40,5 +41,5 @@ def attempt_result(completion: Any) -> tuple[list[int], float]:
     hypothesis carries no per-token log-probs, only their sum."""
     ids = list(completion.token_ids)
     if completion.logprobs is None:
-        return ids, float(completion.cumulative_logprob)
+        return ids, float(completion.renormalized_logprob)
     return ids, sum(d[t].logprob for t, d in zip(ids, completion.logprobs))

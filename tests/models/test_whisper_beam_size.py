@@ -4,6 +4,7 @@ conditioning on previous tokens, the fallback thresholds), plus the independent
 mode and the CLI flag."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.models.test_whisper_longform import hf_longform, long_file, ours, tiny, tiny_hf  # noqa: F401
@@ -11,13 +12,19 @@ from tests.models.test_whisper_longform import hf_longform, long_file, ours, tin
 BEAMS = 5
 
 
-@pytest.mark.parametrize("which", ["short", "long"])
+@pytest.mark.parametrize("which", ["short", "long", "silence"])
 def test_beam_size_matches_hf_num_beams(tiny, tiny_hf, speech_clips, which):  # noqa: F811
+    """"silence": 35 s of digital silence, then a sentence, at temperature 0 only.
+    Whether the silent window is kept depends on its average log-prob, which HF
+    takes over each step's processed log-probs renormalised."""
     _, _, wavs = speech_clips
-    audio = wavs[3] if which == "short" else long_file(wavs[:14])
-    assert (len(audio) > 30 * 16000) == (which == "long")
-    got, t = ours(tiny, audio, beam_size=BEAMS)  # asserts temperature 0 everywhere: no sampled retry
-    assert got == hf_longform(tiny_hf, audio, num_beams=BEAMS)
+    audio = {"short": wavs[3], "long": long_file(wavs[:14]),
+             "silence": np.concatenate([np.zeros(16000 * 35, np.float32), wavs[3]])}[which]
+    assert (len(audio) > 30 * 16000) == (which != "short")
+    # "silence": beams repeat a phrase there, which the ratio rule would retry by sampling
+    temps = {"temperature": (0.0,)} if which == "silence" else {}
+    got, t = ours(tiny, audio, beam_size=BEAMS, **temps)  # asserts temperature 0 everywhere: no sampled retry
+    assert got == hf_longform(tiny_hf, audio, num_beams=BEAMS, **temps)
     (greedy,) = tiny.transcribe((audio, 16000), use_tqdm=False)
     print(f"\n{which}: {len(got)} segments; beams differ from greedy in "
           f"{sum(a[2] != b.tokens for a, b in zip(got, greedy.segments))} of them")

@@ -29,9 +29,10 @@ def hf_longform(hf, audio: np.ndarray, **kw) -> list[tuple[float, float, list[in
     long = len(audio) > 30 * 16000
     feats = proc.feature_extractor(audio, sampling_rate=16000, return_tensors="pt", truncation=not long,
                                    padding="longest" if long else "max_length", return_attention_mask=True)
+    kw = {"temperature": TEMPS, **kw}
     with torch.inference_mode():
         out = model.generate(feats.input_features, attention_mask=feats.attention_mask, return_timestamps=True,
-                             return_segments=True, condition_on_prev_tokens=True, temperature=TEMPS,
+                             return_segments=True, condition_on_prev_tokens=True,
                              compression_ratio_threshold=2.4, logprob_threshold=-1.0, no_speech_threshold=0.6,
                              **kw)
     return [(round(float(s["start"]), 2), round(float(s["end"]), 2), s["tokens"].tolist())
@@ -39,8 +40,8 @@ def hf_longform(hf, audio: np.ndarray, **kw) -> list[tuple[float, float, list[in
 
 
 def ours(llm, audio: np.ndarray, **kw) -> tuple[list[tuple[float, float, list[int]]], object]:
-    (t,) = llm.transcribe((audio, 16000), temperature=TEMPS, condition_on_previous_text=True, use_tqdm=False,
-                          **RULES, **kw)
+    kw = {"temperature": TEMPS, **kw}
+    (t,) = llm.transcribe((audio, 16000), condition_on_previous_text=True, use_tqdm=False, **RULES, **kw)
     assert all(s.temperature == 0.0 for s in t.segments)  # exactness is at temperature 0
     return [(round(s.start, 2), round(s.end, 2), s.tokens) for s in t.segments], t
 
