@@ -166,19 +166,20 @@ class BeamSearchManager:
         return None
 
     @staticmethod
-    def _hypothesis(state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int,
+    def _renormalized(state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int) -> float:
+        """Candidate ``c``'s path sum of renormalised log-probs (its parent's plus its token's)."""
+        return state.renormalized.get(seqs[cand.parents[c]].seq_id, 0.0) + cand.token_logprobs[c]
+
+    def _hypothesis(self, state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int,
                     reason: tuple[str, int | str | None]) -> _Hypothesis:
-        parent = seqs[cand.parents[c]]
-        renormalized = state.renormalized.get(parent.seq_id, 0.0) + cand.token_logprobs[c]
-        return _Hypothesis(parent.get_token_ids() + [cand.tokens[c]], cand.scores[c], renormalized,
-                           reason[0], reason[1])
+        return _Hypothesis(seqs[cand.parents[c]].get_token_ids() + [cand.tokens[c]], cand.scores[c],
+                           self._renormalized(state, seqs, cand, c), reason[0], reason[1])
 
     def _advance(self, state: _BeamState, group: SequenceGroup, seqs: list[Sequence],
                  cand: BeamCandidates, chosen: list[int], scores: list[float]) -> None:
         """Make the group's running sequences the new beams (candidates ``chosen``), in order."""
         beams = [(cand.parents[c], cand.tokens[c]) for c in chosen]
-        renormalized = [state.renormalized.get(seqs[cand.parents[c]].seq_id, 0.0) + cand.token_logprobs[c]
-                        for c in chosen]
+        renormalized = [self._renormalized(state, seqs, cand, c) for c in chosen]
         new_seqs: list[Sequence] = []
         claimed: set[int] = set()
         for parent, _ in beams:

@@ -146,12 +146,12 @@ class Sampler(nn.Module):
     4. bad words: ban the last token of a word whose prefix ends the output
     5. non-argmax-invariant processors (min-tokens, logit bias, custom)
     6. repetition, frequency and presence penalties
+    6b. log-softmax of rows with logprobs_mode="processed_logprobs" (their reported logprobs)
     7. greedy rows: argmax; if every row is greedy, stop here
     8. temperature
     9. argmax-invariant processors (min-p, custom)
     10. top-k, then top-p
     11. softmax and exponential-race sampling (per-row generators for seeded rows)
-    6b. processed logprobs, for rows with logprobs_mode="processed_logprobs"
     12. logprobs of the sampled token (rank among the reported ones) and the top k
 
     An all-greedy batch with no logprobs, penalties, allowed ids or bad words
