@@ -24,9 +24,10 @@ class BeamCandidates:
     scores: list[float]  # summed log-probs (float32 values)
     parents: list[int]  # the beam (slot in the group's seq order) each extends
     tokens: list[int]  # the token each appends
-    # the token's log-prob with its row renormalised after the processors' masks
-    # (what HF's Whisper fallback rule averages; the search itself ranks on `scores`)
-    token_logprobs: list[float]
+    # the token's log-prob with its row renormalised after the processors' masks (what
+    # HF's Whisper fallback rule averages; the search ranks on `scores`); None unless
+    # the request's BeamSearchParams.renormalized_logprob
+    token_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -76,10 +77,14 @@ def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, 
         rows = logprobs.index_select(0, index).view(len(groups), k, vocab)
         scores = rows + running.view(-1, k, 1)
         values, flat = torch.topk(scores.view(len(groups), k * vocab), k=min(num_cand, k * vocab))
-        norm = torch.logsumexp(rows, dim=-1)  # (G, k)
-        renormed = rows.view(len(groups), k * vocab).gather(1, flat) - norm.gather(1, flat // vocab)
-        values, flat, renormed = values.tolist(), flat.tolist(), renormed.tolist()
+        renormed = [None] * len(groups)
+        if any(beam_rows.metas[g].sampling_params.beam.renormalized_logprob for g in groups):
+            norm = torch.logsumexp(rows, dim=-1)  # (G, k)
+            renormed = (rows.view(len(groups), k * vocab).gather(1, flat) - norm.gather(1, flat // vocab)).tolist()
+        values, flat = values.tolist(), flat.tolist()
         for r, g in enumerate(groups):
+            asked = beam_rows.metas[g].sampling_params.beam.renormalized_logprob
             out[beam_rows.metas[g].request_id] = BeamCandidates(
-                values[r], [i // vocab for i in flat[r]], [i % vocab for i in flat[r]], renormed[r])
+                values[r], [i // vocab for i in flat[r]], [i % vocab for i in flat[r]],
+                renormed[r] if asked else None)
     return out

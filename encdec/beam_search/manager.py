@@ -38,15 +38,16 @@ _NEG = -1.0e9
 class BeamCompletionOutput(CompletionOutput):
     score: float = 0.0  # HF's length-normalised score (sequences_scores)
     # sum of the tokens' log-probs, each step's row renormalised after the processors
-    # (HF Whisper's _retrieve_avg_logprobs numerator; cumulative_logprob is not renormalised)
-    renormalized_logprob: float = 0.0
+    # (HF Whisper's _retrieve_avg_logprobs numerator; cumulative_logprob is not
+    # renormalised); None unless BeamSearchParams.renormalized_logprob
+    renormalized_logprob: float | None = None
 
 
 @dataclass
 class _Hypothesis:
     tokens: list[int]  # decoder prompt + generated ids
     cum_logprob: float
-    renormalized_logprob: float
+    renormalized_logprob: float | None
     finish_reason: str
     stop_reason: int | str | None
 
@@ -166,8 +167,11 @@ class BeamSearchManager:
         return None
 
     @staticmethod
-    def _renormalized(state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int) -> float:
-        """Candidate ``c``'s path sum of renormalised log-probs (its parent's plus its token's)."""
+    def _renormalized(state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int) -> float | None:
+        """Candidate ``c``'s path sum of renormalised log-probs (its parent's plus its
+        token's); None when the request did not ask for it."""
+        if cand.token_logprobs is None:
+            return None
         return state.renormalized.get(seqs[cand.parents[c]].seq_id, 0.0) + cand.token_logprobs[c]
 
     def _hypothesis(self, state: _BeamState, seqs: list[Sequence], cand: BeamCandidates, c: int,

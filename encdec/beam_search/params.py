@@ -41,13 +41,17 @@ class BeamSearchParams:
     skip_special_tokens: bool = True
     forced_bos_token_id: int | None = None  # HF: forced as the first generated token
     forced_eos_token_id: int | None = None  # HF: forced when one token is left
+    # Also report each hypothesis' log-probs renormalised after the processors, summed
+    # (BeamCompletionOutput.renormalized_logprob: HF Whisper's fallback average); one
+    # more vocabulary-wide pass per step, so off unless asked for.
+    renormalized_logprob: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
             setattr(self, name, check_int(name, getattr(self, name)))
         for name in ("max_tokens", "forced_bos_token_id", "forced_eos_token_id"):
             setattr(self, name, check_int(name, getattr(self, name), none_ok=True))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "renormalized_logprob"):
             setattr(self, name, check_bool(name, getattr(self, name)))
         for name in ("length_penalty", "temperature"):
             setattr(self, name, check_number(name, getattr(self, name)))

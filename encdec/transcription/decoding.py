@@ -31,7 +31,7 @@ def attempt_params(temperature: float, *, beam_size: int, max_tokens: int | None
                    seed: int | None) -> SamplingParams | BeamSearchParams:
     """The params of one attempt at ``temperature`` (module docstring)."""
     if beam_size > 1 and temperature == 0.0:
-        return BeamSearchParams(beam_size, max_tokens)
+        return BeamSearchParams(beam_size, max_tokens, renormalized_logprob=True)
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
                           logprobs_mode="processed_logprobs", seed=seed)
 

@@ -90,7 +90,6 @@ class _Window:
         self.probe_open = False
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
         self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
-        self.judged: list[tuple[list[int], float, float]] = []  # (ids, avg logprob, ratio), ladder order
 
 
 class SequentialJob:
@@ -302,10 +301,7 @@ class SequentialJob:
                                   no_speech_threshold=opts.no_speech_threshold)
 
         while w.temp_index in w.results:
-            ids, sum_lp = w.results[w.temp_index]
-            avg = sum_lp / max(len(ids), 1)
-            ratio = compression_ratio(self._tokenizer.decode([t for t in ids if t < self._ids.eot]).strip())
-            w.judged.append((ids, avg, ratio))
+            ids, avg, ratio = self._score(w.results[w.temp_index])
             retry, skip = judge(ratio, avg)
             if retry and w.temp_index + 1 < len(opts.temperature):
                 if w.temp_index == 0:  # the first failure: every remaining temperature at once
@@ -314,11 +310,18 @@ class SequentialJob:
                 w.temp_index += 1
                 continue
             if retry:  # every temperature failed; the no-speech rule judges the one taken
-                ids, avg, ratio = best_attempt(w.judged, opts.compression_ratio_threshold)
+                scored = [self._score(w.results[i]) for i in range(len(opts.temperature))]
+                ids, avg, ratio = best_attempt(scored, opts.compression_ratio_threshold)
                 skip = judge(ratio, avg)[1]
             self._abandon(w)
             self._decide(w, ids, avg, ratio, skip)
             return
+
+    def _score(self, result: tuple[list[int], float]) -> tuple[list[int], float, float]:
+        """(ids, summed log-probs) of an attempt -> (ids, average log-prob, compression ratio of its text)."""
+        ids, sum_lp = result
+        text = self._tokenizer.decode([t for t in ids if t < self._ids.eot]).strip()
+        return ids, sum_lp / max(len(ids), 1), compression_ratio(text)
 
     def _abandon(self, w: _Window) -> None:
         """Give up the window's attempts still in flight (higher temperatures)."""
