@@ -36,6 +36,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # {prompt position: {token id: raw log-prob}}, as SamplingParams.prompt_token_logprobs asked
+    prompt_token_logprobs: dict[int, dict[int, float]] | None = None
     error: str | None = None  # set when the request could not run (e.g. never fits the cache)
 
     @classmethod
@@ -72,6 +74,7 @@ class RequestOutput:
             finished=group.is_finished(),
             metrics=group.metrics,
             prompt_logprobs=group.prompt_logprobs,
+            prompt_token_logprobs=group.prompt_token_logprobs,
             error=group.error,
         )
 

@@ -60,6 +60,22 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     return out
 
 
+def _prompt_token_logprobs(value: Any) -> dict[int, list[int]] | None:
+    """{decoder-prompt position: token ids}, positions and ids as ints."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"prompt_token_logprobs must be a dict, got {type(value).__name__}")
+    out: dict[int, list[int]] = {}
+    for position, ids in value.items():
+        position = _int("prompt_token_logprobs keys (prompt positions)", position)
+        ids = _int_list(f"prompt_token_logprobs[{position}]", ids)
+        if not ids:
+            raise ValueError(f"prompt_token_logprobs[{position}] must name at least one token id, got {ids!r}")
+        out[position] = ids
+    return out
+
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
@@ -94,6 +110,14 @@ class SamplingParams:
     # temperatures on these, as HF and openai/whisper do). vLLM sets this per engine.
     logprobs_mode: str = "raw_logprobs"
     prompt_logprobs: int | None = None
+    # Raw log-probs of chosen tokens as the token after chosen decoder-prompt
+    # positions: {position: [token ids]}; a negative position counts from the
+    # end (-1: the last prompt token, whose distribution is the first generated
+    # token's before any processor). Reported once, as
+    # RequestOutput.prompt_token_logprobs {position: {token id: log-prob}}.
+    # vLLM's prompt_logprobs is every position's top-k; Whisper's no-speech rule
+    # needs one token at one position, read from the window's own prefill.
+    prompt_token_logprobs: dict[int, list[int]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -119,6 +143,7 @@ class SamplingParams:
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids) or []
         self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.prompt_token_logprobs = _prompt_token_logprobs(self.prompt_token_logprobs)
         if self.best_of is None:
             self.best_of = self.n
         for name in ("n", "best_of", "top_k", "min_tokens", "no_repeat_ngram_size"):
@@ -182,6 +207,7 @@ class SamplingParams:
             "allowed_token_ids": self.allowed_token_ids or [],
             "stop_token_ids": self.stop_token_ids,
             "bad_words": [t for w in self._bad_words_token_ids or () for t in w],
+            "prompt_token_logprobs": [t for ids in (self.prompt_token_logprobs or {}).values() for t in ids],
         }
         for name, ids in fields.items():
             bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -236,6 +236,8 @@ class SequenceGroup:
         self.error: str | None = None
         # Decoder-prompt logprobs, filled at prefill when asked.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        # Raw log-probs at chosen prompt positions (SamplingParams.prompt_token_logprobs).
+        self.prompt_token_logprobs: dict[int, dict[int, float]] | None = None
 
     @property
     def prompt(self) -> str | None:

@@ -395,6 +395,9 @@ class LLMEngine:
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")
+        far = [p for p in params.prompt_token_logprobs or () if not -dec_len <= p < dec_len]
+        if far:
+            raise ValueError(f"prompt_token_logprobs positions {far} are outside the {dec_len}-token decoder prompt")
         # Audio requests carry placeholder encoder ids; the decoder's are real.
         ids = inputs["prompt_token_ids"] if "encoder_features" in inputs \
             else inputs["encoder_prompt_token_ids"] + inputs["prompt_token_ids"]
@@ -498,6 +501,10 @@ class LLMEngine:
             group = self.groups.get(request_id)
             if group is not None and group.prompt_logprobs is None:
                 group.prompt_logprobs = lps
+        for request_id, lps in output.prompt_token_logprobs.items():
+            group = self.groups.get(request_id)
+            if group is not None and group.prompt_token_logprobs is None:
+                group.prompt_token_logprobs = lps
         self.num_generated_tokens += len(output.samples)
         if output.beam_candidates:  # beam groups: tokens come from HF's beam rules, not sampling
             self.num_generated_tokens += sum(self.groups[r].num_seqs(SequenceStatus.RUNNING)

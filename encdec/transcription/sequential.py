@@ -7,7 +7,7 @@ Per file, one 30 s window at a time::
     [language detection on the first 30 s, multilingual models without a language]
     while seek < end of clip:
         window = features[:, seek:seek + 3000]   (one tensor, shared by every retry)
-        decode at temperatures[0]  (+ a one-step probe for P(<|nospeech|>) at SOT)
+        decode at temperatures[0], with P(<|nospeech|>) at SOT from its prefill
         while compression ratio > threshold or avg logprob < threshold:
             take the attempt at the next temperature   (same window features)
             (all failed: the best avg logprob under the ratio threshold)
@@ -26,9 +26,12 @@ are bound by reading the weights).
 
 Every request is an ordinary engine request, so the windows of all files of a
 call, and their retries, share the engine's continuous batching: a file's next
-window is asked for the moment its previous one is decided. Retries and probes
-carry the window's features tensor itself, so with the engine's encoder cache
-they reuse one encoder pass (``encoder_passes`` counts the passes run).
+window is asked for the moment its previous one is decided. Retries carry the
+window's features tensor itself, so with the engine's encoder cache they reuse
+one encoder pass (``encoder_passes`` counts the passes run). P(no speech) is
+HF's: the raw probability of ``<|nospeech|>`` after ``<|startoftranscript|>``,
+read from the first attempt's prefill (``SamplingParams.prompt_token_logprobs``);
+a beam attempt cannot report it, so with beams a one-step probe request asks.
 
 Where HF and openai/whisper differ this follows HF (the tests compare against
 it), except in two rules where it takes faster-whisper's, whose option names and
@@ -87,7 +90,9 @@ class _Window:
         self.first = first  # the first window of the file (carries the prefix)
         self.temp_index = 0  # the attempt being judged
         self.no_speech_prob: float | None = None
-        self.probe_open = False
+        # (prompt position of SOT, no-speech token) when the first attempt reports P(no speech)
+        self.no_speech_at: tuple[int, int] | None = None
+        self.probe_open = False  # a one-step probe request asks for it instead (beam attempts)
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
         self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
 
@@ -133,6 +138,7 @@ class SequentialJob:
         self._prefix = encode(options.prefix) if options.prefix else None
         self._history: list[list[int]] = [self._prompt_text] if self._prompt_text else []
         self._condition = options.condition_on_previous_text
+        self._beams_first = options.beam_size > 1 and options.temperature[0] == 0.0
         base = options.sampling_params
         self._max_tokens = base.max_tokens if base is not None else None
         self._seed = base.seed if base is not None else None
@@ -200,7 +206,11 @@ class SequentialJob:
             w.no_speech_prob = float(np.exp(completion.logprobs[0][completion.token_ids[0]].logprob))
             w.probe_open = False
         else:
-            w.results[w.open.pop(ticket)] = attempt_result(completion)
+            index = w.open.pop(ticket)
+            w.results[index] = attempt_result(completion)
+            if index == 0 and w.no_speech_at is not None:
+                pos, token = w.no_speech_at
+                w.no_speech_prob = float(np.exp(output.prompt_token_logprobs[pos][token]))
         self._advance(w)
 
     @property
@@ -268,15 +278,18 @@ class SequentialJob:
         dec = decoder_prompt(self._init, prev_sot=self._ids.prev_sot, previous=prev, hotwords=self._hotwords,
                              prefix=self._prefix if first else None, timestamp_begin=tb, timestamps=True,
                              max_length=self._max_length)
-        self._window = _Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
+        self._window = w = _Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
         if opts.no_speech_threshold is not None and opts.log_prob_threshold is not None:
-            sot_at = len(dec) - 1 - dec[::-1].index(self._ids.sot)
-            probe = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[self._ids.no_timestamps - 1],
-                                   logprobs=0, extra_args={"whisper_timestamps": False,
-                                                           "whisper_suppress_tokens": False})
-            self._window.probe_open = True
-            self._ask("probe", dec[: sot_at + 1], probe, self._window.features)
-        self._attempt(self._window, 0)
+            # P(no speech): HF's no-speech token, scored raw after <|startoftranscript|>
+            at = (len(dec) - 1 - dec[::-1].index(self._ids.sot), self._ids.no_timestamps - 1)
+            if self._beams_first:  # a beam request carries no prompt scores: a one-step probe
+                probe = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[at[1]], logprobs=0,
+                                       extra_args={"whisper_timestamps": False, "whisper_suppress_tokens": False})
+                w.probe_open = True
+                self._ask("probe", dec[: at[0] + 1], probe, w.features)
+            else:  # read from the first attempt's own prefill
+                w.no_speech_at = at
+        self._attempt(w, 0)
 
     def _attempt(self, w: _Window, index: int) -> None:
         t = self.options.temperature[index]
@@ -284,6 +297,9 @@ class SequentialJob:
         if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
             seed = self._seed + 1000 * w.seek + index
         params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed)
+        if index == 0 and w.no_speech_at is not None:
+            pos, token = w.no_speech_at
+            params.prompt_token_logprobs = {pos: [token]}
         w.open[self._ask("window", w.prompt, params, w.features)] = index
 
     def _advance(self, w: _Window) -> None:

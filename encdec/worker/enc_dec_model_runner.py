@@ -42,8 +42,48 @@ class SampledToken:
 class ModelRunnerOutput:
     samples: list[SampledToken]  # one per sampled decoder sequence
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)
+    prompt_token_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
     # beam groups (no samples): request_id -> the top continuations over its beams
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
+
+
+class AskedPosition(NamedTuple):
+    """A decoder-prompt position a prefill asks raw log-probs at (SamplingParams.prompt_token_logprobs)."""
+
+    request_id: str
+    position: int  # as the request named it (may be negative)
+    hidden_index: int  # its row in the step's packed hidden states
+    token_ids: list[int]
+
+
+def _asked_prompt_positions(metas: list[SequenceGroupMetadata]) -> list[AskedPosition]:
+    """The step's prefills are packed first, in order, each whole (``prepare``)."""
+    out: list[AskedPosition] = []
+    start = 0
+    for m in metas:
+        if not m.is_prompt:
+            break
+        sd = next(iter(m.seq_data.values()))
+        asked = m.sampling_params.prompt_token_logprobs
+        if asked and sd.get_output_len() == 0:  # not again after a recompute
+            n = sd.get_prompt_len()
+            out += [AskedPosition(m.request_id, p, start + p % n, ids) for p, ids in asked.items()]
+        start += sd.get_len()
+    return out
+
+
+def _prompt_token_logprobs(logits: torch.Tensor,
+                           asked: list[AskedPosition]) -> dict[str, dict[int, dict[int, float]]]:
+    """Raw log-softmax of each asked row (no processor has touched these rows)."""
+    out: dict[str, dict[int, dict[int, float]]] = {}
+    if not asked:
+        return out
+    lps = logits.log_softmax(dim=-1, dtype=torch.float32)
+    for row, a in enumerate(asked):
+        vals = lps[row, a.token_ids].tolist()
+        out.setdefault(a.request_id, {})[a.position] = dict(zip(a.token_ids, vals))
+    return out
 
 
 class SampledRow(NamedTuple):
@@ -225,8 +265,14 @@ class EncoderDecoderModelRunner:
                                 **inp.encoder_inputs)
         order = self._update_batch(rows)
         sampling_md = self.input_batch.refresh_metadata()
-        index = torch.tensor([rows[i][1] for i in order], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # (num_rows, vocab)
+        # Prompt positions some prefills ask about ride in the same LM-head call
+        # (a memory-bound read of the whole head: an extra row costs next to nothing).
+        asked = _asked_prompt_positions(metas)
+        index = torch.tensor([rows[i][1] for i in order] + [a.hidden_index for a in asked],
+                             dtype=torch.long, device=self.device)
+        all_logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
+        token_lps = _prompt_token_logprobs(all_logits[len(order):], asked)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = find_beam_rows(metas, {rows[i][0]: r for r, i in enumerate(order)}, self.device)
         with single_thread(small):
@@ -239,7 +285,7 @@ class EncoderDecoderModelRunner:
         samples = [SampledToken(rows[i][0], tok, lp[r] if lp else {})
                    for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i][0] not in beam_seqs]
         return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
-                                 beam_candidates=candidates)
+                                 prompt_token_logprobs=token_lps, beam_candidates=candidates)
 
     def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:

@@ -33,6 +33,46 @@ def test_prompt_logprobs_match_hf(bart_llm, hf_bart):
     assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids)))
 
 
+def test_prompt_token_logprobs_are_raw_and_match_hf(bart_llm, hf_bart):
+    """Chosen tokens' raw log-probs at chosen prompt positions: an interior one and
+    the last (the first generated token's distribution, before any processor),
+    here beside a batch neighbour that asks nothing; what the row samples is unchanged."""
+    from encdec import ExplicitEncoderDecoderPrompt
+
+    banned = [5, 17]
+    prompt = ExplicitEncoderDecoderPrompt(encoder_prompt="The rain in spain",
+                                          decoder_prompt=TokensPrompt(prompt_token_ids=[0, 51, 178, 9]))
+    asked = {1: [7, 178, 300], -1: [5, 17, 42]}
+    p = SamplingParams(temperature=0, max_tokens=3, prompt_token_logprobs=asked,
+                       logit_bias={t: -100.0 for t in banned})  # a processor on the asked row
+    out, other = bart_llm.generate([prompt, "hello world"], [p, SamplingParams(temperature=0, max_tokens=3)],
+                                   use_tqdm=False)
+    plain = bart_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3,
+                                                     logit_bias={t: -100.0 for t in banned}), use_tqdm=False)[0]
+    dec = out.prompt_token_ids  # the decoder start token, then the four given
+    assert len(dec) == 5
+    with torch.no_grad():
+        ref = hf_bart(input_ids=torch.tensor([out.encoder_prompt_token_ids]),
+                      decoder_input_ids=torch.tensor([dec])).logits[0].log_softmax(-1)
+    assert set(out.prompt_token_logprobs) == {1, -1}
+    for pos, ids in asked.items():
+        got = out.prompt_token_logprobs[pos]
+        assert list(got) == ids
+        for t in ids:
+            assert math.isclose(got[t], ref[pos, t].item(), abs_tol=1e-4)
+    assert out.prompt_token_logprobs[-1][5] > -50  # raw: the bias is not in it
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids and plain.prompt_token_logprobs is None
+    assert other.prompt_token_logprobs is None
+    for bad, match in (({9: [1]}, "positions \\[9\\] are outside the 5-token"), ({0: []}, "at least one token id"),
+                       ({0: [10**9]}, "prompt_token_logprobs token ids"), ({"a": [1]}, "prompt_token_logprobs keys"),
+                       ([1], "prompt_token_logprobs must be a dict")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            bart_llm.generate([prompt, prompt], [SamplingParams(max_tokens=1),
+                                                 SamplingParams(max_tokens=1, prompt_token_logprobs=bad)],
+                              use_tqdm=False)
+    assert not bart_llm.llm_engine.has_unfinished_requests()
+
+
 def test_dummy_processor_three_ways(tiny_bart):
     from tests.sample.dummy_processor import DummyLogitsProcessor
 

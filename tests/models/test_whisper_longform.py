@@ -211,13 +211,14 @@ def test_prompts_follow_faster_whisper_get_prompt(tiny, ct2_dir, speech_clips, o
             assert got.text.startswith(option["prefix"])
 
 
-def _attempt_output(ids: list[int], logprob: float):
+def _attempt_output(ids: list[int], logprob: float, prompt_token_logprobs=None):
     """A finished engine output whose every token has log-prob ``logprob``."""
     from encdec.outputs import CompletionOutput, RequestOutput
     from encdec.sequence import Logprob
 
     done = CompletionOutput(0, "", ids, logprob * len(ids), [{t: Logprob(logprob)} for t in ids], "stop")
-    return RequestOutput("fake", None, [], None, [], [done], finished=True)
+    return RequestOutput("fake", None, [], None, [], [done], finished=True,
+                         prompt_token_logprobs=prompt_token_logprobs)
 
 
 def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
@@ -232,12 +233,12 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     window = [tb, 440, 1000, 2000, tb + 100, eot]  # one segment, 0-2 s; then the window is done
     good, bad = -0.1, -3.0  # average log-prob above / below log_prob_threshold (-1)
     job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions())
-    first = job.next_requests()
-    probe = next(r for r in first if r.params.allowed_token_ids)
-    (greedy,) = [r for r in first if r is not probe]
-    job.add_output(_attempt_output([ids.no_timestamps - 1], np.log(0.01)), probe.ticket)
-    assert job.next_requests() == []
-    job.add_output(_attempt_output(window, bad), greedy.ticket)
+    (greedy,) = job.next_requests()  # P(no speech) comes with the first attempt: no probe request
+    asked = greedy.params.prompt_token_logprobs
+    assert list(asked.values()) == [[ids.no_timestamps - 1]]
+    sot_at = list(asked)[0]
+    assert greedy.prompt["decoder_prompt"]["prompt_token_ids"][sot_at] == ids.sot
+    job.add_output(_attempt_output(window, bad, {sot_at: {ids.no_timestamps - 1: np.log(0.01)}}), greedy.ticket)
     retries = job.next_requests()
     assert [r.params.temperature for r in retries] == list(TEMPS[1:])
     by_temp = {r.params.temperature: r.ticket for r in retries}
@@ -251,6 +252,7 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     job.add_output(_attempt_output(window, good), by_temp[0.8])  # finished before its abort landed
     (seg,) = job.result().segments
     assert seg.temperature == 0.4 and seg.tokens == window[:-1] and (seg.start, seg.end) == (0.0, 2.0)
+    assert seg.no_speech_prob == pytest.approx(0.01)
     with pytest.raises(ValueError, match="ticket"):
         job.add_output(_attempt_output(window, good), 999)
 
