@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.ops import small_linear_cpu
 from encdec.attention.ops.build import cpu_isa
+from encdec.attention.ops.small_linear_cpu import small_linear
 from encdec.attention.ops.dense_cpu import dense_attention
 
 
@@ -32,6 +34,7 @@ def onednn_available() -> bool:
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
+    small_rows = False  # packed: inputs of a few rows run small_linear_cpu on the plain weight
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32); False where it does not apply."""
@@ -40,10 +43,12 @@ class Linear(nn.Linear):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
         self.fused_gelu = gelu_path() == "fused"
+        self.small_rows = w.is_contiguous() and small_linear_cpu.available()
         return True
 
     def unpack(self) -> None:
         self.packed = None
+        self.small_rows = False
 
     def _packed(self, x: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -51,6 +56,9 @@ class Linear(nn.Linear):
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
+        if rows <= small_linear_cpu.MAX_ROWS and self.small_rows:  # a decode step's few rows
+            out = small_linear(x2, self.weight, self.bias)
+            return (torch.ops.aten.gelu_(out) if post_op == "gelu" else out).view(*lead, self.out_features)
         bucket = _row_bucket(rows)
         if bucket != rows:  # zero rows, computed and dropped: see _row_bucket
             x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
