@@ -55,17 +55,13 @@ class WhisperLogitsProcessor(LogitsProcessor):
         self.max_initial = getattr(gc, "max_initial_timestamp_index", None)  # HF: None if unset
         self.task_ids = set(tokens.task_to_id.values())
         self.multilingual = tokens.is_multilingual
-        self.suppress_mask = self._mask(gc.suppress_tokens, vocab)  # (vocab,) True = suppress
-        self.begin_mask = self._mask(gc.begin_suppress_tokens, vocab)
+        self.suppress_ids = self._ids(gc.suppress_tokens, vocab)  # (k,) int64, None if none
+        self.begin_ids = self._ids(gc.begin_suppress_tokens, vocab)
         self.rows: dict[int, _Row] = {}
 
-    def _mask(self, ids: list[int] | None, vocab: int) -> torch.Tensor | None:
-        ids = [i for i in (ids or []) if 0 <= i < vocab]
-        if not ids:
-            return None
-        m = torch.zeros(vocab, dtype=torch.bool)
-        m[ids] = True
-        return m.to(self.device)
+    def _ids(self, ids: list[int] | None, vocab: int) -> torch.Tensor | None:
+        ids = sorted({i for i in (ids or []) if 0 <= i < vocab})
+        return torch.tensor(ids, dtype=torch.long, device=self.device) if ids else None
 
     @classmethod
     def validate_params(cls, params: Any) -> None:
@@ -99,21 +95,23 @@ class WhisperLogitsProcessor(LogitsProcessor):
             return logits
         n = logits.shape[0]
         rows = {i: r for i, r in self.rows.items() if i < n}
-        suppress = [i for i, r in rows.items() if r.suppress]
-        if self.suppress_mask is not None and suppress:
-            if len(suppress) == n:
-                logits.masked_fill_(self.suppress_mask, _NEG_INF)
-            else:
-                idx = torch.tensor(suppress, device=logits.device)
-                logits[idx] = logits[idx].masked_fill(self.suppress_mask, _NEG_INF)
-        first = [i for i, r in rows.items() if r.suppress and not r.output]
-        if self.begin_mask is not None and first:
-            idx = torch.tensor(first, device=logits.device)
-            logits[idx] = logits[idx].masked_fill(self.begin_mask, _NEG_INF)
+        # Suppressed ids are written column by column (~90 of ~51865): a
+        # vocab-wide mask was a third of this processor's time at 8 rows.
+        self._suppress(logits, [i for i, r in rows.items() if r.suppress], self.suppress_ids)
+        self._suppress(logits, [i for i, r in rows.items() if r.suppress and not r.output], self.begin_ids)
         ts_rows = sorted(i for i, r in rows.items() if r.timestamps)
         if ts_rows:
             self._timestamp_rules(logits, ts_rows, [rows[i].output for i in ts_rows])
         return logits
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, rows: list[int], ids: torch.Tensor | None) -> None:
+        if ids is None or not rows:
+            return
+        if len(rows) == logits.shape[0]:
+            logits.index_fill_(1, ids, _NEG_INF)
+        else:
+            logits[torch.tensor(rows, device=logits.device).unsqueeze(-1), ids] = _NEG_INF
 
     def _timestamp_rules(self, logits: torch.Tensor, ts_rows: list[int], outputs: list[list[int]]) -> None:
         """HF ``WhisperTimeStampLogitsProcessor``, row by row (begin_index = first output)."""
@@ -146,7 +144,9 @@ class WhisperLogitsProcessor(LogitsProcessor):
         sub[:, tb:].masked_fill_(ts_ids < low_t, _NEG_INF)
         logprobs = torch.log_softmax(sub.float(), dim=-1)
         ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
-        best_text = logprobs[:, :tb].max(dim=-1).values
-        sub[:, :tb].masked_fill_((ts_mass > best_text).unsqueeze(-1), _NEG_INF)
+        best_text = logprobs[:, :tb].amax(dim=-1)  # the values only: max() also finds indices, 10x slower
+        to_timestamp = ts_mass > best_text  # (R,) rows whose next token must be a timestamp
+        if bool(to_timestamp.any()):
+            sub[to_timestamp, :tb] = _NEG_INF
         if not whole:
             logits[ts_rows] = sub

@@ -177,8 +177,11 @@ class Sampler(nn.Module):
             logits[logprob_rows] = compute_logprobs(logits.index_select(0, logprob_rows))
         logits = self.apply_logits_processors(logits, md)
         if rows is not None:  # logprobs_mode="processed_logprobs": before temperature edits the logits
-            lp = compute_logprobs(logits.index_select(0, rows))
-            reported = lp if reported is None else reported.index_copy_(0, rows, lp)
+            if reported is None and len(rows) == logits.shape[0]:  # every row (rows are distinct)
+                reported = compute_logprobs(logits)
+            else:
+                lp = compute_logprobs(logits.index_select(0, rows))
+                reported = lp if reported is None else reported.index_copy_(0, rows, lp)
         processed = logits.index_select(0, logprob_rows) if logprob_rows is not None else None
         sampled = self.sample(logits, md)  # (num_reqs,)
         logprobs = None

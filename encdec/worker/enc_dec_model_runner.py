@@ -17,6 +17,7 @@ batch's order, which is what the logits processors index by.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -57,19 +58,25 @@ class AskedPosition(NamedTuple):
     token_ids: list[int]
 
 
-def _asked_prompt_positions(metas: list[SequenceGroupMetadata]) -> list[AskedPosition]:
-    """The step's prefills are packed first, in order, each whole (``prepare``)."""
-    out: list[AskedPosition] = []
+def _prefill_spans(metas: list[SequenceGroupMetadata]) -> Iterator[tuple[SequenceGroupMetadata, Any, int]]:
+    """(meta, its first sequence's data, its first row in the step's hidden
+    states) per prefill: ``prepare`` packs them first, in order, each whole."""
     start = 0
     for m in metas:
         if not m.is_prompt:
             break
         sd = next(iter(m.seq_data.values()))
+        yield m, sd, start
+        start += sd.get_len()
+
+
+def _asked_prompt_positions(metas: list[SequenceGroupMetadata]) -> list[AskedPosition]:
+    out: list[AskedPosition] = []
+    for m, sd, start in _prefill_spans(metas):
         asked = m.sampling_params.prompt_token_logprobs
         if asked and sd.get_output_len() == 0:  # not again after a recompute
             n = sd.get_prompt_len()
             out += [AskedPosition(m.request_id, p, start + p % n, ids) for p, ids in asked.items()]
-        start += sd.get_len()
     return out
 
 
@@ -292,11 +299,7 @@ class EncoderDecoderModelRunner:
         """Decoder-prompt logprobs for prefills that ask: position i's hidden
         state scores prompt token i + 1; the first token has none (None)."""
         out: dict[str, list[dict[int, Logprob] | None]] = {}
-        start = 0
-        for m in metas:
-            if not m.is_prompt:
-                break
-            sd = next(iter(m.seq_data.values()))
+        for m, sd, start in _prefill_spans(metas):
             k = m.sampling_params.prompt_logprobs
             n_prompt = sd.get_prompt_len()
             if k is not None and sd.get_output_len() == 0:  # not again after a recompute
@@ -312,7 +315,6 @@ class EncoderDecoderModelRunner:
                         d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
                     rows.append(d)
                 out[m.request_id] = rows
-            start += sd.get_len()
         return out
 
     @staticmethod
