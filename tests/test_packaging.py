@@ -47,6 +47,7 @@ def installed(tmp_path_factory) -> dict:
     (wheel,) = dist.glob("encdec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ("encdec/attention/ops/dense_attention_cpu.c", "encdec/attention/ops/paged_attention_cpu.c",
+                    "encdec/attention/ops/small_linear_cpu.c",
                     "encdec/benchmarks/bart_bench.py", "encdec/benchmarks/whisper_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
 
@@ -75,18 +76,19 @@ def test_generates_with_the_installed_wheel(installed, tmp_path):
     got = _python(installed, f"""
         import json, encdec
         from encdec import LLM, SamplingParams
-        from encdec.attention.ops import build, dense_cpu, paged_cpu
+        from encdec.attention.ops import build, dense_cpu, paged_cpu, small_linear_cpu
         from encdec.testing import make_random_bart
         llm = LLM(make_random_bart({str(tmp_path / "bart")!r}, seed=0), kv_cache_memory=16 << 20, swap_space=0.01)
         out = llm.generate(["The rain in spain", "A quick brown fox"],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         print(json.dumps({{"file": encdec.__file__, "tokens": [o.outputs[0].token_ids for o in out],
                           "isa": build.cpu_isa(), "paged": paged_cpu.available(),
-                          "dense": dense_cpu.available()}}))
+                          "dense": dense_cpu.available(), "small_linear": small_linear_cpu.path()}}))
     """)
     assert Path(got["file"]).is_relative_to(installed["venv"]), got["file"]
     assert [len(t) for t in got["tokens"]] == [8, 8]
     assert got["paged"], "the wheel's paged kernel source did not build"
+    assert got["small_linear"] == got["isa"], "the wheel's small-row linear did not build for this ISA"
     if got["isa"] != "none":
         assert got["dense"], "the wheel's dense kernel source did not build"
 
