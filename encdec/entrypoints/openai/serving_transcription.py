@@ -190,7 +190,7 @@ class TranscriptionServer:
             if t.text != sent and t.text.startswith(sent):
                 yield sse({"type": "transcript.text.delta", "delta": t.text[len(sent):]})
             self.metrics.audio_seconds.inc(job.duration)
-            yield sse({"type": "transcript.text.done", "text": t.text, "usage": progress.usage()})
+            yield sse({"type": "transcript.text.done", "text": t.text, "usage": progress.usage(job.duration)})
         except APIError as e:
             yield sse(e.response_body())
         except Exception as e:  # noqa: BLE001 - the stream has started: report in-band

@@ -18,7 +18,7 @@ from encdec.entrypoints.openai.protocol import APIError
 from encdec.outputs import RequestOutput
 from encdec.transcription import Transcription
 
-AUDIO_TOKENS = 1500  # Whisper encoder positions per 30 s window
+AUDIO_TOKENS_PER_SECOND = 50  # Whisper encoder positions per second of audio (1500 per 30 s window)
 
 
 class JobProgress:
@@ -28,11 +28,9 @@ class JobProgress:
     def __init__(self, notify: Callable[[], None] | None = None):
         self.notify = notify  # called after every finished request
         self.latest = ""  # the job's partial text after its last output
-        self.encoder_passes = self.text_tokens = self.output_tokens = 0
+        self.text_tokens = self.output_tokens = 0
 
     def finished(self, output: RequestOutput, text: str) -> None:
-        hit = getattr(getattr(output, "metrics", None), "encoder_cache_hit", None)
-        self.encoder_passes += hit is not True  # a retry or probe on a cached window encodes nothing
         self.text_tokens += len(output.prompt_token_ids)
         self.output_tokens += sum(len(c.token_ids) for c in output.outputs)
         self.latest = text
@@ -42,8 +40,12 @@ class JobProgress:
     def text(self) -> str:
         return self.latest
 
-    def usage(self) -> dict[str, Any]:
-        audio = AUDIO_TOKENS * self.encoder_passes
+    def usage(self, duration: float) -> dict[str, Any]:
+        """Token usage: the audio counts by its length (``duration`` seconds, as
+        the encoder sees it), whatever the encoder cache saved: an upload sent
+        twice costs the same. Text and output tokens are those of every request
+        the job ran, retries included."""
+        audio = round(AUDIO_TOKENS_PER_SECOND * duration)
         return {"type": "tokens", "input_tokens": audio + self.text_tokens, "output_tokens": self.output_tokens,
                 "total_tokens": audio + self.text_tokens + self.output_tokens,
                 "input_token_details": {"audio_tokens": audio, "text_tokens": self.text_tokens}}
