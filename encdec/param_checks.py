@@ -54,3 +54,19 @@ def str_list(name: str, value: Any) -> list[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         raise TypeError(f"{name} must be a str or a list of str, got {value!r}")
     return list(value)
+
+
+def prompt_token_logprobs(value: Any) -> dict[int, list[int]] | None:
+    """{decoder-prompt position: token ids}, positions and ids as ints."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"prompt_token_logprobs must be a dict, got {type(value).__name__}")
+    out: dict[int, list[int]] = {}
+    for position, ids in value.items():
+        position = check_int("prompt_token_logprobs keys (prompt positions)", position)
+        ids = int_list(f"prompt_token_logprobs[{position}]", ids)
+        if not ids:
+            raise ValueError(f"prompt_token_logprobs[{position}] must name at least one token id, got {ids!r}")
+        out[position] = ids
+    return out

@@ -17,6 +17,7 @@ from encdec.param_checks import check_bool as _bool
 from encdec.param_checks import check_int as _int
 from encdec.param_checks import check_number as _num
 from encdec.param_checks import int_list as _int_list
+from encdec.param_checks import prompt_token_logprobs as _prompt_token_logprobs
 from encdec.param_checks import str_list as _str_list
 
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
@@ -57,22 +58,6 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
         else:
             token = _int("logit_bias keys", key)
         out[token] = min(_MAX_BIAS, max(-_MAX_BIAS, _num(f"logit_bias[{key!r}]", bias)))
-    return out
-
-
-def _prompt_token_logprobs(value: Any) -> dict[int, list[int]] | None:
-    """{decoder-prompt position: token ids}, positions and ids as ints."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise TypeError(f"prompt_token_logprobs must be a dict, got {type(value).__name__}")
-    out: dict[int, list[int]] = {}
-    for position, ids in value.items():
-        position = _int("prompt_token_logprobs keys (prompt positions)", position)
-        ids = _int_list(f"prompt_token_logprobs[{position}]", ids)
-        if not ids:
-            raise ValueError(f"prompt_token_logprobs[{position}] must name at least one token id, got {ids!r}")
-        out[position] = ids
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
 
-from encdec.param_checks import check_bool, check_int, check_number, int_list, str_list
+from encdec.param_checks import check_bool, check_int, check_number, int_list, prompt_token_logprobs, str_list
 
 
 @dataclass
@@ -45,6 +45,9 @@ class BeamSearchParams:
     # (BeamCompletionOutput.renormalized_logprob: HF Whisper's fallback average); one
     # more vocabulary-wide pass per step, so off unless asked for.
     renormalized_logprob: bool = False
+    # SamplingParams.prompt_token_logprobs: raw log-probs of chosen tokens at chosen
+    # decoder-prompt positions, from the prefill (RequestOutput.prompt_token_logprobs)
+    prompt_token_logprobs: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
@@ -78,6 +81,7 @@ class BeamSearchParams:
         if any(s == "" for s in self.stop):
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
         self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids) or []
+        self.prompt_token_logprobs = prompt_token_logprobs(self.prompt_token_logprobs)
 
 
 @dataclass

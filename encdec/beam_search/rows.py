@@ -35,4 +35,5 @@ class BeamRowParams(SamplingParams):
             stop_token_ids=list(params.stop_token_ids),
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens, detokenize=False,
-            no_repeat_ngram_size=params.no_repeat_ngram_size, extra_args=extra or None, beam=params)
+            no_repeat_ngram_size=params.no_repeat_ngram_size, extra_args=extra or None,
+            prompt_token_logprobs=params.prompt_token_logprobs, beam=params)

@@ -27,13 +27,15 @@ from typing import Any
 from encdec.sampling_params import BeamSearchParams, SamplingParams
 
 
-def attempt_params(temperature: float, *, beam_size: int, max_tokens: int | None,
-                   seed: int | None) -> SamplingParams | BeamSearchParams:
-    """The params of one attempt at ``temperature`` (module docstring)."""
+def attempt_params(temperature: float, *, beam_size: int, max_tokens: int | None, seed: int | None,
+                   prompt_token_logprobs: dict[int, list[int]] | None = None) -> SamplingParams | BeamSearchParams:
+    """The params of one attempt at ``temperature`` (module docstring);
+    ``prompt_token_logprobs`` as ``SamplingParams``' (P(no speech) of a window's first attempt)."""
     if beam_size > 1 and temperature == 0.0:
-        return BeamSearchParams(beam_size, max_tokens, renormalized_logprob=True)
+        return BeamSearchParams(beam_size, max_tokens, renormalized_logprob=True,
+                                prompt_token_logprobs=prompt_token_logprobs)
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                          logprobs_mode="processed_logprobs", seed=seed)
+                          logprobs_mode="processed_logprobs", seed=seed, prompt_token_logprobs=prompt_token_logprobs)
 
 
 def attempt_result(completion: Any) -> tuple[list[int], float]:

@@ -30,8 +30,8 @@ window is asked for the moment its previous one is decided. Retries carry the
 window's features tensor itself, so with the engine's encoder cache they reuse
 one encoder pass (``encoder_passes`` counts the passes run). P(no speech) is
 HF's: the raw probability of ``<|nospeech|>`` after ``<|startoftranscript|>``,
-read from the first attempt's prefill (``SamplingParams.prompt_token_logprobs``);
-a beam attempt cannot report it, so with beams a one-step probe request asks.
+read from the first attempt's prefill (``prompt_token_logprobs`` of its
+``SamplingParams`` or ``BeamSearchParams``), not from a second pass.
 
 Where HF and openai/whisper differ this follows HF (the tests compare against
 it), except in two rules where it takes faster-whisper's, whose option names and
@@ -90,9 +90,8 @@ class _Window:
         self.first = first  # the first window of the file (carries the prefix)
         self.temp_index = 0  # the attempt being judged
         self.no_speech_prob: float | None = None
-        # (prompt position of SOT, no-speech token) when the first attempt reports P(no speech)
+        # (prompt position of SOT, no-speech token): the first attempt reports P(no speech)
         self.no_speech_at: tuple[int, int] | None = None
-        self.probe_open = False  # a one-step probe request asks for it instead (beam attempts)
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
         self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
 
@@ -138,18 +137,17 @@ class SequentialJob:
         self._prefix = encode(options.prefix) if options.prefix else None
         self._history: list[list[int]] = [self._prompt_text] if self._prompt_text else []
         self._condition = options.condition_on_previous_text
-        self._beams_first = options.beam_size > 1 and options.temperature[0] == 0.0
         base = options.sampling_params
         self._max_tokens = base.max_tokens if base is not None else None
         self._seed = base.seed if base is not None else None
         self.segments: list[Segment] = []
         self.language: str | None = None
         self.language_probability: float | None = None
-        self.encoder_passes = 0  # requests that ran the encoder (retries/probes don't, with the encoder cache)
+        self.encoder_passes = 0  # requests that ran the encoder (retries don't, with the encoder cache)
         self.num_requests = 0
         self.encoder_cache_reported = False  # some output said whether it reused an encoder pass
         self.windows_skipped = 0  # windows dropped by the no-speech rule
-        self._asked: dict[int, str] = {}  # ticket -> "detect" | "window" | "probe"
+        self._asked: dict[int, str] = {}  # ticket -> "detect" | "window"
         self._ready: list[JobRequest] = []
         self._abandoned: list[int] = []  # tickets the driver should abort (abandoned_tickets)
         self._dropped: set[int] = set()  # abandoned tickets whose output may still arrive
@@ -202,15 +200,11 @@ class SequentialJob:
             return
         w = self._window
         assert w is not None
-        if kind == "probe":
-            w.no_speech_prob = float(np.exp(completion.logprobs[0][completion.token_ids[0]].logprob))
-            w.probe_open = False
-        else:
-            index = w.open.pop(ticket)
-            w.results[index] = attempt_result(completion)
-            if index == 0 and w.no_speech_at is not None:
-                pos, token = w.no_speech_at
-                w.no_speech_prob = float(np.exp(output.prompt_token_logprobs[pos][token]))
+        index = w.open.pop(ticket)
+        w.results[index] = attempt_result(completion)
+        if index == 0 and w.no_speech_at is not None:
+            pos, token = w.no_speech_at
+            w.no_speech_prob = float(np.exp(output.prompt_token_logprobs[pos][token]))
         self._advance(w)
 
     @property
@@ -281,14 +275,8 @@ class SequentialJob:
         self._window = w = _Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
         if opts.no_speech_threshold is not None and opts.log_prob_threshold is not None:
             # P(no speech): HF's no-speech token, scored raw after <|startoftranscript|>
-            at = (len(dec) - 1 - dec[::-1].index(self._ids.sot), self._ids.no_timestamps - 1)
-            if self._beams_first:  # a beam request carries no prompt scores: a one-step probe
-                probe = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=[at[1]], logprobs=0,
-                                       extra_args={"whisper_timestamps": False, "whisper_suppress_tokens": False})
-                w.probe_open = True
-                self._ask("probe", dec[: at[0] + 1], probe, w.features)
-            else:  # read from the first attempt's own prefill
-                w.no_speech_at = at
+            # by the first attempt's own prefill
+            w.no_speech_at = (len(dec) - 1 - dec[::-1].index(self._ids.sot), self._ids.no_timestamps - 1)
         self._attempt(w, 0)
 
     def _attempt(self, w: _Window, index: int) -> None:
@@ -296,19 +284,19 @@ class SequentialJob:
         seed = None
         if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
             seed = self._seed + 1000 * w.seek + index
-        params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed)
+        asked = None
         if index == 0 and w.no_speech_at is not None:
             pos, token = w.no_speech_at
-            params.prompt_token_logprobs = {pos: [token]}
+            asked = {pos: [token]}
+        params = attempt_params(t, beam_size=self.options.beam_size, max_tokens=self._max_tokens, seed=seed,
+                                prompt_token_logprobs=asked)
         w.open[self._ask("window", w.prompt, params, w.features)] = index
 
     def _advance(self, w: _Window) -> None:
         """Judge the window's attempts in ladder order as far as they are back
-        (and the no-speech probe is); decide it on the first that passes, or,
+        (the first carries P(no speech)); decide it on the first that passes, or,
         when every temperature fails, on ``best_attempt``."""
         opts = self.options
-        if w.probe_open:
-            return
 
         def judge(ratio: float, avg: float) -> tuple[bool, bool]:
             return needs_fallback(ratio, avg, w.no_speech_prob,

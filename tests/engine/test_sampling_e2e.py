@@ -63,6 +63,14 @@ def test_prompt_token_logprobs_are_raw_and_match_hf(bart_llm, hf_bart):
     assert out.prompt_token_logprobs[-1][5] > -50  # raw: the bias is not in it
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids and plain.prompt_token_logprobs is None
     assert other.prompt_token_logprobs is None
+    from encdec import BeamSearchParams
+
+    beam = bart_llm.generate(prompt, BeamSearchParams(3, 3, prompt_token_logprobs=asked), use_tqdm=False)[0]
+    assert set(beam.prompt_token_logprobs) == set(asked)  # beam groups report them too
+    for pos in asked:
+        assert beam.prompt_token_logprobs[pos] == pytest.approx(out.prompt_token_logprobs[pos], abs=1e-5)
+    with pytest.raises(ValueError, match="at least one token id"):
+        BeamSearchParams(3, 3, prompt_token_logprobs={0: []})
     for bad, match in (({9: [1]}, "positions \\[9\\] are outside the 5-token"), ({0: []}, "at least one token id"),
                        ({0: [10**9]}, "prompt_token_logprobs token ids"), ({"a": [1]}, "prompt_token_logprobs keys"),
                        ([1], "prompt_token_logprobs must be a dict")):

@@ -177,7 +177,7 @@ def test_bad_options():
 
 def _window_prompt_ids(llm, audio, **kw) -> list[int]:
     job = SequentialJob(llm.llm_engine, (audio, 16000), TranscribeOptions(**kw))
-    (req,) = [r for r in job.next_requests() if r.params.max_tokens != 1]  # the window, not the probe
+    (req,) = job.next_requests()  # the window (it carries the no-speech query too)
     return list(req.prompt["decoder_prompt"]["prompt_token_ids"])
 
 
@@ -255,6 +255,23 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     assert seg.no_speech_prob == pytest.approx(0.01)
     with pytest.raises(ValueError, match="ticket"):
         job.add_output(_attempt_output(window, good), 999)
+
+
+def test_a_beam_attempt_reports_no_speech_itself(tiny, speech_clips):
+    """With beams the window's first attempt is a beam request; it asks for
+    P(no speech) itself, as a greedy one does: no probe request."""
+    from encdec import BeamSearchParams
+    from encdec.models.whisper_tokens import WhisperSpecialTokens
+
+    ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
+    _, _, wavs = speech_clips
+    job = SequentialJob(tiny.llm_engine, (wavs[3], 16000), TranscribeOptions(beam_size=2))
+    (first,) = job.next_requests()
+    assert isinstance(first.params, BeamSearchParams)
+    (pos, tokens), = first.params.prompt_token_logprobs.items()
+    assert tokens == [ids.no_timestamps - 1] and first.prompt["decoder_prompt"]["prompt_token_ids"][pos] == ids.sot
+    (seg, *_) = tiny.transcribe((wavs[3], 16000), beam_size=2, use_tqdm=False)[0].segments
+    assert 0.0 <= seg.no_speech_prob < 0.5
 
 
 def test_parallel_retries_choose_as_one_at_a_time_and_free_their_blocks(tiny, speech_clips):
