@@ -23,6 +23,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> generator, for seeded rows only
     max_num_logprobs: int | None  # largest `logprobs` in the batch; None if no row asks
     processed_logprobs_rows: torch.Tensor | None  # (k,) int64 ascending: rows whose logprobs are processed
+    raw_logprobs: bool  # some row reports raw log-probs (logprobs_mode="raw_logprobs")
 
     no_penalties: bool  # every row has repetition 1, frequency 0, presence 0
     prompt_token_ids: torch.Tensor | None  # (num_reqs, max_prompt_len) int64, padded with vocab_size; None if no_penalties

@@ -169,19 +169,18 @@ class Sampler(nn.Module):
         as ``processed_logprobs``; their sampled tokens are meaningless."""
         md = sampling_metadata
         num_logprobs, rows = md.max_num_logprobs, md.processed_logprobs_rows
-        reported = None  # (num_reqs, vocab): the log-probs each row's `logprobs` reports
-        if num_logprobs is not None and (rows is None or len(rows) < logits.shape[0]):
-            reported = compute_logprobs(logits)
+        # (num_reqs, vocab): the log-probs each row's `logprobs` reports; raw ones
+        # only when some row reports them
+        reported = compute_logprobs(logits) if num_logprobs is not None and md.raw_logprobs else None
         logits = logits.to(torch.float32)  # (num_reqs, vocab)
         if logprob_rows is not None:
             logits[logprob_rows] = compute_logprobs(logits.index_select(0, logprob_rows))
         logits = self.apply_logits_processors(logits, md)
         if rows is not None:  # logprobs_mode="processed_logprobs": before temperature edits the logits
-            if reported is None and len(rows) == logits.shape[0]:  # every row (rows are distinct)
+            if reported is None:  # no raw rows: one pass over every row (the others report nothing)
                 reported = compute_logprobs(logits)
             else:
-                lp = compute_logprobs(logits.index_select(0, rows))
-                reported = lp if reported is None else reported.index_copy_(0, rows, lp)
+                reported.index_copy_(0, rows, compute_logprobs(logits.index_select(0, rows)))
         processed = logits.index_select(0, logprob_rows) if logprob_rows is not None else None
         sampled = self.sample(logits, md)  # (num_reqs,)
         logprobs = None

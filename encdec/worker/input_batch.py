@@ -236,6 +236,7 @@ class InputBatch:
             processed_logprobs_rows=torch.tensor(sorted(self.req_id_to_index[r] for r in self._processed_logprobs),
                                                  dtype=torch.int64, device=self.device)
             if self._processed_logprobs else None,
+            raw_logprobs=len(self._num_logprobs) > len(self._processed_logprobs),
             no_penalties=no_penalties,
             prompt_token_ids=prompt_ids,
             frequency_penalties=to_device(self.frequency_penalties_cpu),
