@@ -67,6 +67,7 @@ def _is_array_and_rate(audio: Any) -> bool:
 
 def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
+               best_of: int = 5,
                temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
                compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
                no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
@@ -87,7 +88,8 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str =
             raise ValueError("give initial_prompt or its older name prompt, not both")
         initial_prompt = prompt
     options = TranscribeOptions(language=language, task=task, timestamps=timestamps, beam_size=beam_size,
-                                temperature=temperature, compression_ratio_threshold=compression_ratio_threshold,
+                                best_of=best_of, temperature=temperature,
+                                compression_ratio_threshold=compression_ratio_threshold,
                                 log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
                                 condition_on_previous_text=condition_on_previous_text,
                                 initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,

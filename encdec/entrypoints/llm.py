@@ -164,6 +164,7 @@ class LLM:
 
     def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
                    timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
+                   best_of: int = 5,
                    temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
                    compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
                    no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
@@ -177,7 +178,8 @@ class LLM:
 
         with self._lock:  # the whole job: its requests never share steps with another call's
             return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                              word_timestamps=word_timestamps, beam_size=beam_size, temperature=temperature,
+                              word_timestamps=word_timestamps, beam_size=beam_size, best_of=best_of,
+                              temperature=temperature,
                               compression_ratio_threshold=compression_ratio_threshold,
                               log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
                               condition_on_previous_text=condition_on_previous_text,

@@ -40,6 +40,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequential: openai/whisper's long-form algorithm with fallback and conditioning "
                    "(default); independent: all 30 s windows at once")
     p.add_argument("--beam-size", type=int, default=1, help="beam width at temperature 0 (HF num_beams)")
+    p.add_argument("--best-of", type=int, default=5,
+                   help="samples per fallback attempt (temperature > 0); the most likely is kept")
     p.add_argument("--temperature", type=_floats, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
                    help="temperatures tried in order on fallback, e.g. 0,0.2,0.4 (default 0..1 by 0.2)")
     p.add_argument("--compression-ratio-threshold", type=_maybe_float, default=2.4, help="'none' to disable")
@@ -122,7 +124,7 @@ def run_transcribe(args: argparse.Namespace) -> int:
                   kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space)
         results = llm.transcribe(list(args.files), language=args.language, task=args.task,
                                  timestamps=timestamps, word_timestamps=args.word_timestamps,
-                                 beam_size=args.beam_size, temperature=args.temperature,
+                                 beam_size=args.beam_size, best_of=args.best_of, temperature=args.temperature,
                                  compression_ratio_threshold=args.compression_ratio_threshold,
                                  log_prob_threshold=args.log_prob_threshold,
                                  no_speech_threshold=args.no_speech_threshold,

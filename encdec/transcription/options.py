@@ -33,6 +33,7 @@ class TranscribeOptions:
     task: str = "transcribe"  # "transcribe" | "translate"
     timestamps: bool = False  # segments from timestamp tokens; False: <|notimestamps|> decoding
     beam_size: int = 1  # > 1: beam search of this width at temperature 0 (transcription.decoding)
+    best_of: int = 5  # samples per fallback attempt (temperature > 0); the most likely is kept
     temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback
     compression_ratio_threshold: float | None = 2.4  # retry when a window's ratio is above this
     log_prob_threshold: float | None = -1.0  # retry when a window's avg logprob is below this
@@ -60,8 +61,10 @@ class TranscribeOptions:
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or self.beam_size < 1:
-            raise ValueError(f"beam_size must be an int >= 1, got {self.beam_size!r}")
+        for name in ("beam_size", "best_of"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
         try:
             temps = tuple(float(t) for t in temps)

@@ -167,6 +167,9 @@ def test_fallback_rules_are_faster_whispers():
 def test_bad_options():
     with pytest.raises(ValueError, match="beam_size"):
         TranscribeOptions(beam_size=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="best_of"):
+            TranscribeOptions(best_of=bad)
     with pytest.raises(ValueError, match="temperature"):
         TranscribeOptions(temperature=(0.0, 3.0))
     with pytest.raises(ValueError, match="mode"):
@@ -211,28 +214,30 @@ def test_prompts_follow_faster_whisper_get_prompt(tiny, ct2_dir, speech_clips, o
             assert got.text.startswith(option["prefix"])
 
 
-def _attempt_output(ids: list[int], logprob: float, prompt_token_logprobs=None):
-    """A finished engine output whose every token has log-prob ``logprob``."""
+def _attempt_output(ids: list[int], logprob: float, prompt_token_logprobs=None, *, samples=()):
+    """A finished engine output whose every token has log-prob ``logprob``;
+    ``samples``: more (ids, logprob) completions of the same request (n > 1)."""
     from encdec.outputs import CompletionOutput, RequestOutput
     from encdec.sequence import Logprob
 
-    done = CompletionOutput(0, "", ids, logprob * len(ids), [{t: Logprob(logprob)} for t in ids], "stop")
-    return RequestOutput("fake", None, [], None, [], [done], finished=True,
+    done = [CompletionOutput(i, "", x, lp * len(x), [{t: Logprob(lp)} for t in x], "stop")
+            for i, (x, lp) in enumerate([(ids, logprob), *samples])]
+    return RequestOutput("fake", None, [], None, [], done, finished=True,
                          prompt_token_logprobs=prompt_token_logprobs)
 
 
 def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
-    """The first failed attempt asks for every remaining temperature at once; the
-    window is decided on the first temperature, in ladder order, whose attempt
-    passes (not the first to come back), the attempts still running are
-    abandoned, and a late output of one of them is ignored."""
+    """With ``best_of=1`` the first failed attempt asks for every remaining
+    temperature at once; the window is decided on the first temperature, in
+    ladder order, whose attempt passes (not the first to come back), the attempts
+    still running are abandoned, and a late output of one of them is ignored."""
     from encdec.models.whisper_tokens import WhisperSpecialTokens
 
     ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
     tb, eot = ids.timestamp_begin, ids.eot
     window = [tb, 440, 1000, 2000, tb + 100, eot]  # one segment, 0-2 s; then the window is done
     good, bad = -0.1, -3.0  # average log-prob above / below log_prob_threshold (-1)
-    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions())
+    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions(best_of=1))
     (greedy,) = job.next_requests()  # P(no speech) comes with the first attempt: no probe request
     asked = greedy.params.prompt_token_logprobs
     assert list(asked.values()) == [[ids.no_timestamps - 1]]
@@ -241,6 +246,7 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     job.add_output(_attempt_output(window, bad, {sot_at: {ids.no_timestamps - 1: np.log(0.01)}}), greedy.ticket)
     retries = job.next_requests()
     assert [r.params.temperature for r in retries] == list(TEMPS[1:])
+    assert all(r.params.n == 1 for r in retries)
     by_temp = {r.params.temperature: r.ticket for r in retries}
     job.add_output(_attempt_output(window, good), by_temp[0.6])  # passes, but 0.2 and 0.4 come first
     assert not job.segments and job.abandoned_tickets() == []
@@ -255,6 +261,36 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     assert seg.no_speech_prob == pytest.approx(0.01)
     with pytest.raises(ValueError, match="ticket"):
         job.add_output(_attempt_output(window, good), 999)
+
+
+def test_best_of_ranks_samples_and_asks_a_temperature_at_a_time(tiny):
+    """``best_of=5`` (faster-whisper's default): a retry is one request sampling
+    5 sequences at one temperature, the next temperature is asked only when it
+    fails, and the sample kept is the one with the best log-prob per token before
+    eot (openai/whisper's ranker), not the first nor the best sum; the segment
+    shows its tokens and average log-prob."""
+    from encdec.models.whisper_tokens import WhisperSpecialTokens
+
+    ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
+    tb, eot = ids.timestamp_begin, ids.eot
+    short, long_ = [tb, 440, tb + 100, eot], [tb, 440, 1000, 2000, tb + 100, eot]
+    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions())
+    (greedy,) = job.next_requests()
+    assert greedy.params.n == 1 and greedy.params.temperature == 0.0
+    (sot_at, (no_speech,)), = greedy.params.prompt_token_logprobs.items()
+    job.add_output(_attempt_output(long_, -3.0, {sot_at: {no_speech: np.log(0.01)}}), greedy.ticket)
+    (warm,) = job.next_requests()
+    assert (warm.params.temperature, warm.params.n) == (0.2, 5)
+    job.add_output(_attempt_output(long_, -3.0, samples=[(short, -2.5)] * 4), warm.ticket)
+    (hotter,) = job.next_requests()  # every sample failed: the next temperature, alone
+    assert (hotter.params.temperature, hotter.params.n) == (0.4, 5)
+    # sums: short -2.0 (the best), long -2.7; per token before eot: short -0.67, long -0.54
+    samples = [(short, -0.5), (long_, -0.45), (short, -0.6), (long_, -0.9)]
+    job.add_output(_attempt_output(long_, -2.0, samples=samples), hotter.ticket)
+    assert job.done and job.next_requests() == [] and job.abandoned_tickets() == []
+    (seg,) = job.result().segments
+    assert seg.temperature == 0.4 and seg.tokens == long_[:-1]
+    assert seg.avg_logprob == pytest.approx(-0.45)
 
 
 def test_a_beam_attempt_reports_no_speech_itself(tiny, speech_clips):
@@ -283,7 +319,7 @@ def test_parallel_retries_choose_as_one_at_a_time_and_free_their_blocks(tiny, sp
     _, _, wavs = speech_clips
     engine = tiny.llm_engine
     kw = dict(compression_ratio_threshold=0.969, log_prob_threshold=None, no_speech_threshold=None,
-              sampling_params=SamplingParams(seed=19))
+              best_of=1, sampling_params=SamplingParams(seed=19))
     job, t = _job(tiny, wavs[3], **kw)
     assert [s.temperature for s in t.segments] == [0.8] and job.num_requests == len(TEMPS)
     assert not engine.has_unfinished_requests()
