@@ -125,16 +125,27 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """Exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)``, draws from ``probs``
-    without a CPU-GPU sync. Seeded rows draw their ``q`` row from their own
-    generator, so their tokens do not depend on the rest of the batch; the
-    others from ``generator`` (the engine's; None = torch's global one)."""
-    q = torch.empty_like(probs)  # (num_reqs, vocab)
+    """Inverse-CDF sampling: one uniform ``u`` per row, the first token whose
+    cumulative probability reaches ``(1 - u)`` of the row's total. A zero-
+    probability token adds nothing to the cumulative sum, so it is never chosen,
+    and nothing syncs with the host. Seeded rows draw their ``u`` from their own
+    generator (one draw per sampled token), so their tokens do not depend on the
+    rest of the batch; the others from ``generator`` (the engine's; None =
+    torch's global one).
+
+    Hand-written in place of vLLM's exponential race (``argmax(probs / q)``,
+    ``q ~ Exp(1)``), measured: torch draws exponentials at ~20 ns an element on
+    this CPU, 1.05 ms per row of Whisper's 51865 tokens, drawn for every row of
+    a batch that had one sampling row (11 ms a step at 9 rows, 6% of a long
+    Whisper run with fallback retries); cumsum and searchsorted take 0.05 ms a row."""
+    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)  # (num_reqs, 1)
     if len(generators) != probs.shape[0]:
-        q.exponential_(generator=generator)
-    for row, gen in generators.items():  # one draw per seeded row; no batched API exists
-        q[row].exponential_(generator=gen)
-    return probs.div_(q).argmax(dim=-1)
+        u.uniform_(generator=generator)
+    for row, gen in generators.items():  # one draw per seeded row
+        u[row].uniform_(generator=gen)
+    cdf = probs.cumsum(dim=-1)  # (num_reqs, vocab)
+    target = (1.0 - u).mul_(cdf[:, -1:])  # in (0, total]: never before the first nonzero token
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler(nn.Module):
@@ -151,7 +162,7 @@ class Sampler(nn.Module):
     8. temperature
     9. argmax-invariant processors (min-p, custom)
     10. top-k, then top-p
-    11. softmax and exponential-race sampling (per-row generators for seeded rows)
+    11. softmax and inverse-CDF sampling (per-row generators for seeded rows)
     12. logprobs of the sampled token (rank among the reported ones) and the top k
 
     An all-greedy batch with no logprobs, penalties, allowed ids or bad words

@@ -142,14 +142,14 @@ class InputBatch:
 
     def _make_generator(self, seed: int, num_done: int) -> torch.Generator:
         """A generator at the state it would have after ``num_done`` sampled tokens
-        (one vocab-sized draw each, as ``random_sample`` makes), so a sequence
+        (one single-value draw each, as ``random_sample`` makes), so a sequence
         re-added after preemption continues its seeded stream exactly."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         if num_done:
-            scratch = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
+            scratch = torch.empty(1, dtype=torch.float32, device=self.device)
             for _ in range(num_done):
-                scratch.exponential_(generator=gen)
+                scratch.uniform_(generator=gen)
         return gen
 
     def remove_request(self, req_id: str) -> int | None:

@@ -75,17 +75,19 @@ def ref_filtered(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def ref_token(row: torch.Tensor, params: SamplingParams, prompt: list[int],
               output: list[int]) -> int:
-    """The token a greedy or seeded request must get, drawing ``q`` the way the
-    sampler's exponential race does. The generator has made one draw per output
-    token already (the batch fast-forwards it on add)."""
+    """The token a greedy or seeded request must get, drawing ``u`` the way the
+    sampler's inverse-CDF sampling does. The generator has made one draw per
+    output token already (the batch fast-forwards it on add)."""
     x = ref_processed(row, params, prompt, output)
     if params.temperature < 1e-5:
         return int(x.argmax())
     probs = ref_filtered(x, params).softmax(-1)
     gen = torch.Generator().manual_seed(params.seed)
     for _ in range(len(output) + 1):
-        q = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / q).argmax())
+        u = float(torch.empty(1).uniform_(generator=gen))
+    cdf = probs.cumsum(-1)
+    target = (1.0 - u) * float(cdf[-1])
+    return next(t for t in range(probs.numel()) if float(cdf[t]) >= target and float(probs[t]) > 0)
 
 
 def make_batch(params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
