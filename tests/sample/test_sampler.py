@@ -232,3 +232,21 @@ def test_processed_logprobs_are_after_the_processors_before_temperature(raw_row:
     assert torch.isinf(lp.logprobs[-1, 1:]).sum() == 0 and int(out.sampled_token_ids[-1, 0]) in (3, 5, 9, 11)
     with pytest.raises(ValueError, match="logprobs_mode"):
         SamplingParams(logprobs_mode="processed")
+
+
+def test_random_sample_draws_from_probs_and_never_a_zero(monkeypatch) -> None:
+    """Inverse-CDF sampling: frequencies follow ``probs`` (a 4-sigma band over
+    20000 draws) and a zero-probability token is never drawn, wherever the
+    zeros sit (first, between, last) and whatever the uniform: u -> 0 reaches
+    the last nonzero token, u -> 1 the first."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.3, 0.2, 0.0]] * 4)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(7)
+    for _ in range(5000):
+        counts += torch.bincount(sampler_mod.random_sample(probs.clone(), {}, gen), minlength=7)
+    assert counts[probs[0] == 0].sum() == 0
+    n, p = counts.sum(), probs[0]
+    assert torch.all((counts - n * p).abs() <= 4 * (n * p * (1 - p)).sqrt()), counts.tolist()
+    for u, token in ((0.0, 5), (1.0 - 2 ** -24, 1)):  # the extremes uniform_ can return
+        monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, u=u, **k: self.fill_(u))
+        assert sampler_mod.random_sample(probs[:1].clone(), {}, None).tolist() == [token]
