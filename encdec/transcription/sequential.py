@@ -18,16 +18,16 @@ Per file, one 30 s window at a time::
 An attempt at a temperature > 0 samples ``best_of`` sequences (one request,
 ``n=best_of``: they share the window's cross-attention KV) and keeps the one
 openai/whisper's ranker puts first (``decoding.attempt_result``), as
-faster-whisper does; at temperature 0 it is greedy (or beams). A failed attempt
-asks for the next wave of temperatures at once, ``RETRY_ROWS // best_of`` of
-them (all five of the default ladder with ``best_of=1``, one at a time with the
-default 5), and they are judged in ladder order as they come back: the first
-that passes is taken and the others are abandoned (``abandoned_tickets``; the
-driver aborts them). The choice is the one-at-a-time ladder's (each attempt's
-sampling is its own: with a seed, its own stream), but a window whose retries
-run to the token limit (hallucination loops: 224 steps each) costs one such run
-per wave, not one per temperature, and at small batches the extra rows cost
-little (decode steps are bound by reading the weights).
+faster-whisper does; at temperature 0 it is greedy (or beams). The first failed
+attempt of a window asks for all of its remaining temperatures at once, and
+they are judged in ladder order as they come back: the first that passes is
+taken and the others are abandoned (``abandoned_tickets``; the driver aborts
+them). The choice is the one-at-a-time ladder's (each attempt's sampling is its
+own: with a seed, its own stream), but a window whose retries run to the token
+limit (hallucination loops: 224 steps each) costs one such run, not one per
+temperature (faster-whisper's five one after the other). The extra rows cost
+less than their number: decode steps are bound by reading memory, and the
+``best_of`` rows of a temperature read one cross-attention table.
 
 Every request is an ordinary engine request, so the windows of all files of a
 call, and their retries, share the engine's continuous batching: a file's next
@@ -85,9 +85,6 @@ from encdec.transcription.rules import (
 
 _STUB_AUDIO = np.zeros(SAMPLE_RATE // 10, np.float32)  # the prompt's audio; ``features`` replaces its log-mel
 FRAMES_PER_SECOND = 100
-# Retry rows asked at once: with best_of=1 the whole default ladder (5
-# temperatures) is one wave; with best_of=5, one temperature a wave (module docstring).
-RETRY_ROWS = 5
 
 
 class _Window:
@@ -102,7 +99,6 @@ class _Window:
         self.no_speech_at: tuple[int, int] | None = None
         self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
         self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
-        self.asked = -1  # the highest temperature index asked for
 
 
 class SequentialJob:
@@ -300,7 +296,6 @@ class SequentialJob:
         params = attempt_params(t, beam_size=self.options.beam_size, best_of=self.options.best_of,
                                 max_tokens=self._max_tokens, seed=seed, prompt_token_logprobs=asked)
         w.open[self._ask("window", w.prompt, params, w.features)] = index
-        w.asked = max(w.asked, index)
 
     def _advance(self, w: _Window) -> None:
         """Judge the window's attempts in ladder order as far as they are back
@@ -318,9 +313,8 @@ class SequentialJob:
             ids, avg, ratio = self._score(w.results[w.temp_index])
             retry, skip = judge(ratio, avg)
             if retry and w.temp_index + 1 < len(opts.temperature):
-                if w.temp_index == w.asked:  # the next wave of retries (module docstring)
-                    wave = max(1, RETRY_ROWS // opts.best_of)
-                    for i in range(w.temp_index + 1, min(w.temp_index + 1 + wave, len(opts.temperature))):
+                if w.temp_index == 0:  # the first failure: every remaining temperature at once
+                    for i in range(w.temp_index + 1, len(opts.temperature)):
                         self._attempt(w, i)
                 w.temp_index += 1
                 continue

@@ -227,10 +227,10 @@ def _attempt_output(ids: list[int], logprob: float, prompt_token_logprobs=None, 
 
 
 def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
-    """With ``best_of=1`` the first failed attempt asks for every remaining
-    temperature at once; the window is decided on the first temperature, in
-    ladder order, whose attempt passes (not the first to come back), the attempts
-    still running are abandoned, and a late output of one of them is ignored."""
+    """The first failed attempt asks for every remaining temperature at once; the
+    window is decided on the first temperature, in ladder order, whose attempt
+    passes (not the first to come back), the attempts still running are
+    abandoned, and a late output of one of them is ignored."""
     from encdec.models.whisper_tokens import WhisperSpecialTokens
 
     ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
@@ -263,12 +263,12 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
         job.add_output(_attempt_output(window, good), 999)
 
 
-def test_best_of_ranks_samples_and_asks_a_temperature_at_a_time(tiny):
-    """``best_of=5`` (faster-whisper's default): a retry is one request sampling
-    5 sequences at one temperature, the next temperature is asked only when it
-    fails, and the sample kept is the one with the best log-prob per token before
-    eot (openai/whisper's ranker), not the first nor the best sum; the segment
-    shows its tokens and average log-prob."""
+def test_best_of_samples_each_retry_and_keeps_the_most_likely(tiny):
+    """``best_of=5`` (faster-whisper's default): each retry is one request
+    sampling 5 sequences at its temperature (greedy stays one), and the sample
+    kept is the one with the best log-prob per token before eot (openai/whisper's
+    ranker), not the first nor the best sum; the segment shows its tokens and
+    average log-prob."""
     from encdec.models.whisper_tokens import WhisperSpecialTokens
 
     ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
@@ -279,15 +279,14 @@ def test_best_of_ranks_samples_and_asks_a_temperature_at_a_time(tiny):
     assert greedy.params.n == 1 and greedy.params.temperature == 0.0
     (sot_at, (no_speech,)), = greedy.params.prompt_token_logprobs.items()
     job.add_output(_attempt_output(long_, -3.0, {sot_at: {no_speech: np.log(0.01)}}), greedy.ticket)
-    (warm,) = job.next_requests()
-    assert (warm.params.temperature, warm.params.n) == (0.2, 5)
-    job.add_output(_attempt_output(long_, -3.0, samples=[(short, -2.5)] * 4), warm.ticket)
-    (hotter,) = job.next_requests()  # every sample failed: the next temperature, alone
-    assert (hotter.params.temperature, hotter.params.n) == (0.4, 5)
+    retries = {r.params.temperature: r for r in job.next_requests()}
+    assert sorted(retries) == list(TEMPS[1:]) and {r.params.n for r in retries.values()} == {5}
+    job.add_output(_attempt_output(long_, -3.0, samples=[(short, -2.5)] * 4), retries[0.2].ticket)
+    assert not job.segments  # every sample at 0.2 failed
     # sums: short -2.0 (the best), long -2.7; per token before eot: short -0.67, long -0.54
     samples = [(short, -0.5), (long_, -0.45), (short, -0.6), (long_, -0.9)]
-    job.add_output(_attempt_output(long_, -2.0, samples=samples), hotter.ticket)
-    assert job.done and job.next_requests() == [] and job.abandoned_tickets() == []
+    job.add_output(_attempt_output(long_, -2.0, samples=samples), retries[0.4].ticket)
+    assert sorted(job.abandoned_tickets()) == sorted(retries[t].ticket for t in TEMPS[3:])
     (seg,) = job.result().segments
     assert seg.temperature == 0.4 and seg.tokens == long_[:-1]
     assert seg.avg_logprob == pytest.approx(-0.45)
