@@ -11,11 +11,12 @@ samples (``num_beams = 1`` with ``do_sample``) and keeps ``num_beams = 1`` for
 every later window of the call once one window has sampled, where we go back to
 beams at temperature 0, as faster-whisper does.
 
-Measured (Whisper base, the benchmark's 8 six-minute files, 2906 s, unseeded,
-three runs each): WER 0.077-0.087 with one sample per retry, 0.070-0.078 with 5
-(faster-whisper 0.070), for 2% more time (132.2 against 135.3 s in one process).
-Only 13-25 of ~550 segments come from retries, but a single sample at 0.2-0.4
-often keeps a wrong reading or a repetition that passes the thresholds.
+Measured (Whisper base, the benchmark's 8 six-minute files, 2906 s, unseeded):
+WER 0.077-0.087 with one sample per retry (three runs), 0.068-0.078 with 5 (four
+runs; faster-whisper 0.070-0.076), in about the same time (encoder cache off:
+132.2 s with one, 131.6-135.3 s with five). Only 13-25 of ~550 segments come
+from retries, but a single sample at 0.2-0.4 often keeps a wrong reading or a
+repetition that passes the thresholds.
 
 The fallback rule's average log-probability is the sum over the output tokens
 (eos included) divided by their number, as HF's ``_retrieve_avg_logprobs`` and
