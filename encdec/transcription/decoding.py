@@ -32,7 +32,6 @@ the hypothesis' ``renormalized_logprob``, not its ``cumulative_logprob``.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,16 +56,14 @@ def attempt_result(completions: Sequence[Any], eot: int) -> tuple[list[int], flo
     ``best_of`` samples, the one openai/whisper's ``MaximumLikelihoodRanker``
     ranks first (summed log-prob over the number of tokens before eot; the first
     on a tie). A beam hypothesis carries no per-token log-probs, only their sum."""
-    best, best_score = None, -math.inf
-    for completion in completions:
+    def ranked(completion: Any) -> tuple[float, list[int], float]:
         ids = list(completion.token_ids)
         if completion.logprobs is None:
             total = float(completion.renormalized_logprob)
         else:
             total = sum(d[t].logprob for t, d in zip(ids, completion.logprobs))
         length = len(ids) - 1 if ids and ids[-1] == eot else len(ids)
-        score = total / max(length, 1)
-        if best is None or score > best_score:
-            best, best_score = (ids, total), score
-    assert best is not None, "an attempt without completions"
-    return best
+        return total / max(length, 1), ids, total
+
+    _, ids, total = max(map(ranked, completions), key=lambda r: r[0])
+    return ids, total
