@@ -38,6 +38,7 @@ from encdec.outputs import Detokenizer, RequestOutput
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec.worker import huge_pages
 from encdec.worker.cache_engine import (
     MAX_PREFAULT_BYTES,
     CacheEngine,
@@ -184,6 +185,7 @@ class LLMEngine:
             buf.zero_()
         model.load_weights(iterate_weights(ckpt))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        huge_pages.move_parameters(self.model)  # CPU: decode steps stream the weights; see huge_pages
         num_packed = pack_linears(self.model)  # CPU float32: oneDNN, see encdec/models/layers.py
         logger.info("prepacked %d linear layers for oneDNN", num_packed)
         self.vocab_size = model.vocab_size

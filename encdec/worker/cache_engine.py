@@ -22,15 +22,13 @@ fall back to one gather/scatter per layer.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import mmap
-import sys
 
 import torch
 
 from encdec.attention.backends.abstract import AttentionBackend
+from encdec.worker import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -88,40 +86,18 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 MAX_PREFAULT_BYTES = 1 << 30  # most of a CPU cache committed at start; see CacheEngine._prefault
-_MADV_HUGEPAGE = 14
-_HUGE = 2 << 20
-
-
-def _advise_hugepages(t: torch.Tensor) -> None:
-    """Ask Linux for transparent huge pages over a CPU cache: the first write to
-    each block then faults in 2 MiB at a time. Measured here: first touch of
-    1 GiB took 1.14 s with 4 KiB pages, 0.23 s with huge pages, and a prefill
-    writes its requests' whole cross cache at once (18 MB each for Whisper tiny)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        addr, size = t.data_ptr(), t.numel() * t.element_size()
-        start = (addr + _HUGE - 1) // _HUGE * _HUGE
-        end = (addr + size) // _HUGE * _HUGE
-        if end > start:
-            libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure is harmless
-    except (OSError, AttributeError):
-        pass
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeroed cache. On CPU an anonymous mmap maps zero pages lazily, so a cache
     of many GiB costs nothing until blocks are written (torch.zeros would touch
     every page up front: seconds, and all of it resident). mmap rather than
-    calloc: with ``retain_freed_memory`` glibc would take it from its heap."""
+    calloc: with ``retain_freed_memory`` glibc would take it from its heap.
+    On huge pages where Linux grants them (``huge_pages``): decode attention
+    streams a request's cross K/V every step."""
     numel = math.prod(shape)
     if device.type == "cpu" and numel:
-        buf = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps it alive
-        t = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
-        _advise_hugepages(t)
-        return t
+        return huge_pages.anonymous_buffer(numel * dtype.itemsize).view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -1,0 +1,88 @@
+"""Model weights and the KV cache on transparent huge pages (Linux, CPU).
+
+A decode step of a few rows streams every decoder weight and the LM head once
+and is bound by how fast one core reads memory (the small steps run on one
+thread: ``encdec.cpu_threads``). With 4 KiB pages that stream walks a page
+table entry per 4 KiB; 2 MiB pages cut the TLB misses 512-fold. Measured on
+this project's 2-core AMD EPYC (Zen 4, AVX-512): Whisper tiny's LM head read
+(80 MB, one thread, cold cache) 3.4-3.5 ms on 4 KiB pages, 2.86 ms on huge
+pages; a batch-1 tiny.en decode step after a cache flush, 300 runs each,
+alternating: decoder forward 4.01 -> 3.88 ms with the weights moved, 4.01 ->
+3.91 ms with the KV cache on huge pages; LM head 2.61 -> 2.42 ms (2 threads).
+The cost is at first touch: Linux zeroes a 2 MiB page more slowly than 512
+small ones (1 GiB: 0.66-0.74 s against 0.23-0.26 s), paid when the cache is
+prefaulted (``CacheEngine``) and when the weights are copied.
+
+Linux grants huge pages to private anonymous mappings that ask for them
+(``madvise`` mode, this host's setting); elsewhere, or when it declines, the
+weights stay where they are or land on ordinary pages: the advice changes
+speed only, never a value.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20  # bytes
+MIN_BYTES = 1 << 20  # smaller tensors (norms, biases, small embeddings) stay put
+_ALIGN = 64  # bytes: each tensor starts on a cache line
+ENV = "ENCDEC_HUGE_PAGES"  # "0" turns the move off
+
+
+def enabled() -> bool:
+    return (os.environ.get(ENV, "1") != "0" and sys.platform.startswith("linux")
+            and hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS"))
+
+
+def anonymous_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed uint8 memory from a fresh anonymous mapping, mapped
+    lazily (a page costs nothing until written; the tensor keeps the mapping
+    alive). Where ``enabled()``: private, advised for huge pages and starting on
+    a 2 MiB boundary. Private matters: Python's default ``mmap`` is a shared
+    mapping, which Linux backs with huge pages only under ``shmem_enabled``
+    ("never" on this host)."""
+    if not enabled():
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8, count=nbytes)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to align the start
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # advice only
+        pass
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start: start + nbytes]
+
+
+def move_parameters(model: nn.Module) -> int:
+    """Copy the model's large CPU parameters into one huge-page arena and point
+    each parameter at its copy (tied parameters stay tied: each is one
+    ``Parameter``). Returns the bytes moved; 0 where ``enabled()`` is False.
+    Call once the weights are loaded; tensors derived from them before (oneDNN's
+    packed copies) are separate memory and unaffected."""
+    if not enabled():
+        return 0
+    params = [p for p in model.parameters()
+              if p.device.type == "cpu" and p.is_contiguous() and p.numel() * p.element_size() >= MIN_BYTES]
+    if not params:
+        return 0
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    arena = anonymous_buffer(total)
+    with torch.no_grad():
+        for p, off in zip(params, offsets):
+            nbytes = p.numel() * p.element_size()
+            dst = arena[off: off + nbytes].view(p.dtype).view(p.shape)
+            dst.copy_(p.data)
+            p.data = dst
+    logger.info("moved %d parameters (%.0f MB) onto huge pages", len(params), total / 1e6)
+    return total
