@@ -226,11 +226,12 @@ def _attempt_output(ids: list[int], logprob: float, prompt_token_logprobs=None, 
                          prompt_token_logprobs=prompt_token_logprobs)
 
 
-def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
-    """The first failed attempt asks for every remaining temperature at once; the
-    window is decided on the first temperature, in ladder order, whose attempt
-    passes (not the first to come back), the attempts still running are
-    abandoned, and a late output of one of them is ignored."""
+def test_retries_go_one_then_the_rest_at_once_judged_in_ladder_order(tiny):
+    """The first failed attempt asks for the next temperature alone, the second
+    for every remaining temperature at once; the window is decided on the first
+    temperature, in ladder order, whose attempt passes (not the first to come
+    back), the attempts still running are abandoned, and a late output of one of
+    them is ignored."""
     from encdec.models.whisper_tokens import WhisperSpecialTokens
 
     ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
@@ -244,14 +245,16 @@ def test_retries_run_at_once_and_are_judged_in_ladder_order(tiny):
     sot_at = list(asked)[0]
     assert greedy.prompt["decoder_prompt"]["prompt_token_ids"][sot_at] == ids.sot
     job.add_output(_attempt_output(window, bad, {sot_at: {ids.no_timestamps - 1: np.log(0.01)}}), greedy.ticket)
+    (first,) = job.next_requests()  # the first retry goes alone
+    assert first.params.temperature == TEMPS[1] and first.params.n == 1
+    job.add_output(_attempt_output(window, bad), first.ticket)
+    assert not job.segments and job.abandoned_tickets() == []
     retries = job.next_requests()
-    assert [r.params.temperature for r in retries] == list(TEMPS[1:])
+    assert [r.params.temperature for r in retries] == list(TEMPS[2:])
     assert all(r.params.n == 1 for r in retries)
     by_temp = {r.params.temperature: r.ticket for r in retries}
-    job.add_output(_attempt_output(window, good), by_temp[0.6])  # passes, but 0.2 and 0.4 come first
+    job.add_output(_attempt_output(window, good), by_temp[0.6])  # passes, but 0.4 comes first
     assert not job.segments and job.abandoned_tickets() == []
-    job.add_output(_attempt_output(window, bad), by_temp[0.2])
-    assert not job.segments
     job.add_output(_attempt_output(window, good), by_temp[0.4])
     assert sorted(job.abandoned_tickets()) == sorted([by_temp[0.8], by_temp[1.0]])
     assert job.done and job.next_requests() == []
@@ -279,10 +282,12 @@ def test_best_of_samples_each_retry_and_keeps_the_most_likely(tiny):
     assert greedy.params.n == 1 and greedy.params.temperature == 0.0
     (sot_at, (no_speech,)), = greedy.params.prompt_token_logprobs.items()
     job.add_output(_attempt_output(long_, -3.0, {sot_at: {no_speech: np.log(0.01)}}), greedy.ticket)
-    retries = {r.params.temperature: r for r in job.next_requests()}
-    assert sorted(retries) == list(TEMPS[1:]) and {r.params.n for r in retries.values()} == {5}
-    job.add_output(_attempt_output(long_, -3.0, samples=[(short, -2.5)] * 4), retries[0.2].ticket)
+    (first,) = job.next_requests()
+    assert first.params.temperature == 0.2 and first.params.n == 5
+    job.add_output(_attempt_output(long_, -3.0, samples=[(short, -2.5)] * 4), first.ticket)
     assert not job.segments  # every sample at 0.2 failed
+    retries = {r.params.temperature: r for r in job.next_requests()}
+    assert sorted(retries) == list(TEMPS[2:]) and {r.params.n for r in retries.values()} == {5}
     # sums: short -2.0 (the best), long -2.7; per token before eot: short -0.67, long -0.54
     samples = [(short, -0.5), (long_, -0.45), (short, -0.6), (long_, -0.9)]
     job.add_output(_attempt_output(long_, -2.0, samples=samples), retries[0.4].ticket)
