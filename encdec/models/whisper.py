@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.ops import decoder_layer_cpu
 from encdec.models.layers import Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
@@ -160,6 +161,10 @@ class WhisperForConditionalGeneration(nn.Module):
         self.n_frames = 2 * cfg.max_source_positions  # mel frames per request (conv2 halves them)
         self.proj_out = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.proj_out.weight = self.decoder.embed_tokens.weight  # tied
+        # Decode steps of a few rows on CPU run each layer in one C call (_fused_decode_step);
+        # False runs them op by op (tests compare the two).
+        self.fused_decode = True
+        self._fused_layers_ok: bool | None = None
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
@@ -190,9 +195,29 @@ class WhisperForConditionalGeneration(nn.Module):
             assert enc.shape[0] == attn_metadata.num_encoder_tokens, (
                 f"{enc.shape[0]} encoder rows but metadata has {attn_metadata.num_encoder_tokens}")
         h = self.decoder.embed_tokens(input_ids) + self.decoder.embed_positions(positions)  # (N, d)
+        if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata):
+            return self.decoder.layer_norm(h)
         for i, layer in enumerate(self.decoder.layers):
             h = layer(h, kv_caches[i], attn_metadata, enc)
         return self.decoder.layer_norm(h)
+
+    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> bool:
+        """A decode-only CPU step of a few rows: each layer in one C call
+        (``decoder_layer_cpu``: same kernels, no per-op overhead), ``h`` updated
+        in place. False, having done nothing, where that does not apply."""
+        if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
+            return False
+        if self._fused_layers_ok is None:  # the weights' checks, once
+            self._fused_layers_ok = all(decoder_layer_cpu.layer_supported(x) for x in self.decoder.layers)
+        index = (md.slot_mapping, md.block_tables, md.seq_lens_tensor, md.cross_block_tables,
+                 md.encoder_seq_lens_tensor)
+        heads = self.config.decoder_attention_heads
+        if not (self._fused_layers_ok and h.is_contiguous()
+                and all(decoder_layer_cpu.step_supported(c, h.shape[0], heads, *index) for c in kv_caches)):
+            return False
+        for layer, cache in zip(self.decoder.layers, kv_caches):
+            decoder_layer_cpu.decoder_layer(h, layer, cache, *index)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)
@@ -229,6 +254,7 @@ class WhisperForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
         self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties
+        self._fused_layers_ok = None  # checked again at the next decode step
         for name, p in self.named_parameters():
             if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
                 p.data.zero_()

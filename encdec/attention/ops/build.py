@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -102,6 +103,16 @@ def cpu_isa() -> str:
     return _resolve(os.environ.get(ISA_ENV))
 
 
+def _local_includes(src: bytes) -> list[bytes]:
+    """The text of the files of this folder that ``src`` includes (``#include "x.c"``),
+    so that a change to one rebuilds its includers too."""
+    out = []
+    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.M):
+        with open(os.path.join(_DIR, name.decode()), "rb") as f:
+            out.append(f.read())
+    return out
+
+
 @cache
 def load(source: str, fallback: str, isa: str) -> ctypes.CDLL | None:
     """``source`` (a file name in this folder) compiled for ``isa``, or None;
@@ -118,7 +129,7 @@ def load(source: str, fallback: str, isa: str) -> ctypes.CDLL | None:
     try:
         with open(src_path, "rb") as f:
             src = f.read()
-        key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), isa.encode(),
+        key = hashlib.sha256(b"\0".join([src, *_local_includes(src), " ".join(flags).encode(), isa.encode(),
                                          platform.machine().encode()])).hexdigest()[:16]
         path = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}_{isa}_{key}.so")
         if not os.path.exists(path):
