@@ -107,7 +107,7 @@ def _local_includes(src: bytes) -> list[bytes]:
     """The text of the files of this folder that ``src`` includes (``#include "x.c"``),
     so that a change to one rebuilds its includers too."""
     out = []
-    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.M):
+    for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.MULTILINE):
         with open(os.path.join(_DIR, name.decode()), "rb") as f:
             out.append(f.read())
     return out
@@ -158,3 +158,14 @@ def load_function(source: str, name: str, argtypes: Sequence[Any], restype: Any,
     fn = getattr(lib, name)
     fn.argtypes, fn.restype = list(argtypes), restype
     return fn
+
+
+def vector_path(source: str, symbol: str, isa: str | None = None) -> str | None:
+    """What the build of ``source`` for ``isa`` (default ``cpu_isa()``) says it runs,
+    from its ``const char *symbol(void)``: "avx512", "avx2" or "none"; None if unbuilt."""
+    lib = load(source, "", isa or cpu_isa())
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_char_p
+    return fn().decode()

@@ -56,6 +56,16 @@ static void gelu(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = 0.5f * x[i] * (1.0f + erff(x[i] * (float)M_SQRT1_2));
 }
 
+/* h += out(attention of the rows' q over their cached K/V); a, y: (M, d) scratch. */
+static void attend(float *h, float *a, float *y, const float *q, const float *k_cache, const float *v_cache,
+                   const int32_t *tables, int64_t stride, const int32_t *lens, const float *o_w, const float *o_b,
+                   int64_t M, int64_t d, int64_t num_heads, int64_t block_size, float scale, int threads) {
+    paged_attention_decode_f32(a, q, k_cache, v_cache, tables, stride, lens, M, num_heads, num_heads,
+                               d / num_heads, block_size, scale, threads);
+    small_linear_f32(y, a, o_w, o_b, M, d, d, 1);
+    add(h, y, M * d);
+}
+
 /* Weights as nn.Linear's (out, in) row-major, biases (out,); NULL bias: none.
  * h: (M, d) residual stream, updated in place. work: at least
  * M * (7 d + ffn) floats. k_cache/v_cache: (slots, H, D) of this
@@ -76,7 +86,6 @@ void decoder_layer_f32(
     int attn_threads)
 {
     float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *y = a + M * d, *f = y + M * d;
-    const int64_t head_size = d / num_heads;
 
     layer_norm(x, h, ln1_w, ln1_b, M, d, eps);
     small_linear_f32(qkv, x, qkv_w, qkv_b, M, d, 3 * d, 1);
@@ -88,17 +97,13 @@ void decoder_layer_f32(
             v_cache[slots[m] * d + i] = r[2 * d + i];
         }
     }
-    paged_attention_decode_f32(a, q, k_cache, v_cache, self_tables, self_stride, self_lens, M, num_heads,
-                               num_heads, head_size, block_size, scale, attn_threads);
-    small_linear_f32(y, a, o1_w, o1_b, M, d, d, 1);
-    add(h, y, M * d);
+    attend(h, a, y, q, k_cache, v_cache, self_tables, self_stride, self_lens, o1_w, o1_b, M, d, num_heads,
+           block_size, scale, attn_threads);
 
     layer_norm(x, h, ln2_w, ln2_b, M, d, eps);
     small_linear_f32(q, x, q_w, q_b, M, d, d, 1);
-    paged_attention_decode_f32(a, q, k_cache, v_cache, cross_tables, cross_stride, cross_lens, M, num_heads,
-                               num_heads, head_size, block_size, scale, attn_threads);
-    small_linear_f32(y, a, o2_w, o2_b, M, d, d, 1);
-    add(h, y, M * d);
+    attend(h, a, y, q, k_cache, v_cache, cross_tables, cross_stride, cross_lens, o2_w, o2_b, M, d, num_heads,
+           block_size, scale, attn_threads);
 
     layer_norm(x, h, ln3_w, ln3_b, M, d, eps);
     small_linear_f32(f, x, fc1_w, fc1_b, M, d, ffn, 1);

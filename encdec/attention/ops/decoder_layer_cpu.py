@@ -34,12 +34,7 @@ def available(isa: str | None = None) -> bool:
 
 def path(isa: str | None = None) -> str | None:
     """The vector path the build for ``isa`` runs, or None if unbuilt."""
-    lib = build.load("decoder_layer_cpu.c", "", isa or build.cpu_isa())
-    if lib is None:
-        return None
-    fn = lib.decoder_layer_path
-    fn.restype = ctypes.c_char_p
-    return fn().decode()
+    return build.vector_path("decoder_layer_cpu.c", "decoder_layer_path", isa)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

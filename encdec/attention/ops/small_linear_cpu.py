@@ -37,12 +37,7 @@ def available(isa: str | None = None) -> bool:
 
 def path(isa: str | None = None) -> str | None:
     """The vector path the build for ``isa`` runs ("avx512", "avx2", "none"), or None if unbuilt."""
-    lib = build.load("small_linear_cpu.c", "", isa or build.cpu_isa())
-    if lib is None:
-        return None
-    fn = lib.small_linear_path
-    fn.restype = ctypes.c_char_p
-    return fn().decode()
+    return build.vector_path("small_linear_cpu.c", "small_linear_path", isa)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
