@@ -164,7 +164,7 @@ class WhisperForConditionalGeneration(nn.Module):
         # Decode steps of a few rows on CPU run each layer in one C call (_fused_decode_step);
         # False runs them op by op (tests compare the two).
         self.fused_decode = True
-        self._fused_layers_ok: bool | None = None
+        self._fused_layers: list[decoder_layer_cpu.LayerWeights] | None = None  # [] where it cannot run
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
@@ -207,16 +207,17 @@ class WhisperForConditionalGeneration(nn.Module):
         in place. False, having done nothing, where that does not apply."""
         if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
             return False
-        if self._fused_layers_ok is None:  # the weights' checks, once
-            self._fused_layers_ok = all(decoder_layer_cpu.layer_supported(x) for x in self.decoder.layers)
+        if self._fused_layers is None:  # the weights' checks and pointers, once
+            layers = [decoder_layer_cpu.layer_weights(x) for x in self.decoder.layers]
+            self._fused_layers = [w for w in layers if w is not None] if all(layers) else []
         index = (md.slot_mapping, md.block_tables, md.seq_lens_tensor, md.cross_block_tables,
                  md.encoder_seq_lens_tensor)
         heads = self.config.decoder_attention_heads
-        if not (self._fused_layers_ok and h.is_contiguous()
+        if not (self._fused_layers and h.is_contiguous()
                 and all(decoder_layer_cpu.step_supported(c, h.shape[0], heads, *index) for c in kv_caches)):
             return False
-        for layer, cache in zip(self.decoder.layers, kv_caches):
-            decoder_layer_cpu.decoder_layer(h, layer, cache, *index)
+        for w, cache in zip(self._fused_layers, kv_caches):
+            decoder_layer_cpu.decoder_layer(h, w, cache, *index)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -254,7 +255,7 @@ class WhisperForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
         self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties
-        self._fused_layers_ok = None  # checked again at the next decode step
+        self._fused_layers = None  # taken again at the next decode step
         for name, p in self.named_parameters():
             if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
                 p.data.zero_()

@@ -142,9 +142,12 @@ class WhisperLogitsProcessor(LogitsProcessor):
         ts_ids = torch.arange(tb, vocab, device=sub.device)
         low_t = torch.tensor(lows, device=sub.device).unsqueeze(-1)
         sub[:, tb:].masked_fill_(ts_ids < low_t, _NEG_INF)
-        logprobs = torch.log_softmax(sub.float(), dim=-1)
-        ts_mass = logprobs[:, tb:].logsumexp(dim=-1)
-        best_text = logprobs[:, :tb].amax(dim=-1)  # the values only: max() also finds indices, 10x slower
+        # HF compares log-softmaxed values: logsumexp(timestamps) - Z > max(text) - Z.
+        # Z cancels, so the raw logits decide, without a vocab-wide log-softmax
+        # (30 us a row here; the same decision to float rounding).
+        scores = sub.float()
+        ts_mass = scores[:, tb:].logsumexp(dim=-1)
+        best_text = scores[:, :tb].amax(dim=-1)  # the values only: max() also finds indices, 10x slower
         to_timestamp = ts_mass > best_text  # (R,) rows whose next token must be a timestamp
         if bool(to_timestamp.any()):
             sub[to_timestamp, :tb] = _NEG_INF

@@ -9,6 +9,7 @@ by ``build.load`` for ``build.cpu_isa()``. Where no compiler works,
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -37,47 +38,51 @@ def path(isa: str | None = None) -> str | None:
     return build.vector_path("decoder_layer_cpu.c", "decoder_layer_path", isa)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+@dataclass(frozen=True)
+class LayerWeights:
+    """A decoder layer's fixed kernel arguments, taken once: its sizes and the
+    pointers of its 18 weights and biases (``tensors`` holds them, so the
+    pointers stay valid). A step then costs one call, not ~40 module lookups."""
+    d: int
+    num_heads: int
+    ffn: int
+    eps: float
+    scale: float
+    tensors: tuple[torch.Tensor, ...]
+    ptrs: tuple[int, ...]
 
 
-def decoder_layer(h: torch.Tensor, layer, kv_cache: torch.Tensor, slots: torch.Tensor,
+def layer_weights(layer) -> LayerWeights | None:
+    """``layer``'s (a ``WhisperDecoderLayer``) arguments for ``decoder_layer``, or
+    None where the kernel cannot run it (no build; not float32, CPU, contiguous;
+    a bias missing; self and cross attention shaped differently)."""
+    sa, ca = layer.self_attn, layer.encoder_attn
+    norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+    mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], layer.fc1, layer.fc2)
+    tensors = tuple(t for m in mods for t in (m.weight, m.bias))
+    if not (available() and all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu"
+                                and t.is_contiguous() for t in tensors)
+            and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1):
+        return None
+    return LayerWeights(layer.fc2.out_features, sa.num_heads, layer.fc1.out_features, norms[0].eps, sa.scale,
+                        tensors, tuple(t.data_ptr() for t in tensors))
+
+
+def decoder_layer(h: torch.Tensor, w: LayerWeights, kv_cache: torch.Tensor, slots: torch.Tensor,
                   self_tables: torch.Tensor, self_lens: torch.Tensor,
                   cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None) -> None:
-    """Run ``layer`` (a ``WhisperDecoderLayer``) on ``h`` (M, d), in place, for M
-    decode rows: the new K/V go to ``slots`` (int64) of ``kv_cache`` (2, blocks,
+    """Run the layer ``w`` was taken from on ``h`` (M, d), in place, for M decode
+    rows: the new K/V go to ``slots`` (int64) of ``kv_cache`` (2, blocks,
     block_size, H, D); self and cross tables (int32, row-major) and lengths
-    (int32) are the attention metadata's. Callers check ``supports`` first."""
+    (int32) are the attention metadata's. Callers check ``step_supported`` first."""
     kernel = _kernel(isa or build.cpu_isa())
-    sa, ca = layer.self_attn, layer.encoder_attn
-    m, d = h.shape
-    ffn = layer.fc1.out_features
-    work = torch.empty(m * (7 * d + ffn), dtype=torch.float32)
+    m = h.shape[0]
+    work = torch.empty(m * (7 * w.d + w.ffn), dtype=torch.float32)
     threads = bandwidth_threads() if m >= BANDWIDTH_MIN_SEQS else torch.get_num_threads()
-    lin = [layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias,
-           sa.qkv_proj.weight, sa.qkv_proj.bias, sa.out_proj.weight, sa.out_proj.bias,
-           layer.encoder_attn_layer_norm.weight, layer.encoder_attn_layer_norm.bias,
-           ca.q_proj.weight, ca.q_proj.bias, ca.out_proj.weight, ca.out_proj.bias,
-           layer.final_layer_norm.weight, layer.final_layer_norm.bias,
-           layer.fc1.weight, layer.fc1.bias, layer.fc2.weight, layer.fc2.bias]
-    kernel(h.data_ptr(), work.data_ptr(), m, d, sa.num_heads, ffn, layer.final_layer_norm.eps, sa.scale,
-           *[_ptr(t) for t in lin],
+    kernel(h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, *w.ptrs,
            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.shape[2], slots.data_ptr(),
            self_tables.data_ptr(), self_tables.stride(0), self_lens.data_ptr(),
            cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads)
-
-
-def layer_supported(layer) -> bool:
-    """Whether ``decoder_layer`` can run ``layer``'s weights (check once, after loading)."""
-    sa, ca = layer.self_attn, layer.encoder_attn
-    norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
-    return (available()
-            and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
-                    for p in layer.parameters())
-            and all(m.bias is not None for m in (sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj,
-                                                 layer.fc1, layer.fc2, *norms))
-            and sa.scale == ca.scale and sa.num_heads == ca.num_heads
-            and len({n.eps for n in norms}) == 1)
 
 
 def step_supported(kv_cache: torch.Tensor, num_rows: int, num_heads: int, *index: torch.Tensor) -> bool:
