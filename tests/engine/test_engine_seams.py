@@ -48,7 +48,10 @@ def test_default_llm_is_small_and_leaves_process_state_alone(tiny_bart):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"RSS of a default tiny-BART LLM(): {got['rss_mib']:.0f} MiB")
-    assert got["rss_mib"] < 400
+    # torch and its libraries alone are 320-395 MiB here, by venv; the guard is
+    # against a cache faulted in by the GiB (as before it was sized to the model).
+    # Huge pages fault the prefaulted blocks in whole 2 MiB pages: a few MiB more.
+    assert got["rss_mib"] < 512
     assert got["threads_unchanged"] and got["rng_unchanged"] and got["allocator_unchanged"]
     # Sized to the model: 256 sequences of a quarter of max_model_len plus a full
     # cross table each (tiny BART: 256 positions, 16-token blocks), not to the RAM.
