@@ -210,15 +210,8 @@ class WhisperForConditionalGeneration(nn.Module):
         if self._fused_layers is None:  # the weights' checks and pointers, once
             layers = [decoder_layer_cpu.layer_weights(x) for x in self.decoder.layers]
             self._fused_layers = [w for w in layers if w is not None] if all(layers) else []
-        index = (md.slot_mapping, md.block_tables, md.seq_lens_tensor, md.cross_block_tables,
-                 md.encoder_seq_lens_tensor)
-        heads = self.config.decoder_attention_heads
-        if not (self._fused_layers and h.is_contiguous()
-                and all(decoder_layer_cpu.step_supported(c, h.shape[0], heads, *index) for c in kv_caches)):
-            return False
-        for w, cache in zip(self._fused_layers, kv_caches):
-            decoder_layer_cpu.decoder_layer(h, w, cache, *index)
-        return True
+        return decoder_layer_cpu.decode_step(h, self._fused_layers, kv_caches, md.slot_mapping, md.block_tables,
+                                             md.seq_lens_tensor, md.cross_block_tables, md.encoder_seq_lens_tensor)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)

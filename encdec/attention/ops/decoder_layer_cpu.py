@@ -53,7 +53,7 @@ class LayerWeights:
 
 
 def layer_weights(layer) -> LayerWeights | None:
-    """``layer``'s (a ``WhisperDecoderLayer``) arguments for ``decoder_layer``, or
+    """``layer``'s (a ``WhisperDecoderLayer``) arguments for ``decode_step``, or
     None where the kernel cannot run it (no build; not float32, CPU, contiguous;
     a bias missing; self and cross attention shaped differently)."""
     sa, ca = layer.self_attn, layer.encoder_attn
@@ -68,31 +68,44 @@ def layer_weights(layer) -> LayerWeights | None:
                         tensors, tuple(t.data_ptr() for t in tensors))
 
 
-def decoder_layer(h: torch.Tensor, w: LayerWeights, kv_cache: torch.Tensor, slots: torch.Tensor,
-                  self_tables: torch.Tensor, self_lens: torch.Tensor,
-                  cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None) -> None:
-    """Run the layer ``w`` was taken from on ``h`` (M, d), in place, for M decode
-    rows: the new K/V go to ``slots`` (int64) of ``kv_cache`` (2, blocks,
-    block_size, H, D); self and cross tables (int32, row-major) and lengths
-    (int32) are the attention metadata's. Callers check ``step_supported`` first."""
-    kernel = _kernel(isa or build.cpu_isa())
+def decode_step(h: torch.Tensor, layers: list[LayerWeights], kv_caches: list[torch.Tensor],
+                slots: torch.Tensor, self_tables: torch.Tensor, self_lens: torch.Tensor,
+                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None) -> bool:
+    """Run ``layers`` (one per decoder layer, with its cache in ``kv_caches``) on
+    ``h`` (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64)
+    of each cache (2, blocks, block_size, H, D); self and cross tables (int32,
+    row-major) and lengths (int32) are the attention metadata's. False, having
+    done nothing, where the step does not qualify: no layers, more than
+    ``MAX_ROWS`` rows, a cache or metadata tensor of another layout."""
     m = h.shape[0]
-    work = torch.empty(m * (7 * w.d + w.ffn), dtype=torch.float32)
+    index = (slots, self_tables, self_lens, cross_tables, cross_lens)
+    if not (layers and 0 < m <= MAX_ROWS and h.is_contiguous() and _index_ok(m, *index)
+            and all(_cache_ok(c, w.num_heads) for w, c in zip(layers, kv_caches))):
+        return False
+    kernel = _kernel(isa or build.cpu_isa())
+    work = torch.empty(m * max(7 * w.d + w.ffn for w in layers), dtype=torch.float32)  # reused by each layer
     threads = bandwidth_threads() if m >= BANDWIDTH_MIN_SEQS else torch.get_num_threads()
-    kernel(h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, *w.ptrs,
+    for w, kv_cache in zip(layers, kv_caches):
+        decoder_layer(kernel, h, w, kv_cache, work, threads, *index)
+    return True
+
+
+def decoder_layer(kernel, h: torch.Tensor, w: LayerWeights, kv_cache: torch.Tensor, work: torch.Tensor,
+                  threads: int, slots: torch.Tensor, self_tables: torch.Tensor, self_lens: torch.Tensor,
+                  cross_tables: torch.Tensor, cross_lens: torch.Tensor) -> None:
+    """One layer's call (``decode_step`` checks and prepares what the layers share)."""
+    kernel(h.data_ptr(), work.data_ptr(), h.shape[0], w.d, w.num_heads, w.ffn, w.eps, w.scale, *w.ptrs,
            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), kv_cache.shape[2], slots.data_ptr(),
            self_tables.data_ptr(), self_tables.stride(0), self_lens.data_ptr(),
            cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads)
 
 
-def step_supported(kv_cache: torch.Tensor, num_rows: int, num_heads: int, *index: torch.Tensor) -> bool:
-    """Whether a decode step of ``num_rows`` rows can run with this layer cache and
-    these metadata tensors (slots int64; tables and lengths int32, row-major)."""
-    if not 0 < num_rows <= MAX_ROWS:
-        return False
-    if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
-            or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3] != num_heads):
-        return False
-    slots, *rest = index
+def _cache_ok(kv_cache: torch.Tensor, num_heads: int) -> bool:
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+            and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_heads)
+
+
+def _index_ok(num_rows: int, slots: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Slots int64, one per row; tables and lengths int32; all contiguous on CPU."""
     return (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == num_rows
             and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() for t in rest))
