@@ -50,6 +50,7 @@ class CacheConfig:
     # Set by the engine after sizing the cache.
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
+    num_warm_gpu_blocks: int | None = None  # written at start (CPU prefault; all on CUDA)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

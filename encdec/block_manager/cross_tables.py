@@ -20,7 +20,8 @@ a table lives follows its users:
                    indexed stays whole, blocks allocated and referenced by no
                    request (LRU order); a request with its key revives it and
                    skips the encoder; ``make_room`` evicts the least recently
-                   used ones when an allocation needs their blocks.
+                   used ones when an allocation needs their blocks (or
+                   would otherwise write never-used memory: ``make_room``).
 
 Cached-free blocks count as free (``num_evictable``): they can be taken at
 once, so admission and the free-block arithmetic see the same numbers with
@@ -132,8 +133,12 @@ class CrossTables:
 
     def make_room(self, num_blocks: int) -> None:
         """Evict cached-free tables, least recently used first, until the device
-        allocator has ``num_blocks`` free."""
-        while self.gpu.get_num_free_blocks() < num_blocks and self._lru:
+        allocator has ``num_blocks`` free below its mark (blocks already
+        written: ``BlockAllocator``). A lazily mapped CPU cache would otherwise
+        keep every finished table and walk all its memory, paying a page fault
+        per page of each new one; cached tables are kept as long as the memory
+        already written holds them."""
+        while self.gpu.get_num_free_warm_blocks() < num_blocks and self._lru:
             key, table = self._lru.popitem(last=False)
             del self._by_key[key]
             self.num_evictable -= len(table.blocks)

@@ -62,6 +62,7 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
         enable_caching: bool = False,
+        warm_gpu_blocks: int | None = None,
     ) -> None:
         if sliding_window is not None:
             raise NotImplementedError(
@@ -77,7 +78,9 @@ class BlockSpaceManager:
         self.num_total_cpu_blocks = num_cpu_blocks
         # Blocks kept free at admission so running groups can still grow.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks)
+        # Blocks the cache engine wrote at start (None: all): allocations stay on
+        # them while they can (BlockAllocator).
+        self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, warm_gpu_blocks)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.cross = CrossTables(self.gpu_allocator, self.cpu_allocator)

@@ -57,6 +57,7 @@ class Scheduler:
             num_cpu_blocks=cache_config.num_cpu_blocks,
             sliding_window=cache_config.sliding_window,
             enable_caching=cache_config.enable_prefix_caching,
+            warm_gpu_blocks=cache_config.num_warm_gpu_blocks,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []

@@ -245,13 +245,14 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs, max_model_len=mc.max_model_len,
             max_encoder_len=mc.max_encoder_len, preemption_mode=args.preemption(),
             policy=args.scheduling_policy)
-        self.scheduler = Scheduler(self.scheduler_config, cache_cfg)
         self.cache_engine = CacheEngine(
             num_layers=model.num_cache_layers, num_kv_heads=model.num_kv_heads,
             head_size=model.head_size, block_size=cache_cfg.block_size,
             num_gpu_blocks=cache_cfg.num_gpu_blocks, num_cpu_blocks=cache_cfg.num_cpu_blocks,
             dtype=self.dtype, device=self.device, backend=self.backend,
             prefault_bytes=self.kv_prefault_bytes)
+        cache_cfg.num_warm_gpu_blocks = self.cache_engine.num_warm_blocks
+        self.scheduler = Scheduler(self.scheduler_config, cache_cfg)
 
     def _init_sampling(self, args: EngineArgs) -> None:
         """Logits processors, the persistent batch, the engine's generator and the runner."""

@@ -1,5 +1,6 @@
 """BlockAllocator against a brute-force model: free counts, reference counts,
-first-fit contiguous runs, and the ``last + 1`` preference."""
+first-fit contiguous runs, the ``last + 1`` preference, and otherwise the
+lowest free block (a lazily mapped CPU cache stays on the blocks it wrote)."""
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -10,8 +11,8 @@ from encdec.block_manager.allocator import BlockAllocator, Device
 N = 24
 
 
-def lowest_run(refs: list[int], n: int) -> list[int] | None:
-    for start in range(len(refs) - n + 1):
+def lowest_run(refs: list[int], n: int, end: int = N) -> list[int] | None:
+    for start in range(end - n + 1):
         if all(r == 0 for r in refs[start : start + n]):
             return list(range(start, start + n))
     return None
@@ -32,10 +33,13 @@ ops = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops)
-def test_allocator_matches_model(ops):
-    alloc = BlockAllocator(Device.GPU, N)
+@given(ops, st.one_of(st.none(), st.integers(0, N)))
+def test_allocator_matches_model(ops, warm):
+    """``warm``: blocks written at start (None: all). Runs come from below the
+    mark (the highest block ever handed out, or ``warm``) while possible."""
+    alloc = BlockAllocator(Device.GPU, N, warm)
     refs = [0] * N
+    mark = N if warm is None else warm
     for op, arg, pick in ops:
         used = [b for b in range(N) if refs[b]]
         if op == "one" and refs.count(0):
@@ -44,14 +48,25 @@ def test_allocator_matches_model(ops):
             assert refs[block] == 0
             if prefer is not None and refs[prefer] == 0:
                 assert block == prefer
+            else:
+                assert block == refs.index(0)
             refs[block] = 1
+            mark = max(mark, block + 1)
         elif op == "run" and arg <= refs.count(0):
-            expected = lowest_run(refs, arg)
+            lowest_free = [b for b in range(N) if refs[b] == 0][:arg]
+            warm_free = refs[:mark].count(0)
+            expected = lowest_run(refs, arg, mark)
+            if expected is None and warm_free >= arg:
+                expected = lowest_free
+            if expected is None:
+                expected = lowest_run(refs, arg) or lowest_free
+            assert alloc.get_num_free_warm_blocks() == warm_free
             blocks = alloc.allocate_contiguous(arg)
-            assert len(set(blocks)) == arg and all(refs[b] == 0 for b in blocks)
-            assert blocks == (expected if expected is not None else sorted(blocks))
+            assert blocks == expected and all(refs[b] == 0 for b in blocks)
             for b in blocks:
                 refs[b] = 1
+            if blocks:
+                mark = max(mark, blocks[-1] + 1)
         elif op == "ref" and used:
             block = used[pick % len(used)]
             alloc.incr_ref(block)

@@ -102,3 +102,32 @@ def test_cached_free_tables_count_as_free_are_revived_and_evicted_lru():
     end(bm, big)  # a keyless table is never kept
     assert [t.key for t in bm.cross.cached_free()] == ["doc1"]
     assert start(bm, make_group("x", "doc2", seq_id=4)) is False  # evicted: the encoder runs again
+
+
+def test_a_lazily_mapped_cache_evicts_cached_tables_before_writing_new_memory():
+    """Blocks 0-7 written at start (a CPU cache's prefault): finished tables are
+    evicted, least recently used first, rather than new tables taking blocks
+    8 and up; a cache written whole keeps them (the test above)."""
+    bm = BlockSpaceManager(BS, 40, 4, watermark=0, warm_gpu_blocks=8)
+    assert bm.gpu_allocator.get_num_free_warm_blocks() == 8
+    used: set[int] = set()
+    for i in range(6):  # 3 cross + 1 self blocks each
+        g = make_group(f"r{i}", f"doc{i}", seq_id=i)
+        assert start(bm, g) is False
+        used.update(bm.get_cross_block_table(g))
+        used.update(bm.get_block_table(g.get_seqs()[0]))
+        end(bm, g)
+    assert max(used) < 8  # never past the written blocks
+    assert [t.key for t in bm.cross.cached_free()] == ["doc4", "doc5"]  # as many as the 8 blocks hold
+    assert bm.cross.num_evictions == 4
+    again = make_group("again", "doc5", seq_id=9)
+    assert start(bm, again) is True  # still revived: no encoder pass
+    end(bm, again)
+    # When live tables need more than the written blocks, new ones are taken and then kept written.
+    live = [make_group(f"l{i}", f"live{i}", seq_id=10 + i) for i in range(3)]
+    for g in live:
+        start(bm, g)
+    assert bm.gpu_allocator.get_num_free_warm_blocks() == 0
+    for g in live:
+        end(bm, g)
+    assert len(bm.cross.cached_free()) == 3  # the cached ones now fit in what was written
