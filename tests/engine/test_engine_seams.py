@@ -32,6 +32,7 @@ print(json.dumps({
     "rng_unchanged": bool(torch.equal(torch.random.get_rng_state(), rng)),
     "allocator_unchanged": not host_allocator._applied,
     "num_gpu_blocks": cfg.num_gpu_blocks,
+    "num_warm_gpu_blocks": cfg.num_warm_gpu_blocks,
     "block_size": cfg.block_size,
     "max_model_len": llm.llm_engine.model_config.max_model_len,
     "max_encoder_len": llm.llm_engine.model_config.max_encoder_len,
@@ -58,6 +59,8 @@ def test_default_llm_is_small_and_leaves_process_state_alone(tiny_bart):
     bs = got["block_size"]
     per_request = -(-(got["max_model_len"] // 4) // bs) + -(-got["max_encoder_len"] // bs)
     assert got["num_gpu_blocks"] == 256 * per_request
+    # 16 requests' worth written at start; the block manager hands those out first.
+    assert got["num_warm_gpu_blocks"] == 16 * per_request
 
 
 def test_max_model_len_bounds_a_text_encoder_and_the_cache_floor(tiny_bart):
