@@ -10,12 +10,14 @@ pytestmark = pytest.mark.skipif(not paged_cpu.available(), reason="no C compiler
 
 
 @pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
-@pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 4, 4), (5, 6, 2), (16, 6, 6)])
-def test_kernel_matches_reference(block_size, heads, kv_heads, isa, monkeypatch):
+@pytest.mark.parametrize("block_size, heads, kv_heads, D", [(16, 4, 4, 64), (5, 6, 2, 64), (16, 6, 6, 64),
+                                                         (16, 2, 2, 40)])  # 40: not a multiple of the lanes
+def test_kernel_matches_reference(block_size, heads, kv_heads, D, isa, monkeypatch):
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert build.cpu_isa() == isa
+    assert paged_cpu.path(isa) == isa  # the build runs its ISA's lanes (or plain C for "none")
     g = torch.Generator().manual_seed(0)
-    D, B, num_blocks = 64, 7, 1000
+    B, num_blocks = 7, 1000
     cache = torch.randn(2, num_blocks, block_size, kv_heads, D, generator=g)
     lens = torch.randint(1, 400, (B,), generator=g, dtype=torch.int32)
     width = (int(lens.max()) + block_size - 1) // block_size

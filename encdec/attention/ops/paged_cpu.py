@@ -1,9 +1,9 @@
 """Builds and calls ``paged_attention_cpu.c``: decode attention straight from
 the paged cache, so no step copies a sequence's keys and values.
 
-Plain C the compiler vectorises, built by ``build.load`` for ``build.cpu_isa()``
-(portable where that is "none"); where no compiler works, ``available()`` is
-False and the torch backend gathers instead (logged once).
+Built by ``build.load`` for ``build.cpu_isa()``: AVX-512 or AVX2+FMA lanes, or
+portable C where that is "none" (``path()`` says which); where no compiler
+works, ``available()`` is False and the torch backend gathers instead (logged once).
 """
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ def _kernel(isa: str):
 
 def available() -> bool:
     return _kernel(build.cpu_isa()) is not None
+
+
+def path(isa: str | None = None) -> str | None:
+    """The vector path the build for ``isa`` runs ("avx512", "avx2", "none"), or None if unbuilt."""
+    return build.vector_path("paged_attention_cpu.c", "paged_attention_path", isa)
 
 
 def paged_decode_attention(
