@@ -50,3 +50,15 @@ def test_torch_fallback_matches_kernel(tiny_bart, monkeypatch):
     for a, b in zip(fast, slow):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_a_kernel_is_keyed_by_what_its_includes_include():
+    """decoder_layer_cpu.c includes paged_attention_cpu.c, which includes
+    vector_math.h: a change to the header must rebuild the layer kernel too."""
+    import os
+
+    folder = os.path.dirname(build.__file__)
+    with open(os.path.join(folder, "decoder_layer_cpu.c"), "rb") as f:
+        texts = build._local_includes(f.read())
+    with open(os.path.join(folder, "vector_math.h"), "rb") as f:
+        assert f.read() in texts

@@ -177,6 +177,30 @@ def test_all_greedy_batch_is_one_argmax() -> None:
     assert log.ops.count("argmax") == 1
 
 
+@pytest.mark.skipif(sampler_mod.greedy_logprobs(torch.zeros(1, 16)) is None, reason="no greedy C kernel here")
+def test_greedy_processed_logprob_of_the_token_alone_takes_one_pass(monkeypatch) -> None:
+    """All greedy, ``logprobs=0`` processed (a Whisper transcription's every step):
+    the C pass gives what the general path gives, with no vocab-wide log-softmax."""
+    params = [SamplingParams(temperature=0.0, logprobs=0, logprobs_mode="processed_logprobs",
+                             logit_bias={7: 9.0} if i == 1 else None) for i in range(4)]
+    prompts, outputs, logits = _random_batch(params, 5)
+    logits[2, 11] = logits[2, 40] = logits[2].max() + 1  # a tie: first index, rank 2
+    ib = make_batch(params, prompts, outputs, VOCAB)
+    with _OpLog() as log:
+        fast = Sampler()(logits.clone(), ib.refresh_metadata())
+    assert "_log_softmax" not in log.ops and "argmax" not in log.ops, log.ops
+    monkeypatch.setattr(sampler_mod, "greedy_logprobs", lambda x: None)
+    with _OpLog() as log:
+        general = Sampler()(logits.clone(), ib.refresh_metadata())
+    assert "_log_softmax" in log.ops  # the guard: the general path does the work
+    assert fast.sampled_token_ids.tolist() == general.sampled_token_ids.tolist()
+    assert int(fast.sampled_token_ids[1, 0]) == 7 and int(fast.sampled_token_ids[2, 0]) == 11
+    a, b = fast.logprobs_tensors, general.logprobs_tensors
+    assert a.logprob_token_ids.tolist() == b.logprob_token_ids.tolist()
+    torch.testing.assert_close(a.logprobs, b.logprobs)
+    assert a.selected_token_ranks.tolist() == b.selected_token_ranks.tolist() and int(a.selected_token_ranks[2]) == 2
+
+
 def test_mixed_batch_does_real_work() -> None:
     # Guards the test above: the op log does see sampling work when there is some.
     ib = make_batch([SamplingParams(temperature=0.0), SamplingParams(top_p=0.9)],

@@ -103,13 +103,17 @@ def cpu_isa() -> str:
     return _resolve(os.environ.get(ISA_ENV))
 
 
-def _local_includes(src: bytes) -> list[bytes]:
+def _local_includes(src: bytes, seen: frozenset[bytes] = frozenset()) -> list[bytes]:
     """The text of the files of this folder that ``src`` includes (``#include "x.c"``),
-    so that a change to one rebuilds its includers too."""
+    and of what they include, so that a change to one rebuilds its includers too."""
     out = []
     for name in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', src, flags=re.MULTILINE):
+        if name in seen:
+            continue
+        seen = seen | {name}
         with open(os.path.join(_DIR, name.decode()), "rb") as f:
-            out.append(f.read())
+            text = f.read()
+        out += [text, *_local_includes(text, seen)]
     return out
 
 
