@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from encdec.attention.ops import build
+from encdec.models import whisper_processors
 from encdec.models.whisper_processors import WhisperLogitsProcessor
 from encdec.sample.logits_processor import BatchUpdate, MoveDirectionality
 
@@ -64,10 +66,26 @@ def random_output(rng: random.Random, timestamps: bool) -> list[int]:
     return out
 
 
-def test_matches_hf_processors_row_by_row(configs):
+# The C rules for each build this CPU runs ("none" = portable C), and the torch ops.
+PATHS = [*build.host_isas(), "torch"]
+
+
+def use_path(proc: WhisperLogitsProcessor, path: str) -> None:
+    if path == "torch":
+        proc.kernel = None
+        return
+    proc.kernel = whisper_processors._rules_kernel(path)
+    if proc.kernel is None:
+        pytest.skip("no C compiler here")
+    assert whisper_processors.rules_path(path) == path  # the build runs its ISA's lanes
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_matches_hf_processors_row_by_row(configs, path):
     cfg, gen = configs
     rng = random.Random(0)
     proc = make_proc(cfg, gen)
+    use_path(proc, path)
     prompts, outputs, modes = [], [], []
     for i in range(40):
         ts = i % 2 == 0
@@ -93,9 +111,11 @@ def test_matches_hf_processors_row_by_row(configs):
     assert first_ts_rows and all(torch.isinf(ours[i, :TS]).all() for i in first_ts_rows)
 
 
-def test_batch_updates_follow_rows(configs):
+@pytest.mark.parametrize("path", ["torch", build.cpu_isa()])
+def test_batch_updates_follow_rows(configs, path):
     cfg, gen = configs
     proc = make_proc(cfg, gen)
+    use_path(proc, path)
     live = [[], [11, 12], []]
     params = SimpleNamespace(extra_args=None)
     proc.update_state(BatchUpdate(3, (), [(0, params, [SOT], live[0]), (1, params, [SOT, NOTS], live[1]),
