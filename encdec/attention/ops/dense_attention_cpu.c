@@ -28,7 +28,7 @@
  * and in panels of 16 columns, (4, T_k, 16), for AVX2 (a tile reads 16 columns).
  * With K^T as one (64, T_k) matrix a tile read 64 lines 6 KB apart. Measured on
  * one layer of Whisper tiny (1500 positions, 6 heads, 2 threads, AMD EPYC):
- * AVX2 25.9 -> 22.9 ms from the layouts, -> 20.7 ms with the cheaper exp below;
+ * AVX2 25.9 -> 22.9 ms from the layouts, -> 20.7 ms with the cheaper exp (vector_math.h);
  * AVX-512 17.9 -> 17.6 ms.
  */
 #include <math.h>
@@ -38,6 +38,8 @@
 
 #define D 64
 #define R 6 /* query rows per register tile */
+
+#include "vector_math.h" /* vm_exp */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define HAVE_VECTOR_PATH 1
@@ -53,24 +55,6 @@ static inline int64_t kt_at(int64_t t, int d) { return (t & ~15) * D + d * 16 + 
 #endif
 
 #ifdef __AVX512F__
-/* exp for x <= 0 (scores minus their row max): Cephes expf polynomial on
- * x - n ln2, |error| ~1 ulp; scalef rebuilds 2^n and flushes huge negatives to 0. */
-static inline __m512 exp_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* s[i][c .. c + 16 * NV) = qs[i] . K^T[:, c ..] for i < R; kt holds K^T in
  * panels of 16 keys: (ldk / 16, D, 16). */
 #define QK_TILE(NV)                                                                  \
@@ -141,12 +125,12 @@ static inline float softmax_numerator(float *s, int64_t n) {
     __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     __m512 sum = _mm512_setzero_ps();
     for (t = 0; t + 16 <= n; t += 16) {
-        __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
+        __m512 e = vm_exp(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx));
         _mm512_storeu_ps(s + t, e);
         sum = _mm512_add_ps(sum, e);
     }
     if (tail) {
-        __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mx));
+        __m512 e = vm_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mx));
         e = _mm512_maskz_mov_ps(tail, e);
         _mm512_mask_storeu_ps(s + t, tail, e);
         sum = _mm512_add_ps(sum, e);
@@ -155,29 +139,6 @@ static inline float softmax_numerator(float *s, int64_t n) {
 }
 
 #elif defined(HAVE_VECTOR_PATH) /* AVX2 + FMA */
-/* The same Cephes exp on 8 lanes. AVX2 has no scalef: n is rounded by adding
- * 1.5 * 2^23 + 127, whose low mantissa bits are then n + 127, shifted into the
- * exponent field to make 2^n (one FMA, a subtract and a shift instead of
- * round, convert, add and shift). Valid for n >= -126, so inputs are clamped
- * at -87.3: exp of anything below gives 2^-126 ~ 1e-38 instead of less, which
- * next to the row max's exp(0) = 1 changes no sum or weight in float32. */
-static inline __m256 exp_nonpos(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654475f));
-    const __m256 magic = _mm256_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
-    __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
-    __m256 n = _mm256_sub_ps(t, magic);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
-}
-
 /* A 6x16 tile in 12 named accumulators: GCC kept an __m256 acc[6][2] array
  * on the stack (a store per FMA, measured 1.5x slower). FMA6(a, b, ptr, ld)
  * adds broadcast(ptr[i * ld]) * (a, b) to row i's pair. */
@@ -265,12 +226,12 @@ static inline float softmax_numerator(float *s, int64_t n) {
     __m256 mx = _mm256_set1_ps(hmax8(m));
     __m256 sum = _mm256_setzero_ps();
     for (t = 0; t + 8 <= n; t += 8) {
-        __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+        __m256 e = vm_exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
         _mm256_storeu_ps(s + t, e);
         sum = _mm256_add_ps(sum, e);
     }
     if (t < n) {
-        __m256 e = _mm256_and_ps(exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx)), tail);
+        __m256 e = _mm256_and_ps(vm_exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx)), tail);
         _mm256_storeu_ps(s + t, e);
         sum = _mm256_add_ps(sum, e);
     }

@@ -3,10 +3,10 @@
  * build), loads, horizontal sum and max, lane comparisons as bits, and exp().
  *
  * vm_exp is Cephes' expf in lanes (range reduction by ln 2 in two parts, a
- * degree-5 polynomial) for x <= 0, the softmax numerators' range: within
- * 2 ulp of libm's expf, and 0 below -87.3 where expf is denormal. libm's
- * expf is a scalar call; this is one of the reasons the kernels that take a
- * softmax over thousands of entries a row have a vector path.
+ * degree-5 polynomial) for x <= 0, the softmax numerators' range, ~1 ulp:
+ * written for the dense attention kernel (measured there), shared by every
+ * kernel that takes a softmax over thousands of entries a row (libm's expf
+ * is a scalar call).
  */
 #ifndef ENCDEC_VECTOR_MATH_H
 #define ENCDEC_VECTOR_MATH_H
@@ -30,7 +30,6 @@ typedef __m512i vm_ivec;
 #define VM_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23))
 #define VM_HSUM(a) _mm512_reduce_add_ps(a)
 #define VM_HMAX(a) _mm512_reduce_max_ps(a)
-#define VM_BLEND_LT(x, lim, a, b) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ), a, b)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ))  /* lane i -> bit i */
 #else
 #define VM_VL 8
@@ -60,27 +59,54 @@ static inline float vm_hmax(__m256 a) {
 }
 #define VM_HSUM(a) vm_hsum(a)
 #define VM_HMAX(a) vm_hmax(a)
-#define VM_BLEND_LT(x, lim, a, b) _mm256_blendv_ps(a, b, _mm256_cmp_ps(x, lim, _CMP_LT_OQ))
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
 #endif
 
-/* exp(x) in lanes for x <= 0 (the header). */
-static inline vm_vec vm_exp(vm_vec x) {
-    const vm_vec lo = VM_SET1(-87.33654f);
-    const vm_vec under = VM_BLEND_LT(x, lo, VM_SET1(1.f), VM_ZERO());  /* 0 where x < lo */
-    x = VM_MAX(x, lo);
-    const vm_vec n = VM_FLOOR(VM_FMA(x, VM_SET1(1.44269504088896341f), VM_SET1(0.5f)));
-    x = VM_SUB(x, VM_MUL(n, VM_SET1(0.693359375f)));
-    x = VM_SUB(x, VM_MUL(n, VM_SET1(-2.12194440e-4f)));
-    vm_vec p = VM_SET1(1.9875691500e-4f);
-    p = VM_FMA(p, x, VM_SET1(1.3981999507e-3f));
-    p = VM_FMA(p, x, VM_SET1(8.3334519073e-3f));
-    p = VM_FMA(p, x, VM_SET1(4.1665795894e-2f));
-    p = VM_FMA(p, x, VM_SET1(1.6666665459e-1f));
-    p = VM_FMA(p, x, VM_SET1(5.0000001201e-1f));
-    p = VM_FMA(p, VM_MUL(x, x), VM_ADD(x, VM_SET1(1.f)));
-    return VM_MUL(VM_MUL(p, VM_POW2(VM_CVT(n))), under);
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (a softmax's scores minus their max): Cephes expf
+ * polynomial on x - n ln2, |error| ~1 ulp; scalef rebuilds 2^n and flushes
+ * huge negatives to 0. */
+static inline __m512 vm_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
-#endif
 
-#endif
+#else
+/* The same Cephes exp on 8 lanes. AVX2 has no scalef: n is rounded by adding
+ * 1.5 * 2^23 + 127, whose low mantissa bits are then n + 127, shifted into the
+ * exponent field to make 2^n (one FMA, a subtract and a shift instead of
+ * round, convert, add and shift). Valid for n >= -126, so inputs are clamped
+ * at -87.3: exp of anything below gives 2^-126 ~ 1e-38 instead of less, which
+ * next to the row max's exp(0) = 1 changes no sum or weight in float32. */
+static inline __m256 vm_exp(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654475f));
+    const __m256 magic = _mm256_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
+    __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+    __m256 n = _mm256_sub_ps(t, magic);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+}
+
+#endif /* the lanes' exp */
+#endif /* a vector ISA */
+
+#endif /* ENCDEC_VECTOR_MATH_H */
