@@ -22,13 +22,7 @@
 
 #include "vector_math.h"
 
-const char *greedy_path(void) {
-#if defined(VM_VL)
-    return VM_VL == 16 ? "avx512" : "avx2";
-#else
-    return "none";
-#endif
-}
+const char *greedy_path(void) { return VM_PATH; }
 
 #if defined(VM_VL)
 /* The sum of exp() in double lanes: ~35k terms a Whisper row, and a float
@@ -51,18 +45,6 @@ static inline double acc_sum(__m256d a) {
 #endif
 #endif
 
-static float row_max(const float *x, int64_t V) {
-    int64_t t = 0;
-    float mx = -INFINITY;
-#if defined(VM_VL)
-    vm_vec m = VM_SET1(-INFINITY);
-    for (; t + VM_VL <= V; t += VM_VL) m = VM_MAX(m, VM_LOAD(x + t));
-    mx = VM_HMAX(m);
-#endif
-    for (; t < V; t++) mx = x[t] > mx ? x[t] : mx;
-    return mx;
-}
-
 /* x: (R, V), rows ``stride`` floats apart; tok, rank: (R,) int64; lp: (R,). */
 int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int64_t *tok, float *lp,
                        int64_t *rank, int threads) {
@@ -70,7 +52,7 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
 #pragma omp parallel for if (threads > 1) num_threads(threads) schedule(static) reduction(| : bad)
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * stride;
-        const float mx = row_max(row, V);
+        const float mx = vm_max_of(row, V);
         if (!isfinite(mx)) {
             bad = 1;
             continue;

@@ -46,13 +46,7 @@ static float dot(const float *a, const float *b, int n) {
 
 #include "vector_math.h"
 
-const char *paged_attention_path(void) {
-#if defined(VM_VL)
-    return VM_VL == 16 ? "avx512" : "avx2";
-#else
-    return "none";
-#endif
-}
+const char *paged_attention_path(void) { return VM_PATH; }
 
 /* scores[h * len + t] = q_h . k_h(t) * scale for every slot t and head h. */
 static void score_slots(float *scores, const float *qs, const float *k_cache, const int32_t *table, int32_t len,
@@ -79,15 +73,9 @@ static void score_slots(float *scores, const float *qs, const float *k_cache, co
 
 /* row[t] = exp(row[t] - max(row)); returns the sum. */
 static float softmax_numerators(float *row, int32_t len) {
+    const float mx = vm_max_of(row, len);
+    float sum = 0.f;
     int32_t t = 0;
-    float mx = -INFINITY, sum = 0.f;
-#if defined(VM_VL)
-    vm_vec m = VM_SET1(-INFINITY);
-    for (; t + VM_VL <= len; t += VM_VL) m = VM_MAX(m, VM_LOAD(row + t));
-    mx = VM_HMAX(m);
-#endif
-    for (; t < len; t++) mx = row[t] > mx ? row[t] : mx;
-    t = 0;
 #if defined(VM_VL)
     const vm_vec mv = VM_SET1(mx);
     vm_vec acc = VM_ZERO();

@@ -1,6 +1,7 @@
 /* Vector lanes for the CPU kernels that need more than FMAs: VM_VL lanes of
  * float (16 with AVX-512, 8 with AVX2+FMA; VM_VL undefined on the portable
- * build), loads, horizontal sum and max, lane comparisons as bits, and exp().
+ * build), loads, horizontal sum and max, lane comparisons as bits, exp(),
+ * a row's maximum and the path name a build reports.
  *
  * vm_exp is Cephes' expf in lanes (range reduction by ln 2 in two parts, a
  * degree-5 polynomial) for x <= 0, the softmax numerators' range, ~1 ulp:
@@ -10,6 +11,8 @@
  */
 #ifndef ENCDEC_VECTOR_MATH_H
 #define ENCDEC_VECTOR_MATH_H
+#include <math.h>
+#include <stdint.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #if defined(__AVX512F__)
@@ -22,6 +25,7 @@ typedef __m512i vm_ivec;
 #define VM_ZERO() _mm512_setzero_ps()
 #define VM_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VM_MUL(a, b) _mm512_mul_ps(a, b)
+#define VM_FNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
 #define VM_ADD(a, b) _mm512_add_ps(a, b)
 #define VM_SUB(a, b) _mm512_sub_ps(a, b)
 #define VM_MAX(a, b) _mm512_max_ps(a, b)
@@ -41,6 +45,7 @@ typedef __m256i vm_ivec;
 #define VM_ZERO() _mm256_setzero_ps()
 #define VM_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VM_MUL(a, b) _mm256_mul_ps(a, b)
+#define VM_FNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
 #define VM_ADD(a, b) _mm256_add_ps(a, b)
 #define VM_SUB(a, b) _mm256_sub_ps(a, b)
 #define VM_MAX(a, b) _mm256_max_ps(a, b)
@@ -62,6 +67,20 @@ static inline float vm_hmax(__m256 a) {
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
 #endif
 
+/* exp(x - n ln 2) by Cephes' polynomial, ln 2 in two parts (the ISA's vm_exp
+ * picks n and multiplies by 2^n). */
+static inline vm_vec vm_exp_reduced(vm_vec x, vm_vec n) {
+    vm_vec r = VM_FNMADD(n, VM_SET1(0.693359375f), x);
+    r = VM_FNMADD(n, VM_SET1(-2.12194440e-4f), r);
+    vm_vec p = VM_SET1(1.9875691500E-4f);
+    p = VM_FMA(p, r, VM_SET1(1.3981999507E-3f));
+    p = VM_FMA(p, r, VM_SET1(8.3334519073E-3f));
+    p = VM_FMA(p, r, VM_SET1(4.1665795894E-2f));
+    p = VM_FMA(p, r, VM_SET1(1.6666665459E-1f));
+    p = VM_FMA(p, r, VM_SET1(5.0000001201E-1f));
+    return VM_FMA(p, VM_MUL(r, r), VM_ADD(r, VM_SET1(1.0f)));
+}
+
 #if defined(__AVX512F__)
 /* exp(x) for x <= 0 (a softmax's scores minus their max): Cephes expf
  * polynomial on x - n ln2, |error| ~1 ulp; scalef rebuilds 2^n and flushes
@@ -70,16 +89,7 @@ static inline __m512 vm_exp(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(vm_exp_reduced(x, n), n);
 }
 
 #else
@@ -94,19 +104,30 @@ static inline __m256 vm_exp(__m256 x) {
     const __m256 magic = _mm256_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
     __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
     __m256 n = _mm256_sub_ps(t, magic);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+    return _mm256_mul_ps(vm_exp_reduced(x, n), _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
 #endif /* the lanes' exp */
 #endif /* a vector ISA */
+
+/* What a build runs, for each kernel's ``*_path()``. */
+#if defined(VM_VL)
+#define VM_PATH (VM_VL == 16 ? "avx512" : "avx2")
+#else
+#define VM_PATH "none"
+#endif
+
+/* The largest of x[0 .. n) (-inf for none); NaNs are skipped by the lanes. */
+static inline float vm_max_of(const float *x, int64_t n) {
+    int64_t t = 0;
+    float mx = -INFINITY;
+#if defined(VM_VL)
+    vm_vec m = VM_SET1(-INFINITY);
+    for (; t + VM_VL <= n; t += VM_VL) m = VM_MAX(m, VM_LOAD(x + t));
+    mx = VM_HMAX(m);
+#endif
+    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
 
 #endif /* ENCDEC_VECTOR_MATH_H */

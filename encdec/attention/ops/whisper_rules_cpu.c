@@ -16,13 +16,7 @@
 
 #include "vector_math.h"
 
-const char *whisper_rules_path(void) {
-#if defined(VM_VL)
-    return VM_VL == 16 ? "avx512" : "avx2";
-#else
-    return "none";
-#endif
-}
+const char *whisper_rules_path(void) { return VM_PATH; }
 
 /* Per-row flags (flags[r]): bit 0 suppress, bit 1 begin-suppress (first
  * token), bit 2 timestamp rules, bit 3 the last token is a timestamp, bit 4
@@ -35,20 +29,8 @@ static void fill(float *x, int64_t from, int64_t to) {
     for (int64_t i = from; i < to; i++) x[i] = -INFINITY;
 }
 
-static float max_of(const float *x, int64_t n) {
-    int64_t t = 0;
-    float mx = -INFINITY;
-#if defined(VM_VL)
-    vm_vec m = VM_SET1(-INFINITY);
-    for (; t + VM_VL <= n; t += VM_VL) m = VM_MAX(m, VM_LOAD(x + t));
-    mx = VM_HMAX(m);
-#endif
-    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
-    return mx;
-}
-
 static float logsumexp(const float *x, int64_t n) {
-    const float mx = max_of(x, n);
+    const float mx = vm_max_of(x, n);
     if (!isfinite(mx)) return mx;  /* all -inf: -inf (torch's too); NaN or +inf pass through */
     double sum = 0.0;
     int64_t t = 0;
@@ -85,6 +67,6 @@ void whisper_rules_f32(float *logits, int64_t R, int64_t V, int64_t stride, cons
             if (max_initial >= 0 && tb + max_initial + 1 < V) fill(x, tb + max_initial + 1, V);
         }
         fill(x, tb, low[r] < V ? low[r] : V);  /* monotonic */
-        if (logsumexp(x + tb, V - tb) > max_of(x, tb)) fill(x, 0, tb);
+        if (logsumexp(x + tb, V - tb) > vm_max_of(x, tb)) fill(x, 0, tb);
     }
 }
