@@ -76,6 +76,7 @@ class WhisperLogitsProcessor(LogitsProcessor):
         tokens = WhisperSpecialTokens.of(gc)
         vocab = config.model_config.hf_config.vocab_size
         self.device = device
+        self.vocab = vocab
         self.sot, self.eos, self.no_ts = tokens.sot, tokens.eot, tokens.no_timestamps
         self.ts_begin = tokens.timestamp_begin
         self.max_initial = getattr(gc, "max_initial_timestamp_index", None)  # HF: None if unset
@@ -126,7 +127,7 @@ class WhisperLogitsProcessor(LogitsProcessor):
         n = logits.shape[0]
         rows = {i: r for i, r in self.rows.items() if i < n}
         if (self.kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
-                and logits.dim() == 2 and logits.stride(1) == 1):
+                and logits.dim() == 2 and logits.shape[1] == self.vocab and logits.stride(1) == 1):
             self._apply_c(logits, rows)
             return logits
         # Suppressed ids are written column by column (~90 of ~51865): a
