@@ -38,10 +38,11 @@ def test_matches_torch(isa, vocab):
 @pytest.mark.skipif(greedy_cpu.path() is None, reason="no C compiler or no vector ISA here")
 def test_declines_what_it_cannot_do():
     assert greedy_cpu.greedy_logprobs(torch.full((2, 40), float("-inf"))) is None  # no finite maximum
-    bad = torch.randn(2, 40)
-    bad[1, 3] = float("nan")
-    bad[1] = float("nan")
-    assert greedy_cpu.greedy_logprobs(bad) is None
+    for where in (3, 39):  # one NaN in a lane block, one in the tail: torch's argmax would pick it
+        bad = torch.randn(2, 40)
+        bad[1, where] = float("nan")
+        assert greedy_cpu.greedy_logprobs(bad) is None
+    assert greedy_cpu.greedy_logprobs(torch.full((1, 40), float("nan"))) is None
     assert greedy_cpu.greedy_logprobs(torch.randn(2, 40, dtype=torch.float64)) is None
     assert greedy_cpu.greedy_logprobs(torch.randn(40, 2).t()) is None  # columns not contiguous
     assert greedy_cpu.greedy_logprobs(torch.randn(2, 40), isa="none") is None  # torch is faster there

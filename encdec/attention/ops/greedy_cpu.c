@@ -14,8 +14,9 @@
  * Lanes and exp() from vector_math.h (AVX-512, AVX2+FMA); the portable build
  * is not used (greedy_cpu.py: scalar expf is slower than torch). The sum of
  * exp() runs in double lanes, so lp is within float32 rounding of a float64
- * log_softmax (torch's float sum drifts by a few 1e-6 at this length). Returns 1, having written rows before it, when a row's
- * maximum is not finite (NaN or inf logits): the caller runs the general path.
+ * log_softmax (torch's float sum drifts by a few 1e-6 at this length).
+ * Returns 1 when a row holds a NaN (torch's argmax would pick it) or has no
+ * finite maximum: the caller runs the general path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,6 +59,7 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
             continue;
         }
         int64_t first = -1, ties = 0, t = 0;
+        unsigned nan = 0;
         double sum = 0.0;
 #if defined(VM_VL)
         const vm_vec mv = VM_SET1(mx);
@@ -68,6 +70,7 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
             lo = ACC_ADD(lo, e, 0);
             hi = ACC_ADD(hi, e, 1);
             const unsigned eq = VM_EQ_BITS(v, mv);
+            nan |= VM_NAN_BITS(v);
             if (eq) {
                 if (first < 0) first = t + __builtin_ctz(eq);
                 ties += __builtin_popcount(eq);
@@ -76,11 +79,16 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
         sum = ACC_SUM(lo) + ACC_SUM(hi);
 #endif
         for (; t < V; t++) {
+            nan |= isnan(row[t]);
             sum += (double)expf(row[t] - mx);
             if (row[t] == mx) {
                 if (first < 0) first = t;
                 ties++;
             }
+        }
+        if (nan) {
+            bad = 1;
+            continue;
         }
         tok[r] = first;
         lp[r] = (float)-log(sum);

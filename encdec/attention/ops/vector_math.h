@@ -35,6 +35,7 @@ typedef __m512i vm_ivec;
 #define VM_HSUM(a) _mm512_reduce_add_ps(a)
 #define VM_HMAX(a) _mm512_reduce_max_ps(a)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ))  /* lane i -> bit i */
+#define VM_NAN_BITS(a) ((unsigned)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q))
 #else
 #define VM_VL 8
 typedef __m256 vm_vec;
@@ -65,6 +66,7 @@ static inline float vm_hmax(__m256 a) {
 #define VM_HSUM(a) vm_hsum(a)
 #define VM_HMAX(a) vm_hmax(a)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
+#define VM_NAN_BITS(a) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)))
 #endif
 
 /* exp(x - n ln 2) by Cephes' polynomial, ln 2 in two parts (the ISA's vm_exp
