@@ -6,9 +6,8 @@ log-probability only (``logprobs=0``, processed), as a Whisper transcription
 does every step (see the C file for the measurement). Built by
 ``build.load`` for ``build.cpu_isa()``; ``path(isa)`` says which vector path a
 build runs. Where no compiler works, on the portable build (slower than
-torch there), or where a row holds a NaN or no finite value, ``greedy_logprobs``
-returns None
-and the sampler's general path runs.
+torch there), or where a row holds a NaN or no finite value,
+``greedy_logprobs`` returns None and the sampler's general path runs.
 """
 from __future__ import annotations
 
