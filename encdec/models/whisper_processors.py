@@ -141,18 +141,17 @@ class WhisperLogitsProcessor(LogitsProcessor):
 
     def _apply_c(self, logits: torch.Tensor, rows: dict[int, _Row]) -> None:
         n = logits.shape[0]
-        flags = torch.zeros(n, dtype=torch.int32)
-        lows = torch.zeros(n, dtype=torch.int64)
+        flags, lows = [0] * n, [0] * n  # a row the processor does not track: no rule
         for i, r in rows.items():
             f = (_SUPPRESS | (0 if r.output else _BEGIN)) if r.suppress else 0
             if r.timestamps:
-                last_ts, penult_ts, low = self._timestamp_state(r.output)
+                last_ts, penult_ts, lows[i] = self._timestamp_state(r.output)
                 f |= (_TIMESTAMPS | (_LAST_TS if last_ts else 0) | (_PENULT_TS if penult_ts else 0)
                       | (0 if r.output else _FIRST))
-                lows[i] = low
             flags[i] = f
+        flags_t, lows_t = torch.tensor(flags, dtype=torch.int32), torch.tensor(lows, dtype=torch.int64)
         (sup, n_sup), (beg, n_beg) = self._ids_args
-        self.kernel(logits.data_ptr(), n, logits.shape[1], logits.stride(0), flags.data_ptr(), lows.data_ptr(),
+        self.kernel(logits.data_ptr(), n, logits.shape[1], logits.stride(0), flags_t.data_ptr(), lows_t.data_ptr(),
                     sup, n_sup, beg, n_beg, self.no_ts, self.eos, self.ts_begin,
                     -1 if self.max_initial is None else self.max_initial)
 

@@ -25,27 +25,6 @@
 
 const char *greedy_path(void) { return VM_PATH; }
 
-#if defined(VM_VL)
-/* The sum of exp() in double lanes: ~35k terms a Whisper row, and a float
- * lane's running sum drifts by 1e-5 relative (measured against float64). */
-#if VM_VL == 16
-typedef __m512d acc_d;
-#define ACC_ZERO() _mm512_setzero_pd()
-#define ACC_ADD(acc, v, half) _mm512_add_pd(acc, _mm512_cvtps_pd(half ? _mm512_extractf32x8_ps(v, 1) : _mm512_castps512_ps256(v)))
-#define ACC_SUM(a) _mm512_reduce_add_pd(a)
-#else
-typedef __m256d acc_d;
-#define ACC_ZERO() _mm256_setzero_pd()
-#define ACC_ADD(acc, v, half) _mm256_add_pd(acc, _mm256_cvtps_pd(half ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v)))
-static inline double acc_sum(__m256d a) {
-    double s[4];
-    _mm256_storeu_pd(s, a);
-    return (s[0] + s[1]) + (s[2] + s[3]);
-}
-#define ACC_SUM(a) acc_sum(a)
-#endif
-#endif
-
 /* x: (R, V), rows ``stride`` floats apart; tok, rank: (R,) int64; lp: (R,). */
 int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int64_t *tok, float *lp,
                        int64_t *rank, int threads) {
@@ -63,12 +42,10 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
         double sum = 0.0;
 #if defined(VM_VL)
         const vm_vec mv = VM_SET1(mx);
-        acc_d lo = ACC_ZERO(), hi = ACC_ZERO();
+        vm_dsum acc = vm_dsum_zero();
         for (; t + VM_VL <= V; t += VM_VL) {
             const vm_vec v = VM_LOAD(row + t);
-            const vm_vec e = vm_exp(VM_SUB(v, mv));
-            lo = ACC_ADD(lo, e, 0);
-            hi = ACC_ADD(hi, e, 1);
+            vm_dsum_add(&acc, vm_exp(VM_SUB(v, mv)));
             const unsigned eq = VM_EQ_BITS(v, mv);
             nan |= VM_NAN_BITS(v);
             if (eq) {
@@ -76,7 +53,7 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
                 ties += __builtin_popcount(eq);
             }
         }
-        sum = ACC_SUM(lo) + ACC_SUM(hi);
+        sum = vm_dsum_total(acc);
 #endif
         for (; t < V; t++) {
             nan |= isnan(row[t]);

@@ -1,7 +1,7 @@
 /* Vector lanes for the CPU kernels that need more than FMAs: VM_VL lanes of
  * float (16 with AVX-512, 8 with AVX2+FMA; VM_VL undefined on the portable
- * build), loads, horizontal sum and max, lane comparisons as bits, exp(),
- * a row's maximum and the path name a build reports.
+ * build), loads, horizontal sum and max, lane comparisons as bits, sums in
+ * double lanes, exp(), a row's maximum and the path name a build reports.
  *
  * vm_exp is Cephes' expf in lanes (range reduction by ln 2 in two parts, a
  * degree-5 polynomial) for x <= 0, the softmax numerators' range, ~1 ulp:
@@ -18,7 +18,6 @@
 #if defined(__AVX512F__)
 #define VM_VL 16
 typedef __m512 vm_vec;
-typedef __m512i vm_ivec;
 #define VM_LOAD(p) _mm512_loadu_ps(p)
 #define VM_STORE(p, a) _mm512_storeu_ps(p, a)
 #define VM_SET1(x) _mm512_set1_ps(x)
@@ -29,9 +28,6 @@ typedef __m512i vm_ivec;
 #define VM_ADD(a, b) _mm512_add_ps(a, b)
 #define VM_SUB(a, b) _mm512_sub_ps(a, b)
 #define VM_MAX(a, b) _mm512_max_ps(a, b)
-#define VM_FLOOR(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-#define VM_CVT(a) _mm512_cvttps_epi32(a)
-#define VM_POW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23))
 #define VM_HSUM(a) _mm512_reduce_add_ps(a)
 #define VM_HMAX(a) _mm512_reduce_max_ps(a)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ))  /* lane i -> bit i */
@@ -39,7 +35,6 @@ typedef __m512i vm_ivec;
 #else
 #define VM_VL 8
 typedef __m256 vm_vec;
-typedef __m256i vm_ivec;
 #define VM_LOAD(p) _mm256_loadu_ps(p)
 #define VM_STORE(p, a) _mm256_storeu_ps(p, a)
 #define VM_SET1(x) _mm256_set1_ps(x)
@@ -50,9 +45,6 @@ typedef __m256i vm_ivec;
 #define VM_ADD(a, b) _mm256_add_ps(a, b)
 #define VM_SUB(a, b) _mm256_sub_ps(a, b)
 #define VM_MAX(a, b) _mm256_max_ps(a, b)
-#define VM_FLOOR(a) _mm256_floor_ps(a)
-#define VM_CVT(a) _mm256_cvttps_epi32(a)
-#define VM_POW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23))
 static inline float vm_hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -68,6 +60,33 @@ static inline float vm_hmax(__m256 a) {
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
 #define VM_NAN_BITS(a) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)))
 #endif
+
+/* Float lanes summed in double lanes (vm_dsum; VM_ACC_ADD takes half of v):
+ * a softmax's ~35k terms in float lanes drift by 1e-5 relative (measured
+ * against float64). */
+#if VM_VL == 16
+typedef __m512d vm_acc;
+#define VM_ACC_ZERO() _mm512_setzero_pd()
+#define VM_ACC_ADD(acc, v, half) _mm512_add_pd(acc, _mm512_cvtps_pd(half ? _mm512_extractf32x8_ps(v, 1) : _mm512_castps512_ps256(v)))
+#define VM_ACC_SUM(a) _mm512_reduce_add_pd(a)
+#else
+typedef __m256d vm_acc;
+#define VM_ACC_ZERO() _mm256_setzero_pd()
+#define VM_ACC_ADD(acc, v, half) _mm256_add_pd(acc, _mm256_cvtps_pd(half ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v)))
+static inline double vm_acc_sum(__m256d a) {
+    double s[4];
+    _mm256_storeu_pd(s, a);
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+#define VM_ACC_SUM(a) vm_acc_sum(a)
+#endif
+typedef struct { vm_acc lo, hi; } vm_dsum;  /* a running sum of float lanes, in double */
+static inline vm_dsum vm_dsum_zero(void) { return (vm_dsum){VM_ACC_ZERO(), VM_ACC_ZERO()}; }
+static inline void vm_dsum_add(vm_dsum *s, vm_vec v) {
+    s->lo = VM_ACC_ADD(s->lo, v, 0);
+    s->hi = VM_ACC_ADD(s->hi, v, 1);
+}
+static inline double vm_dsum_total(vm_dsum s) { return VM_ACC_SUM(s.lo) + VM_ACC_SUM(s.hi); }
 
 /* exp(x - n ln 2) by Cephes' polynomial, ln 2 in two parts (the ISA's vm_exp
  * picks n and multiplies by 2^n). */

@@ -36,11 +36,9 @@ static float logsumexp(const float *x, int64_t n) {
     int64_t t = 0;
 #if defined(VM_VL)
     const vm_vec mv = VM_SET1(mx);
-    float lanes[VM_VL];
-    for (; t + VM_VL <= n; t += VM_VL) {
-        VM_STORE(lanes, vm_exp(VM_SUB(VM_LOAD(x + t), mv)));
-        for (int j = 0; j < VM_VL; j++) sum += lanes[j];
-    }
+    vm_dsum acc = vm_dsum_zero();
+    for (; t + VM_VL <= n; t += VM_VL) vm_dsum_add(&acc, vm_exp(VM_SUB(VM_LOAD(x + t), mv)));
+    sum = vm_dsum_total(acc);
 #endif
     for (; t < n; t++) sum += expf(x[t] - mx);
     return mx + (float)log(sum);
