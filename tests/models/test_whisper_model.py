@@ -38,13 +38,10 @@ def ours(ct2_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(ct2_dir, tmp_path_factory):
+def hf(whisper_tiny_hf_dir):
     from transformers import WhisperForConditionalGeneration as HFWhisper
 
-    from encdec.models.ct2_writer import save_as_hf
-
-    out = save_as_hf(ct2_dir, tmp_path_factory.mktemp("whisper_hf"))
-    return HFWhisper.from_pretrained(out, attn_implementation="eager").eval()
+    return HFWhisper.from_pretrained(whisper_tiny_hf_dir, attn_implementation="eager").eval()
 
 
 def make_metadata(prefills, decodes):

@@ -38,6 +38,11 @@
 
 #define D 64
 #define R 6 /* query rows per register tile */
+/* Keys summed in registers before a P V partial sum joins its row's total, as
+ * a GEMM's k blocks do: one running sum over all 1500 keys was 2.4x torch's
+ * error against float64 (1.2e-5 vs 5e-6 at Whisper's shapes), and made the
+ * encoder's output drift past HF's own float32 error on a 30 s clip. */
+#define KC 128
 
 #include "vector_math.h" /* vm_exp */
 
@@ -91,27 +96,38 @@ static inline void pack_v_row(float *vp, const float *row, int64_t t, int64_t tk
 }
 
 /* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk; v is (tk, D)
- * contiguous; row i goes to o + i * ldo. */
+ * contiguous; row i goes to o + i * ldo. Sums run KC keys in registers, then
+ * join the rows' totals in tot (see KC). */
 static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t tk,
                            const float *inv, int rows, float *o, int64_t ldo) {
-    __m512 acc[R][4];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < tk; t++) {
-        const float *vt = v + t * D;
-        __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
-        __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
-        for (int i = 0; i < R; i++) {
-            __m512 pb = _mm512_set1_ps(p[i * ldp + t]);
-            acc[i][0] = _mm512_fmadd_ps(pb, v0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(pb, v1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(pb, v2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(pb, v3, acc[i][3]);
+    float tot[R * D] __attribute__((aligned(64)));
+    for (int64_t t0 = 0; t0 < tk; t0 += KC) {
+        const int64_t t1 = t0 + KC < tk ? t0 + KC : tk;
+        __m512 acc[R][4];
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t t = t0; t < t1; t++) {
+            const float *vt = v + t * D;
+            __m512 v0 = _mm512_loadu_ps(vt), v1 = _mm512_loadu_ps(vt + 16);
+            __m512 v2 = _mm512_loadu_ps(vt + 32), v3 = _mm512_loadu_ps(vt + 48);
+            for (int i = 0; i < R; i++) {
+                __m512 pb = _mm512_set1_ps(p[i * ldp + t]);
+                acc[i][0] = _mm512_fmadd_ps(pb, v0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(pb, v1, acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(pb, v2, acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(pb, v3, acc[i][3]);
+            }
         }
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < 4; j++) {
+                float *at = tot + i * D + 16 * j;
+                _mm512_store_ps(at, t0 ? _mm512_add_ps(_mm512_load_ps(at), acc[i][j]) : acc[i][j]);
+            }
     }
     for (int i = 0; i < rows; i++) {
         __m512 w = _mm512_set1_ps(inv[i]);
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_mul_ps(acc[i][j], w));
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_mul_ps(_mm512_load_ps(tot + i * D + 16 * j), w));
     }
 }
 
@@ -195,20 +211,27 @@ static inline void pack_v_row(float *vp, const float *row, int64_t t, int64_t tk
 
 /* o[i] = inv[i] * sum_t p[i][t] * v[t] for i < rows, t < tk, in four passes of
  * 16 output columns (6x16 tiles again: 64 columns would need 48 registers);
- * v holds V in panels of 16 columns, (D / 16, tk, 16). */
+ * v holds V in panels of 16 columns, (D / 16, tk, 16). Sums run KC keys in
+ * registers, then join the pass's totals in tot (see KC). */
 static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t tk,
                            const float *inv, int rows, float *o, int64_t ldo) {
     for (int c = 0; c < D; c += 16) {
-        DECL6;
-        for (int64_t t = 0; t < tk; t++) {
-            __m256 v0 = _mm256_loadu_ps(v + c * tk + t * 16), v1 = _mm256_loadu_ps(v + c * tk + t * 16 + 8);
-            FMA6(v0, v1, p + t, ldp);
+        __m256 tot[R][2];
+        for (int64_t t0 = 0; t0 < tk; t0 += KC) {
+            const int64_t t1 = t0 + KC < tk ? t0 + KC : tk;
+            DECL6;
+            for (int64_t t = t0; t < t1; t++) {
+                __m256 v0 = _mm256_loadu_ps(v + c * tk + t * 16), v1 = _mm256_loadu_ps(v + c * tk + t * 16 + 8);
+                FMA6(v0, v1, p + t, ldp);
+            }
+            __m256 acc[R][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < 2; j++) tot[i][j] = t0 ? _mm256_add_ps(tot[i][j], acc[i][j]) : acc[i][j];
         }
-        __m256 acc[R][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
         for (int i = 0; i < rows; i++) {
             __m256 w = _mm256_set1_ps(inv[i]);
-            _mm256_storeu_ps(o + i * ldo + c, _mm256_mul_ps(acc[i][0], w));
-            _mm256_storeu_ps(o + i * ldo + c + 8, _mm256_mul_ps(acc[i][1], w));
+            _mm256_storeu_ps(o + i * ldo + c, _mm256_mul_ps(tot[i][0], w));
+            _mm256_storeu_ps(o + i * ldo + c + 8, _mm256_mul_ps(tot[i][1], w));
         }
     }
 }
