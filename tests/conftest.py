@@ -48,6 +48,24 @@ def whisper_base_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def whisper_tiny_hf_dir(ct2_dir, tmp_path_factory) -> str:
+    """tiny.en written once per session as an HF checkpoint, for the HF side of
+    every comparison: each conversion is 150 MB on disk, and CI hosts have run
+    out of it when every module wrote its own."""
+    from encdec.models.ct2_writer import save_as_hf
+
+    return save_as_hf(str(ct2_dir), tmp_path_factory.mktemp("whisper_tiny_hf"))
+
+
+@pytest.fixture(scope="session")
+def whisper_base_hf_dir(whisper_base_dir, tmp_path_factory) -> str:
+    """Whisper base as an HF checkpoint (290 MB), written once per session."""
+    from encdec.models.ct2_writer import save_as_hf
+
+    return save_as_hf(whisper_base_dir, tmp_path_factory.mktemp("whisper_base_hf"))
+
+
+@pytest.fixture(scope="session")
 def speech_clips() -> tuple[list[str], list[str], list]:
     """The shipped English clips (tests/data/speech): (wav paths, their sentences, 16 kHz float32 arrays)."""
     import glob

@@ -24,11 +24,10 @@ def wavs():
     return [sf.read(f, dtype="float32")[0] for f in files]
 
 
-def test_whisper_five_beams_match_hf(ct2_dir, wavs, tmp_path):
+def test_whisper_five_beams_match_hf(ct2_dir, wavs, whisper_tiny_hf_dir):
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from encdec import LLM, TextPrompt
-    from encdec.models.ct2_writer import save_as_hf
     from encdec.sampling_params import BeamSearchParams
 
     llm = LLM(model=str(ct2_dir), num_threads=1, kv_cache_memory=256 * 2**20, swap_space=0.1)
@@ -36,7 +35,7 @@ def test_whisper_five_beams_match_hf(ct2_dir, wavs, tmp_path):
                           multi_modal_data={"audio": (w, 16000)}) for w in wavs]
     outs = llm.generate(prompts, BeamSearchParams(5, MAX_NEW), use_tqdm=False)
 
-    out_dir = save_as_hf(str(ct2_dir), tmp_path / "whisper_hf")
+    out_dir = whisper_tiny_hf_dir
     hf = WhisperForConditionalGeneration.from_pretrained(out_dir).eval()
     proc = WhisperProcessor.from_pretrained(out_dir)
     start = {hf.generation_config.decoder_start_token_id, hf.generation_config.no_timestamps_token_id}

@@ -37,14 +37,12 @@ def llm(whisper_base_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(whisper_base_dir, tmp_path_factory):
+def hf(whisper_base_hf_dir):
     """HF's model on the same weights (fp16 in the CT2 file -> float32)."""
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers import WhisperProcessor
 
-    from encdec.models.ct2_writer import save_as_hf
-
-    out = save_as_hf(whisper_base_dir, tmp_path_factory.mktemp("whisper_base_hf"))
+    out = whisper_base_hf_dir
     return HFWhisper.from_pretrained(out).eval(), WhisperProcessor.from_pretrained(out)
 
 

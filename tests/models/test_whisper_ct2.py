@@ -181,7 +181,7 @@ def test_int8_weights_are_dequantized(tmp_path, ct2_dir, loaded):
     assert torch.allclose(got, torch.from_numpy(w), atol=float((1 / scale).max()) / 2 + 1e-6)
 
 
-def test_tokenizer_and_save_as_hf(ct2_dir, tmp_path):
+def test_tokenizer_and_save_as_hf(ct2_dir, whisper_tiny_hf_dir):
     from transformers import WhisperProcessor
 
     tok = ct2_loader.load_ct2_tokenizer(ct2_dir)
@@ -189,7 +189,7 @@ def test_tokenizer_and_save_as_hf(ct2_dir, tmp_path):
     assert tok.convert_tokens_to_ids("<|0.02|>") == 50364 and len(tok) == 51864
     assert {50257, 50362, 50363, 51863} <= set(tok.all_special_ids)  # detokenizers skip them
     assert tok.decode(tok.encode(" Hello world.", add_special_tokens=False)) == " Hello world."
-    out = ct2_writer.save_as_hf(ct2_dir, tmp_path / "hf")
+    out = whisper_tiny_hf_dir  # save_as_hf(ct2_dir, ...), shared by the HF comparisons
     names = set(os.listdir(out))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "preprocessor_config.json"} <= names

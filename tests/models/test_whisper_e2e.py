@@ -39,13 +39,11 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
+def hf(whisper_tiny_hf_dir):
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers import WhisperProcessor
 
-    from encdec.models.ct2_writer import save_as_hf
-
-    out = save_as_hf(str(mnm.get_model_path()), tmp_path_factory.mktemp("whisper_hf"))
+    out = whisper_tiny_hf_dir
     return HFWhisper.from_pretrained(out).eval(), WhisperProcessor.from_pretrained(out)
 
 

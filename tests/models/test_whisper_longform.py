@@ -46,13 +46,10 @@ def ours(llm, audio: np.ndarray, **kw) -> tuple[list[tuple[float, float, list[in
     return [(round(s.start, 2), round(s.end, 2), s.tokens) for s in t.segments], t
 
 
-def _hf(model_dir, tmp_path_factory, name):
+def _hf(out: str):
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers import WhisperProcessor
 
-    from encdec.models.ct2_writer import save_as_hf
-
-    out = save_as_hf(model_dir, tmp_path_factory.mktemp(name))
     return HFWhisper.from_pretrained(out).eval(), WhisperProcessor.from_pretrained(out)
 
 
@@ -64,8 +61,8 @@ def tiny(ct2_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(ct2_dir, tmp_path_factory):
-    return _hf(str(ct2_dir), tmp_path_factory, "tiny_hf")
+def tiny_hf(whisper_tiny_hf_dir):
+    return _hf(whisper_tiny_hf_dir)
 
 
 def test_longform_matches_hf_tiny_en(tiny, tiny_hf, speech_clips):
@@ -78,14 +75,14 @@ def test_longform_matches_hf_tiny_en(tiny, tiny_hf, speech_clips):
     assert got == want
 
 
-def test_longform_matches_hf_base(whisper_base_dir, tmp_path_factory, speech_clips):
+def test_longform_matches_hf_base(whisper_base_dir, whisper_base_hf_dir, speech_clips):
     """The same >= 3-minute file as tiny.en (base is ~5x slower on this CPU)."""
     from encdec import LLM
 
     _, _, wavs = speech_clips
     audio = long_file(wavs)
     assert len(audio) / 16000 >= 180
-    hf = _hf(whisper_base_dir, tmp_path_factory, "base_hf")
+    hf = _hf(whisper_base_hf_dir)
     llm = LLM(model=whisper_base_dir, num_threads=2, kv_cache_memory=256 * 2**20, swap_space=0.1)
     want = hf_longform(hf, audio, language="en", task="transcribe")
     got, t = ours(llm, audio, language="en")

@@ -31,14 +31,13 @@ def clips() -> list[tuple[str, str, np.ndarray]]:
 
 
 @pytest.fixture(scope="module")
-def base(whisper_base_dir, tmp_path_factory):
+def base(whisper_base_dir, whisper_base_hf_dir):
     from transformers import WhisperForConditionalGeneration as HFWhisper
     from transformers import WhisperProcessor
 
     from encdec import LLM
-    from encdec.models.ct2_writer import save_as_hf
 
-    out = save_as_hf(whisper_base_dir, tmp_path_factory.mktemp("base_hf_ml"))
+    out = whisper_base_hf_dir
     llm = LLM(model=whisper_base_dir, num_threads=2, kv_cache_memory=256 * 2**20, swap_space=0.1)
     return llm, HFWhisper.from_pretrained(out).eval(), WhisperProcessor.from_pretrained(out)
 
