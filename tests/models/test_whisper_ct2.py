@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from encdec.models import ct2_loader, ct2_writer
+from encdec.models import ct2_loader
 from encdec.models.ct2_loader import is_ct2_whisper_dir, load_ct2_whisper, read_model_bin
 from encdec.models.ct2_writer import hf_to_ct2, write_model_bin
 
@@ -189,7 +189,7 @@ def test_tokenizer_and_save_as_hf(ct2_dir, whisper_tiny_hf_dir):
     assert tok.convert_tokens_to_ids("<|0.02|>") == 50364 and len(tok) == 51864
     assert {50257, 50362, 50363, 51863} <= set(tok.all_special_ids)  # detokenizers skip them
     assert tok.decode(tok.encode(" Hello world.", add_special_tokens=False)) == " Hello world."
-    out = whisper_tiny_hf_dir  # save_as_hf(ct2_dir, ...), shared by the HF comparisons
+    out = whisper_tiny_hf_dir  # ct2_writer.save_as_hf(ct2_dir, ...), shared by the HF comparisons
     names = set(os.listdir(out))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "preprocessor_config.json"} <= names
