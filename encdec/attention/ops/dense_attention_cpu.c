@@ -100,7 +100,7 @@ static inline void pack_v_row(float *vp, const float *row, int64_t t, int64_t tk
  * join the rows' totals in tot (see KC). */
 static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t tk,
                            const float *inv, int rows, float *o, int64_t ldo) {
-    float tot[R * D] __attribute__((aligned(64)));
+    __m512 tot[R][4];
     for (int64_t t0 = 0; t0 < tk; t0 += KC) {
         const int64_t t1 = t0 + KC < tk ? t0 + KC : tk;
         __m512 acc[R][4];
@@ -119,15 +119,11 @@ static inline void pv_rows(const float *p, int64_t ldp, const float *v, int64_t 
             }
         }
         for (int i = 0; i < R; i++)
-            for (int j = 0; j < 4; j++) {
-                float *at = tot + i * D + 16 * j;
-                _mm512_store_ps(at, t0 ? _mm512_add_ps(_mm512_load_ps(at), acc[i][j]) : acc[i][j]);
-            }
+            for (int j = 0; j < 4; j++) tot[i][j] = t0 ? _mm512_add_ps(tot[i][j], acc[i][j]) : acc[i][j];
     }
     for (int i = 0; i < rows; i++) {
         __m512 w = _mm512_set1_ps(inv[i]);
-        for (int j = 0; j < 4; j++)
-            _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_mul_ps(_mm512_load_ps(tot + i * D + 16 * j), w));
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(o + i * ldo + 16 * j, _mm512_mul_ps(tot[i][j], w));
     }
 }
 
