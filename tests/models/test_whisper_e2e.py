@@ -111,6 +111,35 @@ def test_transcribe_three_minutes_with_timestamps(llm, clips):
     assert two[0].text and two[1].text and len(two[1].segments) == 2
 
 
+def test_independent_windows_with_timestamps_lose_no_sentence(llm, clips):
+    """Windows cut at pauses, decoded at once, with timestamp tokens: where
+    Whisper ends a window in an open segment (it leaves the last sentence for
+    "later"), the rest of that window is decoded as a piece of its own, so the
+    text is as complete as without timestamps, and nothing is said twice."""
+    from encdec.transcribe import run_jobs
+    from encdec.transcription import TranscribeOptions, TranscriptionJob
+    from encdec.transcription.windows import cut_windows
+
+    from encdec.benchmarks.whisper_longform import build_file
+
+    _, texts, wavs = clips
+    long, ref = build_file(wavs, texts, seed=0, minutes=2.0)  # the benchmark's pauses: 0.3-1.5 s, some 3-8 s
+    engine = llm.llm_engine
+    got = {}
+    for ts in (True, False):
+        job = TranscriptionJob(engine, (long, 16000), TranscribeOptions(mode="independent", timestamps=ts))
+        (got[ts],) = run_jobs(engine, [job], use_tqdm=False)
+        assert job.seconds_done == job.duration and job.partial_text == got[ts].text
+        if ts:
+            windows = len(cut_windows(long))  # tiny.en: no language detection request
+            assert job.num_requests > windows, "no window ended open: the test audio no longer tests the rest"
+    t = got[True]
+    assert all(a.end <= b.start + 1e-6 and a.start <= a.end for a, b in zip(t.segments, t.segments[1:]))
+    err_ts, err_plain = wer(ref, t.text), wer(ref, got[False].text)
+    print(f"\nindependent windows: WER {err_ts:.3f} with timestamps, {err_plain:.3f} without")
+    assert err_ts <= err_plain + 0.04  # without the rests: 0.216 against 0.124
+
+
 def test_control_tokens(llm, clips):
     from encdec import SamplingParams
 
