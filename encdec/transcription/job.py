@@ -84,9 +84,10 @@ class TranscriptionJob:
         # VAD packs the speech into windows; result() maps times back.
         self._tmap, self._no_speech = None, False
         if options.vad_filter:
-            from encdec.transcription.vad import pack_speech, speech_regions
+            from encdec.transcription.vad import INDEPENDENT_VAD_DEFAULTS, pack_speech, speech_regions
 
-            _, vad_windows, self._tmap = pack_speech(wav, speech_regions(wav, **(options.vad_parameters or {})))
+            regions = speech_regions(wav, defaults=INDEPENDENT_VAD_DEFAULTS, **(options.vad_parameters or {}))
+            _, vad_windows, self._tmap = pack_speech(wav, regions)
             windows = vad_windows or windows[:1]  # no speech: one window, for language detection
             self._no_speech = not vad_windows
         self._aligner = None

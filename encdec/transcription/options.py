@@ -46,7 +46,7 @@ class TranscribeOptions:
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
     word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
     vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
-    vad_parameters: dict | None = None  # overrides of transcription.vad.VAD_DEFAULTS (faster-whisper's names)
+    vad_parameters: dict | None = None  # overrides of vad.VAD_DEFAULTS (independent: INDEPENDENT_VAD_DEFAULTS)
     mode: str = "sequential"  # "sequential" | "independent", see the class docstring
 
     def __post_init__(self) -> None:

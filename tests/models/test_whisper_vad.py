@@ -132,3 +132,38 @@ def test_vad_jobs_are_built_in_parallel_and_bad_inputs_still_named(llm, speech_c
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks() == (engine.cache_config.num_gpu_blocks, engine.cache_config.num_cpu_blocks)
+
+
+def test_independent_mode_packs_utterances_as_faster_whisper_batched(llm, speech_clips):
+    """``mode="independent"`` takes faster-whisper's ``BatchedInferencePipeline`` VAD
+    options (a region ends at any 160 ms silence and lasts at most 30 s): whole
+    utterances pack into fewer windows than the sequential defaults' long regions
+    do, no sentence is lost, and a user's ``vad_parameters`` still win."""
+    import math
+
+    from encdec.benchmarks.whisper_longform import build_file
+    from encdec.transcription import vad
+    from encdec.transcription.job import TranscriptionJob
+    from encdec.transcription.options import TranscribeOptions
+
+    _, texts, wavs = speech_clips
+    audio, ref = build_file(wavs, texts, seed=0, minutes=3.0)  # pauses of 0.3-1.5 s, every 6th 3-8 s
+    fine = vad.speech_regions(audio, defaults=vad.INDEPENDENT_VAD_DEFAULTS)
+    coarse = vad.speech_regions(audio)
+    assert len(fine) > 2 * len(coarse)
+    windows = {name: len(vad.pack_speech(audio, r)[1]) for name, r in (("fine", fine), ("coarse", coarse))}
+    assert windows["fine"] < windows["coarse"], windows
+
+    def job_windows(**vad_parameters):
+        opts = TranscribeOptions(mode="independent", vad_filter=True, vad_parameters=vad_parameters or None)
+        return len(TranscriptionJob(llm.llm_engine, audio, opts).next_requests())
+
+    assert job_windows() == windows["fine"]
+    assert job_windows(min_silence_duration_ms=2000, max_speech_duration_s=math.inf) == windows["coarse"]
+
+    plain = llm.transcribe(audio, mode="independent", use_tqdm=False)[0]
+    packed = llm.transcribe(audio, mode="independent", vad_filter=True, use_tqdm=False)[0]
+    w_plain, w_packed = wer(ref, plain.text), wer(ref, packed.text)
+    print(f"\nindependent mode, {len(audio) / SR:.0f} s: {windows['fine']} windows with VAD (WER {w_packed:.3f}), "
+          f"{windows['coarse']} with the sequential VAD defaults; without VAD WER {w_plain:.3f}")
+    assert w_packed <= w_plain + 0.02 and w_packed < 0.2, (plain.text, packed.text)
