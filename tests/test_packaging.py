@@ -48,7 +48,7 @@ def installed(tmp_path_factory) -> dict:
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in ("encdec/attention/ops/dense_attention_cpu.c", "encdec/attention/ops/paged_attention_cpu.c",
                     "encdec/attention/ops/small_linear_cpu.c", "encdec/attention/ops/vector_math.h",
-                    "encdec/attention/ops/decoder_layer_cpu.c",
+                    "encdec/attention/ops/decoder_step_cpu.c",
                     "encdec/benchmarks/bart_bench.py", "encdec/benchmarks/whisper_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
 

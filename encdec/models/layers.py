@@ -22,7 +22,6 @@ from torch import nn
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.ops import small_linear_cpu
 from encdec.attention.ops.build import cpu_isa
-from encdec.attention.ops.small_linear_cpu import small_linear
 from encdec.attention.ops.dense_cpu import dense_attention
 
 
@@ -34,51 +33,62 @@ def onednn_available() -> bool:
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
-    small_rows = False  # packed: inputs of a few rows run small_linear_cpu on the plain weight
+    small_rows = False  # packed: inputs of a few rows run small_linear_cpu on panels of the weight
+    panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
 
     def pack(self) -> bool:
-        """Prepack the weight for oneDNN (CPU, float32); False where it does not apply."""
+        """Prepack the weight for oneDNN (CPU, float32); False where it does not apply.
+        The small-row kernel's panels are made when a call of a few rows first
+        comes (decoder weights and LM heads only: an encoder never sees one)."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not onednn_available():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
         self.fused_gelu = gelu_path() == "fused"
-        self.small_rows = w.is_contiguous() and small_linear_cpu.available()
+        self.small_rows = small_linear_cpu.available()
+        self.panels = None
         return True
 
+    def panel_weight(self) -> torch.Tensor:
+        """The weight in small_linear_cpu's panels (made once, then kept)."""
+        if self.panels is None:
+            self.panels = small_linear_cpu.pack(self.weight)
+        return self.panels
+
     def unpack(self) -> None:
-        self.packed = None
+        self.packed = self.panels = None
         self.small_rows = False
 
-    def _packed(self, x: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
         if rows <= small_linear_cpu.MAX_ROWS and self.small_rows:  # a decode step's few rows
-            out = small_linear(x2, self.weight, self.bias)
-            return (torch.ops.aten.gelu_(out) if post_op == "gelu" else out).view(*lead, self.out_features)
+            out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, self.bias,
+                                                post="gelu" if gelu else "none")
+            return out.view(*lead, self.out_features)
         bucket = _row_bucket(rows)
         if bucket != rows:  # zero rows, computed and dropped: see _row_bucket
             x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, post_op, [],
-                                                 algorithm)
-        return out[:rows].view(*lead, self.out_features)
+        fused = gelu and self.fused_gelu
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias,
+                                                 "gelu" if fused else "none", [], "none" if fused else "")
+        out = out[:rows].view(*lead, self.out_features)
+        return torch.ops.aten.gelu_(out) if gelu and not fused else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return self._packed(x, "none", "")
+        return self._packed(x, False)
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(self(x))`` (exact, erf): when packed, fused into the matmul
-        where oneDNN's GELU post-op is the faster path (``gelu_path``)."""
+        where it is the faster path (the small-row kernel; oneDNN's post-op per ``gelu_path``)."""
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias))
-        if self.fused_gelu:
-            return self._packed(x, "gelu", "none")
-        return torch.ops.aten.gelu_(self._packed(x, "none", ""))
+        return self._packed(x, True)
 
 
 def gelu_path(isa: str | None = None) -> str:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.attention.ops import decoder_layer_cpu
+from encdec.attention.ops import decoder_step_cpu
 from encdec.models.layers import Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
@@ -161,10 +161,11 @@ class WhisperForConditionalGeneration(nn.Module):
         self.n_frames = 2 * cfg.max_source_positions  # mel frames per request (conv2 halves them)
         self.proj_out = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.proj_out.weight = self.decoder.embed_tokens.weight  # tied
-        # Decode steps of a few rows on CPU run each layer in one C call (_fused_decode_step);
+        # Decode-only steps on CPU run every decoder layer in one C call (_fused_decode_step);
         # False runs them op by op (tests compare the two).
         self.fused_decode = True
-        self._fused_layers: list[decoder_layer_cpu.LayerWeights] | None = None  # [] where it cannot run
+        self._fused_weights: decoder_step_cpu.DecoderWeights | None = None
+        self._fused_checked = False  # _fused_weights taken (None: the kernel cannot run these weights)
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
@@ -202,16 +203,17 @@ class WhisperForConditionalGeneration(nn.Module):
         return self.decoder.layer_norm(h)
 
     def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> bool:
-        """A decode-only CPU step of a few rows: each layer in one C call
-        (``decoder_layer_cpu``: same kernels, no per-op overhead), ``h`` updated
+        """A decode-only CPU step: every layer in one C call (``decoder_step_cpu``:
+        the same math, one parallel region, no per-op overhead), ``h`` updated
         in place. False, having done nothing, where that does not apply."""
         if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
             return False
-        if self._fused_layers is None:  # the weights' checks and pointers, once
-            layers = [decoder_layer_cpu.layer_weights(x) for x in self.decoder.layers]
-            self._fused_layers = [w for w in layers if w is not None] if all(layers) else []
-        return decoder_layer_cpu.decode_step(h, self._fused_layers, kv_caches, md.slot_mapping, md.block_tables,
-                                             md.seq_lens_tensor, md.cross_block_tables, md.encoder_seq_lens_tensor)
+        if not self._fused_checked:  # the weights' checks, panels and pointers, once
+            self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers))
+            self._fused_checked = True
+        return self._fused_weights is not None and decoder_step_cpu.decode_step(
+            h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
+            md.cross_block_tables, md.encoder_seq_lens_tensor)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)
@@ -248,7 +250,7 @@ class WhisperForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours: q/k/v fused (the k bias stays zero), ``proj_out`` tied."""
         self.proj_out.weight = self.decoder.embed_tokens.weight  # re-tie: materialising from meta unties
-        self._fused_layers = None  # taken again at the next decode step
+        self._fused_weights, self._fused_checked = None, False  # taken again at the next decode step
         for name, p in self.named_parameters():
             if name.endswith("kv_proj.bias"):  # qkv_proj too: the k part is never loaded
                 p.data.zero_()

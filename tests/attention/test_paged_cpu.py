@@ -53,12 +53,12 @@ def test_torch_fallback_matches_kernel(tiny_bart, monkeypatch):
 
 
 def test_a_kernel_is_keyed_by_what_its_includes_include():
-    """decoder_layer_cpu.c includes paged_attention_cpu.c, which includes
-    vector_math.h: a change to the header must rebuild the layer kernel too."""
+    """decoder_step_cpu.c includes paged_attention_cpu.c, which includes
+    vector_math.h: a change to the header must rebuild the step kernel too."""
     import os
 
     folder = os.path.dirname(build.__file__)
-    with open(os.path.join(folder, "decoder_layer_cpu.c"), "rb") as f:
+    with open(os.path.join(folder, "decoder_step_cpu.c"), "rb") as f:
         texts = build._local_includes(f.read())
     with open(os.path.join(folder, "vector_math.h"), "rb") as f:
         assert f.read() in texts

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend
-from encdec.attention.ops import build, decoder_layer_cpu
+from encdec.attention.ops import build, decoder_step_cpu
 from encdec.models.whisper import (
     WhisperForConditionalGeneration,
     default_decoder_prompt,
@@ -223,24 +223,28 @@ def test_cpu_encoder_runs_a_few_windows_per_call(ours, monkeypatch):
 @pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
 @torch.inference_mode()
 def test_fused_decode_layers_match_op_by_op(ours, isa, monkeypatch):
-    """Decode-only steps of 1-8 rows run each decoder layer in one C call
-    (``decoder_layer_cpu``): the hidden states and the K/V the step writes equal
-    the op-by-op path's to float32 rounding, for each ISA build this CPU runs;
-    a step with a prefill, or more rows, runs op by op."""
+    """Decode-only steps of up to MAX_ROWS rows run every decoder layer in one C
+    call (``decoder_step_cpu``): the hidden states and the K/V the step writes
+    equal the op-by-op path's to float32 rounding, for each ISA build this CPU
+    runs and on one thread or two; a step with a prefill, or more rows, runs op by op."""
     model, _ = ours
     monkeypatch.setenv(build.ISA_ENV, isa)
-    assert decoder_layer_cpu.path(isa) == isa
+    assert decoder_step_cpu.path(isa) == isa
     calls = []
-    real = decoder_layer_cpu.decoder_layer
-    monkeypatch.setattr(decoder_layer_cpu, "decoder_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = decoder_step_cpu.decode_step
+    monkeypatch.setattr(decoder_step_cpu, "decode_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
     g = torch.Generator().manual_seed(3)
     n_cross, n_self = cdiv(1500, BLOCK), cdiv(64, BLOCK)
-    rows = decoder_layer_cpu.MAX_ROWS + 1
-    shape = (2, rows * (n_cross + n_self), BLOCK, model.num_kv_heads, model.head_size)
+    rows = decoder_step_cpu.MAX_ROWS + 1
+    windows = 3  # rows share these cross tables (as beams do), so the cache stays small
+    shape = (2, windows * n_cross + rows * n_self, BLOCK, model.num_kv_heads, model.head_size)
     kv0 = [torch.randn(shape, generator=g) for _ in range(model.num_cache_layers)]  # "prefilled" caches
-    cross_tables = [list(range(i * n_cross, (i + 1) * n_cross)) for i in range(rows)]
-    self_tables = [list(range(rows * n_cross + i, rows * (n_cross + n_self), rows)) for i in range(rows)]
-    for m in [1, 2, 3, 5, decoder_layer_cpu.MAX_ROWS, rows]:
+    cross_tables = [list(range(i % windows * n_cross, (i % windows + 1) * n_cross)) for i in range(rows)]
+    self_tables = [list(range(windows * n_cross + i, windows * n_cross + rows * n_self, rows)) for i in range(rows)]
+    threads = torch.get_num_threads()
+    for m, nt in [(1, 2), (1, 1), (2, 2), (3, 1), (5, 2), (9, 2), (17, 1), (decoder_step_cpu.MAX_ROWS, 2),
+                  (rows, 2)]:
+        torch.set_num_threads(nt)
         lens = torch.randint(1, 64, (m,), generator=g).tolist()
         md = make_metadata([], [(n, 1500, self_tables[i], cross_tables[i]) for i, n in enumerate(lens)])
         ids = torch.randint(0, 50000, (m,), generator=g)
@@ -251,8 +255,8 @@ def test_fused_decode_layers_match_op_by_op(ours, isa, monkeypatch):
             kv = [c.clone() for c in kv0]
             before = len(calls)
             out[fused] = model(ids, pos, kv, md), kv
-            assert len(calls) - before == (model.num_cache_layers if fused and m <= decoder_layer_cpu.MAX_ROWS
-                                           else 0)
+            assert calls[before:] == ([m <= decoder_step_cpu.MAX_ROWS] if fused else [])
+        torch.set_num_threads(threads)
         model.fused_decode = True
         torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-5)  # as the HF parity above
         for fused_kv, ref_kv in zip(out[True][1], out[False][1]):

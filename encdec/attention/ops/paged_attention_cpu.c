@@ -48,14 +48,16 @@ static float dot(const float *a, const float *b, int n) {
 
 const char *paged_attention_path(void) { return VM_PATH; }
 
-/* scores[h * len + t] = q_h . k_h(t) * scale for every slot t and head h. */
-static void score_slots(float *scores, const float *qs, const float *k_cache, const int32_t *table, int32_t len,
-                        int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
+/* scores[(h - h0) * (t1 - t0) + t - t0] = q_h . k_h(t) * scale for every slot
+ * t in [t0, t1) and head h in [h0, h1). */
+static void score_slots(float *scores, const float *qs, const float *k_cache, const int32_t *table, int32_t t0,
+                        int32_t t1, int64_t h0, int64_t h1, int64_t group, int64_t head_size, int64_t slot_stride,
                         int64_t block_size, float scale) {
-    for (int32_t t = 0; t < len; t++) {
+    const int64_t n = t1 - t0;
+    for (int32_t t = t0; t < t1; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const float *k = k_cache + slot * slot_stride;
-        for (int64_t h = 0; h < num_heads; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             const float *qh = qs + h * head_size, *kh = k + (h / group) * head_size;
             float s;
 #if defined(VM_VL)
@@ -66,14 +68,15 @@ static void score_slots(float *scores, const float *qs, const float *k_cache, co
             } else
 #endif
                 s = dot(qh, kh, (int)head_size);
-            scores[h * len + t] = s * scale;
+            scores[(h - h0) * n + t - t0] = s * scale;
         }
     }
 }
 
-/* row[t] = exp(row[t] - max(row)); returns the sum. */
-static float softmax_numerators(float *row, int32_t len) {
+/* row[t] = exp(row[t] - max(row)); *max_out = max(row) (-inf for none); returns the sum. */
+static float softmax_numerators(float *row, int32_t len, float *max_out) {
     const float mx = vm_max_of(row, len);
+    *max_out = mx;
     float sum = 0.f;
     int32_t t = 0;
 #if defined(VM_VL)
@@ -103,6 +106,45 @@ static float softmax_numerators(float *row, int32_t len) {
     return sum;
 }
 
+/* One sequence's attention for heads [h0, h1) over its slots [t0, t1), not yet
+ * normalised: os[h] = sum_t exp(s_t - mx[h]) v_t, with mx[h - h0] the largest
+ * score and sum[h - h0] the sum of the exponentials (a part another part's
+ * result joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). os and
+ * qs hold all its heads, (num_heads, head_size); scores is scratch of
+ * (h1 - h0) * (t1 - t0) floats. Reads the K and V of those heads only. */
+static void attend_range(float *restrict os, const float *qs, const float *k_cache, const float *v_cache,
+                         const int32_t *table, int32_t t0, int32_t t1, int64_t h0, int64_t h1, int64_t group,
+                         int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
+                         float *scores, float *mx, float *sum) {
+    const int64_t nh = h1 - h0, n = t1 - t0;
+    score_slots(scores, qs, k_cache, table, t0, t1, h0, h1, group, head_size, slot_stride, block_size, scale);
+    for (int64_t h = 0; h < nh; h++) sum[h] = softmax_numerators(scores + h * n, (int32_t)n, mx + h);
+    memset(os + h0 * head_size, 0, sizeof(float) * nh * head_size);
+    for (int32_t t = t0; t < t1; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *restrict v = v_cache + slot * slot_stride;
+        for (int64_t h = h0; h < h1; h++) {
+            const float p = scores[(h - h0) * n + t - t0];
+            const float *restrict vv = v + (h / group) * head_size;
+            float *restrict o = os + h * head_size;
+            for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
+        }
+    }
+}
+
+/* One sequence's attention output, all heads over all its len slots. */
+static void attend(float *os, const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
+                   int32_t len, int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
+                   int64_t block_size, float scale, float *scores) {
+    float mx[num_heads], sum[num_heads];
+    attend_range(os, qs, k_cache, v_cache, table, 0, len, 0, num_heads, group, head_size, slot_stride, block_size,
+                 scale, scores, mx, sum);
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = 1.f / sum[h];
+        for (int64_t d = 0; d < head_size; d++) os[h * head_size + d] *= inv;
+    }
+}
+
 /* out, q: (num_seqs, num_heads, head_size); tables: (num_seqs, table_stride) int32;
  * lens: (num_seqs,) int32. One job per sequence (the header). */
 void paged_attention_decode_f32(
@@ -116,26 +158,9 @@ void paged_attention_decode_f32(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t s = 0; s < num_seqs; s++) {
         const int32_t len = lens[s];
-        const int32_t *table = tables + s * table_stride;
-        const float *qs = q + s * num_heads * head_size;
-        float *restrict os = out + s * num_heads * head_size;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)len * num_heads);  /* [h][t] */
-        float inv[num_heads];
-        score_slots(scores, qs, k_cache, table, len, num_heads, group, head_size, slot_stride, block_size, scale);
-        for (int64_t h = 0; h < num_heads; h++) inv[h] = 1.f / softmax_numerators(scores + h * len, len);
-        memset(os, 0, sizeof(float) * num_heads * head_size);
-        for (int32_t t = 0; t < len; t++) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const float *restrict v = v_cache + slot * slot_stride;
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = scores[h * len + t];
-                const float *restrict vv = v + (h / group) * head_size;
-                float *restrict o = os + h * head_size;
-                for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
-            }
-        }
-        for (int64_t h = 0; h < num_heads; h++)
-            for (int64_t d = 0; d < head_size; d++) os[h * head_size + d] *= inv[h];
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * num_heads);  /* [h][t] */
+        attend(out + s * num_heads * head_size, q + s * num_heads * head_size, k_cache, v_cache,
+               tables + s * table_stride, len, num_heads, group, head_size, slot_stride, block_size, scale, scores);
         free(scores);
     }
 }

@@ -1,12 +1,12 @@
 """Builds and calls ``small_linear_cpu.c``: ``x W^T + b`` for the few rows of a
-decode step, streaming nn.Linear's own weight (no packed copy).
+decode step, from the weight packed once in column panels (``pack``).
 
-A decode step reads every decoder weight once; oneDNN's packed matmul reads
-them at about a third of a plain streaming read's rate once the LM head has
-flushed the cache (see the C file). Built by ``build.load`` for
-``build.cpu_isa()``: AVX-512, AVX2+FMA, or plain C for "none";
-``path(isa)`` says which code a build runs. Where no compiler works,
-``available()`` is False and ``Linear`` keeps oneDNN (logged once).
+A decode step reads every decoder weight once; the kernel streams each panel
+once for all the step's rows, split between the threads (see the C file for
+the layout and the measurements). Built by ``build.load`` for
+``build.cpu_isa()``: AVX-512, AVX2+FMA, or plain C for "none"; ``path(isa)``
+says which code a build runs. Where no compiler works, ``available()`` is
+False and ``Linear`` keeps oneDNN (logged once).
 """
 from __future__ import annotations
 
@@ -18,16 +18,17 @@ import torch
 from encdec.attention.ops import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-# At most this many rows take the kernel: at 8 it still matches or beats
-# oneDNN in a decode step (Whisper tiny's decoder linears, 1 thread: 3.2-3.7 ms
-# against 3.6-3.9; at 16, 7.0 against 4.8), so more rows stay on oneDNN.
-MAX_ROWS = 8
+PANEL = 32  # output columns per panel (PW in the C file)
+# At most this many rows take the kernel: its tiles run near the FMA peak at any
+# row count, and a decode batch past this is a GEMM oneDNN blocks better.
+MAX_ROWS = 64
+POST = {"none": 0, "gelu": 1, "add": 2}  # what the kernel does with x W^T + b
 
 
 @cache
 def _kernel(isa: str):
     return build.load_function("small_linear_cpu.c", "small_linear_f32",
-                               [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int], None,
+                               [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int], None,
                                "decode-step linears run on oneDNN (slower)", isa=isa)
 
 
@@ -40,15 +41,25 @@ def path(isa: str | None = None) -> str | None:
     return build.vector_path("small_linear_cpu.c", "small_linear_path", isa)
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 isa: str | None = None) -> torch.Tensor:
-    """x (M, K) float32 -> (M, N), on ``torch.get_num_threads()`` threads."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's (N, K) weight -> panels (ceil(N / 32), K, 32), columns past N zero."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def small_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, *,
+                 post: str = "none", threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """x (M, K) float32 -> post(x W^T + b) (M, n) from ``pack(W)``, on ``threads``
+    threads (default ``torch.get_num_threads()``); ``post`` is "none" or "gelu"."""
     kernel = _kernel(isa or build.cpu_isa())
-    assert kernel is not None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-    assert weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    assert kernel is not None and x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
+    assert panels.is_contiguous() and (bias is None or bias.is_contiguous()) and post in ("none", "gelu")
     x = x.contiguous()
-    (m, k), n = x.shape, weight.shape[0]
+    m, k = x.shape
+    assert panels.shape == (-(-n // PANEL), k, PANEL), (tuple(panels.shape), n, k)
     out = torch.empty(m, n, dtype=torch.float32)
-    kernel(out.data_ptr(), x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-           m, k, n, torch.get_num_threads())
+    kernel(out.data_ptr(), x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+           m, k, n, POST[post], threads or torch.get_num_threads())
     return out

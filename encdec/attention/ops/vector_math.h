@@ -30,6 +30,10 @@ typedef __m512 vm_vec;
 #define VM_MAX(a, b) _mm512_max_ps(a, b)
 #define VM_HSUM(a) _mm512_reduce_add_ps(a)
 #define VM_HMAX(a) _mm512_reduce_max_ps(a)
+#define VM_DIV(a, b) _mm512_div_ps(a, b)
+#define VM_ABS(a) _mm512_abs_ps(a)
+/* lanes of a where x < 0, of b elsewhere */
+#define VM_BLEND_NEG(x, b, a) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ))  /* lane i -> bit i */
 #define VM_NAN_BITS(a) ((unsigned)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q))
 #else
@@ -57,6 +61,9 @@ static inline float vm_hmax(__m256 a) {
 }
 #define VM_HSUM(a) vm_hsum(a)
 #define VM_HMAX(a) vm_hmax(a)
+#define VM_DIV(a, b) _mm256_div_ps(a, b)
+#define VM_ABS(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)
+#define VM_BLEND_NEG(x, b, a) _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ))
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
 #define VM_NAN_BITS(a) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)))
 #endif
@@ -129,6 +136,23 @@ static inline __m256 vm_exp(__m256 x) {
 }
 
 #endif /* the lanes' exp */
+
+/* Exact GELU, 0.5 x (1 + erf(x / sqrt 2)), in lanes: erf by Abramowitz and
+ * Stegun 7.1.26 (|error| <= 1.5e-7, the approximation oneDNN's GELU post-op
+ * takes), written as 1 + erf = q for x < 0 and 2 - q for x >= 0, with
+ * q = poly(t) exp(-z^2), so negative inputs lose nothing to cancellation. */
+static inline vm_vec vm_gelu(vm_vec x) {
+    const vm_vec z = VM_MUL(VM_ABS(x), VM_SET1(0.70710678118654752f));
+    const vm_vec t = VM_DIV(VM_SET1(1.0f), VM_FMA(z, VM_SET1(0.3275911f), VM_SET1(1.0f)));
+    vm_vec p = VM_SET1(1.061405429f);
+    p = VM_FMA(p, t, VM_SET1(-1.453152027f));
+    p = VM_FMA(p, t, VM_SET1(1.421413741f));
+    p = VM_FMA(p, t, VM_SET1(-0.284496736f));
+    p = VM_FMA(p, t, VM_SET1(0.254829592f));
+    const vm_vec q = VM_MUL(VM_MUL(p, t), vm_exp(VM_MUL(VM_SUB(VM_ZERO(), z), z)));
+    const vm_vec one_plus_erf = VM_BLEND_NEG(x, VM_SUB(VM_SET1(2.0f), q), q);
+    return VM_MUL(VM_MUL(VM_SET1(0.5f), x), one_plus_erf);
+}
 #endif /* a vector ISA */
 
 /* What a build runs, for each kernel's ``*_path()``. */

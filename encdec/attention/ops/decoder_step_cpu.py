@@ -1,0 +1,129 @@
+"""Builds and calls ``decoder_step_cpu.c``: every pre-LayerNorm decoder layer
+(Whisper's) of a decode-only step, in one call and one parallel region.
+
+The C file includes the panel matmul and paged attention kernels, so its
+vector path is theirs (``path(isa)``: "avx512", "avx2" or "none"), built by
+``build.load`` for ``build.cpu_isa()``. Where no compiler works,
+``available()`` is False and the model runs its layers op by op (logged once).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+
+from encdec.attention.ops import build, small_linear_cpu
+from encdec.cpu_threads import bandwidth_threads
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAX_ROWS = small_linear_cpu.MAX_ROWS  # rows the matmul kernel serves (see small_linear_cpu)
+_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int]
+
+
+@cache
+def _kernel(isa: str):
+    return build.load_function("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
+                               "decoder layers of decode steps run op by op (slower)", isa=isa)
+
+
+def available(isa: str | None = None) -> bool:
+    return _kernel(isa or build.cpu_isa()) is not None
+
+
+def path(isa: str | None = None) -> str | None:
+    """The vector path the build for ``isa`` runs, or None if unbuilt."""
+    return build.vector_path("decoder_step_cpu.c", "decoder_step_path", isa)
+
+
+@dataclass
+class DecoderWeights:
+    """A decoder's fixed kernel arguments, taken once: its sizes, and per layer
+    the pointers of its 18 weights and biases (matmul weights packed in
+    panels; ``tensors`` holds them, so the pointers stay valid), in the C
+    ``layer_t`` order; the two cache pointers are filled in per cache."""
+    d: int
+    num_heads: int
+    ffn: int
+    eps: float
+    scale: float
+    tensors: list[torch.Tensor]
+    weight_ptrs: list[list[int]]  # per layer, 18 addresses
+    _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False)
+
+    def table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The (layers, 20) int64 ``layer_t`` array for these caches (kept while they stay)."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._table is None or self._table[0] != key:
+            rows = [p + [c[0].data_ptr(), c[1].data_ptr()] for p, c in zip(self.weight_ptrs, kv_caches)]
+            self._table = (key, torch.tensor(rows, dtype=torch.int64))
+        return self._table[1]
+
+
+def decoder_weights(layers) -> DecoderWeights | None:
+    """The arguments of ``decode_step`` for ``layers`` (``WhisperDecoderLayer``s),
+    or None where the kernel cannot run them (no build; a weight not float32,
+    CPU, contiguous; a bias missing; layers shaped differently; self and cross
+    attention shaped differently)."""
+    if not layers or not available():
+        return None
+    tensors, ptrs, shapes = [], [], set()
+    for layer in layers:
+        sa, ca = layer.self_attn, layer.encoder_attn
+        norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+        mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], layer.fc1,
+                layer.fc2)
+        plain = [t for m in mods for t in (m.weight, m.bias)]
+        if not (all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                    for t in plain)
+                and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1):
+            return None
+        row = []
+        for m in mods:
+            w = m.weight if isinstance(m, torch.nn.LayerNorm) else m.panel_weight()  # shared with op by op
+            tensors += [w, m.bias]
+            row += [w.data_ptr(), m.bias.data_ptr()]
+        ptrs.append(row)
+        shapes.add((layer.fc2.out_features, sa.num_heads, layer.fc1.out_features, norms[0].eps, sa.scale))
+    if len(shapes) != 1:
+        return None
+    d, heads, ffn, eps, scale = shapes.pop()
+    return DecoderWeights(d, heads, ffn, eps, scale, tensors, ptrs)
+
+
+def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.Tensor],
+                slots: torch.Tensor, self_tables: torch.Tensor, self_lens: torch.Tensor,
+                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None) -> bool:
+    """Run every layer of ``weights`` (with its cache in ``kv_caches``) on ``h``
+    (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64) of
+    each cache (2, blocks, block_size, H, D); self and cross tables (int32,
+    row-major) and lengths (int32) are the attention metadata's. False, having
+    done nothing, where the step does not qualify: more than ``MAX_ROWS`` rows,
+    a cache or metadata tensor of another layout."""
+    m = h.shape[0]
+    index = (slots, self_tables, self_lens, cross_tables, cross_lens)
+    if not (0 < m <= MAX_ROWS and h.is_contiguous() and len(kv_caches) == len(weights.weight_ptrs)
+            and _index_ok(m, *index) and all(_cache_ok(c, weights.num_heads) for c in kv_caches)):
+        return False
+    w, threads = weights, bandwidth_threads()
+    work = torch.empty(m * (6 * w.d + w.ffn) + threads * m * (w.d + 2 * w.num_heads), dtype=torch.float32)
+    table = w.table(kv_caches)
+    rc = _kernel(isa or build.cpu_isa())(
+        h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, table.data_ptr(),
+        table.shape[0], kv_caches[0].shape[2], slots.data_ptr(), self_tables.data_ptr(), self_tables.stride(0),
+        self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads)
+    if rc != 0:
+        raise MemoryError("decoder step kernel could not allocate its scratch")
+    return True
+
+
+def _cache_ok(kv_cache: torch.Tensor, num_heads: int) -> bool:
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+            and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_heads)
+
+
+def _index_ok(num_rows: int, slots: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """Slots int64, one per row; tables and lengths int32; all contiguous on CPU."""
+    return (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == num_rows
+            and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() for t in rest))
