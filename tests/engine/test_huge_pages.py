@@ -91,3 +91,24 @@ def test_cpu_kv_cache_is_private_on_huge_pages_and_zero(monkeypatch):
     assert layer.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert not layer.any()
     assert huge_kib(layer) >= 4096, "the prefaulted blocks are not on huge pages"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() != "madvise",
+                    reason=f"only under THP madvise does the advice decide ({THP}: {thp_mode()})")
+def test_cpu_kv_cache_blocks_past_the_warm_part_fault_in_on_small_pages(monkeypatch):
+    """Blocks first written mid-run are not advised for huge pages: under
+    ``defrag=madvise`` a huge page's first write compacts memory synchronously
+    (4x slower here); the warm blocks, written at start, are."""
+    from encdec.attention.backends.torch_sdpa import TorchSDPABackend
+
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    cache = CacheEngine(num_layers=1, num_kv_heads=2, head_size=64, block_size=16, num_gpu_blocks=1024,
+                        num_cpu_blocks=4, dtype=torch.float32, device=torch.device("cpu"),
+                        backend=TorchSDPABackend, prefault_bytes=8 << 20)
+    layer = cache.gpu_cache[0]  # K: 1024 blocks of 8 KiB; the first 512 (4 MiB) warm
+    assert cache.num_warm_blocks == 512
+    for kv in (0, 1):
+        cold = layer[kv, 600:]
+        cold.fill_(1.0)
+        assert huge_kib(cold) == 0, "blocks past the warm part were faulted in on huge pages"
+        assert huge_kib(layer[kv, :256]) >= 2048, "the warm blocks are not on huge pages"

@@ -224,40 +224,51 @@ def test_cpu_encoder_runs_a_few_windows_per_call(ours, monkeypatch):
 @torch.inference_mode()
 def test_fused_decode_layers_match_op_by_op(ours, isa, monkeypatch):
     """Decode-only steps of up to MAX_ROWS rows run every decoder layer in one C
-    call (``decoder_step_cpu``): the hidden states and the K/V the step writes
-    equal the op-by-op path's to float32 rounding, for each ISA build this CPU
-    runs and on one thread or two; a step with a prefill, or more rows, runs op by op."""
+    call (``decoder_step_cpu``): the hidden states and the K/V the step writes are
+    as close to a float64 reference as the op-by-op path's (float32 rounding; at
+    256 rows a few outlier channels of tiny.en's residual stream land 1e-4 from
+    it either way), for each ISA build this CPU runs and on one thread or two,
+    rows sharing cross tables or not; a step with more rows runs op by op."""
+    import copy
+
     model, _ = ours
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert decoder_step_cpu.path(isa) == isa
     calls = []
     real = decoder_step_cpu.decode_step
     monkeypatch.setattr(decoder_step_cpu, "decode_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    ref_model = copy.deepcopy(model).double()  # runs op by op: no C kernel takes float64
     g = torch.Generator().manual_seed(3)
     n_cross, n_self = cdiv(1500, BLOCK), cdiv(64, BLOCK)
-    rows = decoder_step_cpu.MAX_ROWS + 1
+    # The largest steps (most of the time here) on the host's own build only: each
+    # ISA's tiles are all exercised by 17 rows.
+    largest = isa == build.host_isas()[0]
+    rows = decoder_step_cpu.MAX_ROWS + 1 if largest else 17
     windows = 3  # rows share these cross tables (as beams do), so the cache stays small
     shape = (2, windows * n_cross + rows * n_self, BLOCK, model.num_kv_heads, model.head_size)
     kv0 = [torch.randn(shape, generator=g) for _ in range(model.num_cache_layers)]  # "prefilled" caches
     cross_tables = [list(range(i % windows * n_cross, (i % windows + 1) * n_cross)) for i in range(rows)]
     self_tables = [list(range(windows * n_cross + i, windows * n_cross + rows * n_self, rows)) for i in range(rows)]
     threads = torch.get_num_threads()
-    for m, nt in [(1, 2), (1, 1), (2, 2), (3, 1), (5, 2), (9, 2), (17, 1), (decoder_step_cpu.MAX_ROWS, 2),
-                  (rows, 2)]:
+    big = [(decoder_step_cpu.MAX_ROWS, 2), (rows, 2)] if largest else []
+    for m, nt in [(1, 2), (1, 1), (2, 2), (3, 1), (5, 2), (9, 2), (17, 1), *big]:
         torch.set_num_threads(nt)
         lens = torch.randint(1, 64, (m,), generator=g).tolist()
         md = make_metadata([], [(n, 1500, self_tables[i], cross_tables[i]) for i, n in enumerate(lens)])
         ids = torch.randint(0, 50000, (m,), generator=g)
         pos = torch.tensor([n - 1 for n in lens])
-        out = {}
+        ref_kv = [c.double() for c in kv0]
+        ref = ref_model(ids, pos, ref_kv, md)
+        err = {}
         for fused in (False, True):
             model.fused_decode = fused
             kv = [c.clone() for c in kv0]
             before = len(calls)
-            out[fused] = model(ids, pos, kv, md), kv
+            h = model(ids, pos, kv, md)
             assert calls[before:] == ([m <= decoder_step_cpu.MAX_ROWS] if fused else [])
+            err[fused] = (float((h.double() - ref).abs().max()),
+                          max(float((c.double() - r).abs().max()) for c, r in zip(kv, ref_kv)))
         torch.set_num_threads(threads)
         model.fused_decode = True
-        torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-5)  # as the HF parity above
-        for fused_kv, ref_kv in zip(out[True][1], out[False][1]):
-            torch.testing.assert_close(fused_kv, ref_kv, atol=2e-5, rtol=1e-5)
+        assert err[True][0] <= 2 * err[False][0] + 1e-5, (m, err)
+        assert err[True][1] <= 2 * err[False][1] + 1e-6, (m, err)

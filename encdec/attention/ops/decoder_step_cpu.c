@@ -94,24 +94,62 @@ static void layer_norm_rows(float *x, const float *h, const float *w, const floa
     }
 }
 
+/* Rows read together: at most this many queries share one pass over a table. */
+#define GROUP_MAX 8
+
+/* leader[m]: the first row whose table row (over its length) and length equal
+ * row m's, m itself if none: best_of samples and beams share their window's
+ * cross table. */
+static void find_groups(int64_t *leader, const int32_t *tables, int64_t stride, const int32_t *lens, int64_t M,
+                        int64_t block_size) {
+    for (int64_t m = 0; m < M; m++) {
+        leader[m] = m;
+        const size_t bytes = sizeof(int32_t) * (size_t)((lens[m] + block_size - 1) / block_size);
+        for (int64_t l = 0; l < m; l++)
+            if (leader[l] == l && lens[l] == lens[m] && !memcmp(tables + l * stride, tables + m * stride, bytes)) {
+                leader[m] = l;
+                break;
+            }
+    }
+}
+
 /* Attention of each row's q over its cached K/V into a (M, d); q rows lie
  * q_stride apart. Each thread takes its share of every row's slots, all heads
  * (the same K/V bytes, contiguous; splitting a row's heads instead had both
  * threads stream every other part of the same slots, and the step ran 2-4x
  * slower), so a step of one row, or of rows of unequal lengths, keeps both
- * cores reading. The parts meet after a barrier, a share of the rows per
- * thread: out = sum_t e^(mx_t - mx) o_t / sum_t e^(mx_t - mx) sum_t.
+ * cores reading. Rows with one leader (find_groups; NULL: none share) are
+ * taken together, each slot read once for all. The parts meet after a
+ * barrier, a share of the rows per thread:
+ *     out = sum_t e^(mx_t - mx) o_t / sum_t e^(mx_t - mx) sum_t.
  * part: nt * M * (H * D + 2 H) floats shared; scores: this thread's scratch. */
 static void attend_share(float *a, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int32_t *tables, int64_t table_stride, const int32_t *lens, int64_t M,
-                         int64_t H, int64_t D, int64_t block_size, float scale, float *scores, float *part,
-                         spin_barrier *bar, int tid, int nt) {
+                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
+                         int64_t M, int64_t H, int64_t D, int64_t block_size, float scale, float *scores,
+                         float *part, spin_barrier *bar, int tid, int nt) {
     const int64_t stride = H * D + 2 * H;  /* one part: o (H, D), mx (H), sum (H) */
-    for (int64_t m = 0; m < M; m++) {
-        float *o = part + (tid * M + m) * stride;
-        const int32_t t0 = (int32_t)((int64_t)lens[m] * tid / nt), t1 = (int32_t)((int64_t)lens[m] * (tid + 1) / nt);
-        attend_range(o, q + m * q_stride, k_cache, v_cache, tables + m * table_stride, t0, t1, 0, H, 1, D, H * D,
-                     block_size, scale, scores, o + H * D, o + H * D + H);
+    for (int64_t l = 0; l < M; l++) {
+        if (leader && leader[l] != l) continue;  /* l leads a group (without leaders: every row alone) */
+        const int32_t t0 = (int32_t)((int64_t)lens[l] * tid / nt), t1 = (int32_t)((int64_t)lens[l] * (tid + 1) / nt);
+        const int32_t *table = tables + l * table_stride;
+        float *os[GROUP_MAX], *mx[GROUP_MAX], *sum[GROUP_MAX];
+        const float *qs[GROUP_MAX];
+        int G = 0;
+        for (int64_t m = l; m < M && (m == l || leader); m++) {
+            if (m != l && leader[m] != l) continue;
+            os[G] = part + (tid * M + m) * stride;
+            mx[G] = os[G] + H * D;
+            sum[G] = mx[G] + H;
+            qs[G++] = q + m * q_stride;
+            if (G == GROUP_MAX) {
+                attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores,
+                             mx, sum);
+                G = 0;
+            }
+        }
+        if (G)
+            attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx,
+                         sum);
     }
     barrier_wait(bar, nt);
     for (int64_t m = M * tid / nt; m < M * (tid + 1) / nt; m++)
@@ -139,9 +177,10 @@ static int32_t max_len(const int32_t *lens, int64_t M) {
 }
 
 /* h: (M, d) residual stream, updated in place. work: at least
- * M * (6 d + ffn) + num_threads * M * (d + 2 H) floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
- * new K/V goes; self tables/lens include the new token. Returns 0, or -1
- * where a thread's scratch could not be allocated (then nothing was done). */
+ * M * (6 d + ffn) + num_threads * M * (d + 2 H) floats. layers: num_layers of
+ * layer_t. slots: (M,) int64, where each row's new K/V goes; self tables/lens
+ * include the new token. Returns 0, or -1 where a thread's scratch could not
+ * be allocated (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
@@ -152,13 +191,15 @@ int decoder_step_f32(
     float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *f = a + M * d, *part = f + M * ffn;
     const int32_t longest = max_len(self_lens, M) > max_len(cross_lens, M) ? max_len(self_lens, M)
                                                                             : max_len(cross_lens, M);
+    int64_t leader[M];  /* rows sharing a cross table (find_groups) */
+    find_groups(leader, cross_tables, cross_stride, cross_lens, M, block_size);
     spin_barrier bar = {0, 0};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t r0 = M * tid / nt, r1 = M * (tid + 1) / nt;  /* this thread's rows */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)longest * (size_t)H);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)longest * (size_t)H * GROUP_MAX);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -175,8 +216,8 @@ int decoder_step_f32(
                 memcpy(w->v_cache + slots[m] * d, qkv + m * 3 * d + 2 * d, sizeof(float) * d);
             }
             barrier_wait(&bar, nt);
-            attend_share(a, qkv, 3 * d, w->k_cache, w->v_cache, self_tables, self_stride, self_lens, M, H, D,
-                         block_size, scale, scores, part, &bar, tid, nt);
+            attend_share(a, qkv, 3 * d, w->k_cache, w->v_cache, self_tables, self_stride, self_lens, NULL, M, H,
+                         D, block_size, scale, scores, part, &bar, tid, nt);
             barrier_wait(&bar, nt);
             panel_share(h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD, tid, nt);
             barrier_wait(&bar, nt);
@@ -184,8 +225,8 @@ int decoder_step_f32(
             barrier_wait(&bar, nt);
             panel_share(q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE, tid, nt);
             barrier_wait(&bar, nt);
-            attend_share(a, q, d, w->k_cache, w->v_cache, cross_tables, cross_stride, cross_lens, M, H, D,
-                         block_size, scale, scores, part, &bar, tid, nt);
+            attend_share(a, q, d, w->k_cache, w->v_cache, cross_tables, cross_stride, cross_lens, leader, M, H,
+                         D, block_size, scale, scores, part, &bar, tid, nt);
             barrier_wait(&bar, nt);
             panel_share(h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD, tid, nt);
             barrier_wait(&bar, nt);

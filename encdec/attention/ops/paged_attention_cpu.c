@@ -48,27 +48,31 @@ static float dot(const float *a, const float *b, int n) {
 
 const char *paged_attention_path(void) { return VM_PATH; }
 
-/* scores[(h - h0) * (t1 - t0) + t - t0] = q_h . k_h(t) * scale for every slot
- * t in [t0, t1) and head h in [h0, h1). */
-static void score_slots(float *scores, const float *qs, const float *k_cache, const int32_t *table, int32_t t0,
-                        int32_t t1, int64_t h0, int64_t h1, int64_t group, int64_t head_size, int64_t slot_stride,
-                        int64_t block_size, float scale) {
+/* scores[(g * num_heads + h) * (t1 - t0) + t - t0] = qs[g]_h . k_h(t) * scale
+ * for each of the G queries (all heads), every slot t in [t0, t1) and head h:
+ * a slot's keys are read once for all G. */
+static void score_slots(float *scores, int G, const float *const *qs, const float *k_cache, const int32_t *table,
+                        int32_t t0, int32_t t1, int64_t num_heads, int64_t group, int64_t head_size,
+                        int64_t slot_stride, int64_t block_size, float scale) {
     const int64_t n = t1 - t0;
     for (int32_t t = t0; t < t1; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const float *k = k_cache + slot * slot_stride;
-        for (int64_t h = h0; h < h1; h++) {
-            const float *qh = qs + h * head_size, *kh = k + (h / group) * head_size;
-            float s;
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *kh = k + (h / group) * head_size;
+            for (int g = 0; g < G; g++) {
+                const float *qh = qs[g] + h * head_size;
+                float s;
 #if defined(VM_VL)
-            if (head_size % VM_VL == 0) {
-                vm_vec acc = VM_ZERO();
-                for (int64_t d = 0; d < head_size; d += VM_VL) acc = VM_FMA(VM_LOAD(qh + d), VM_LOAD(kh + d), acc);
-                s = VM_HSUM(acc);
-            } else
+                if (head_size % VM_VL == 0) {
+                    vm_vec acc = VM_ZERO();
+                    for (int64_t d = 0; d < head_size; d += VM_VL) acc = VM_FMA(VM_LOAD(qh + d), VM_LOAD(kh + d), acc);
+                    s = VM_HSUM(acc);
+                } else
 #endif
-                s = dot(qh, kh, (int)head_size);
-            scores[(h - h0) * n + t - t0] = s * scale;
+                    s = dot(qh, kh, (int)head_size);
+                scores[(g * num_heads + h) * n + t - t0] = s * scale;
+            }
         }
     }
 }
@@ -106,28 +110,34 @@ static float softmax_numerators(float *row, int32_t len, float *max_out) {
     return sum;
 }
 
-/* One sequence's attention for heads [h0, h1) over its slots [t0, t1), not yet
- * normalised: os[h] = sum_t exp(s_t - mx[h]) v_t, with mx[h - h0] the largest
- * score and sum[h - h0] the sum of the exponentials (a part another part's
- * result joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). os and
- * qs hold all its heads, (num_heads, head_size); scores is scratch of
- * (h1 - h0) * (t1 - t0) floats. Reads the K and V of those heads only. */
-static void attend_range(float *restrict os, const float *qs, const float *k_cache, const float *v_cache,
-                         const int32_t *table, int32_t t0, int32_t t1, int64_t h0, int64_t h1, int64_t group,
-                         int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
-                         float *scores, float *mx, float *sum) {
-    const int64_t nh = h1 - h0, n = t1 - t0;
-    score_slots(scores, qs, k_cache, table, t0, t1, h0, h1, group, head_size, slot_stride, block_size, scale);
-    for (int64_t h = 0; h < nh; h++) sum[h] = softmax_numerators(scores + h * n, (int32_t)n, mx + h);
-    memset(os + h0 * head_size, 0, sizeof(float) * nh * head_size);
+/* The attention of G queries over one sequence's slots [t0, t1) (G > 1: rows
+ * that share a cache table, best_of samples or beams over one cross table;
+ * each slot's K and V are read once for all of them), not yet normalised:
+ * os[g][h] = sum_t exp(s_t - mx[g][h]) v_t, with mx[g][h] the largest score
+ * and sum[g][h] the sum of the exponentials (a part another part's result
+ * joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). qs[g] and
+ * os[g]: (num_heads, head_size); scores: scratch of G * num_heads * (t1 - t0) floats. */
+static void attend_range(int G, float *const *os, const float *const *qs, const float *k_cache,
+                         const float *v_cache, const int32_t *table, int32_t t0, int32_t t1, int64_t num_heads,
+                         int64_t group, int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
+                         float *scores, float *const *mx, float *const *sum) {
+    const int64_t n = t1 - t0;
+    score_slots(scores, G, qs, k_cache, table, t0, t1, num_heads, group, head_size, slot_stride, block_size, scale);
+    for (int g = 0; g < G; g++) {
+        for (int64_t h = 0; h < num_heads; h++)
+            sum[g][h] = softmax_numerators(scores + (g * num_heads + h) * n, (int32_t)n, mx[g] + h);
+        memset(os[g], 0, sizeof(float) * num_heads * head_size);
+    }
     for (int32_t t = t0; t < t1; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const float *restrict v = v_cache + slot * slot_stride;
-        for (int64_t h = h0; h < h1; h++) {
-            const float p = scores[(h - h0) * n + t - t0];
+        for (int64_t h = 0; h < num_heads; h++) {
             const float *restrict vv = v + (h / group) * head_size;
-            float *restrict o = os + h * head_size;
-            for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
+            for (int g = 0; g < G; g++) {
+                const float p = scores[(g * num_heads + h) * n + t - t0];
+                float *restrict o = os[g] + h * head_size;
+                for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
+            }
         }
     }
 }
@@ -137,8 +147,9 @@ static void attend(float *os, const float *qs, const float *k_cache, const float
                    int32_t len, int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
                    int64_t block_size, float scale, float *scores) {
     float mx[num_heads], sum[num_heads];
-    attend_range(os, qs, k_cache, v_cache, table, 0, len, 0, num_heads, group, head_size, slot_stride, block_size,
-                 scale, scores, mx, sum);
+    float *mxp = mx, *sump = sum;
+    attend_range(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size, slot_stride,
+                 block_size, scale, scores, &mxp, &sump);
     for (int64_t h = 0; h < num_heads; h++) {
         const float inv = 1.f / sum[h];
         for (int64_t d = 0; d < head_size; d++) os[h * head_size + d] *= inv;
