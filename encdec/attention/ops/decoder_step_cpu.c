@@ -170,6 +170,20 @@ static void attend_share(float *a, const float *q, int64_t q_stride, const float
         }
 }
 
+/* h += out(attention of the rows' q over the layer's cache): self and cross
+ * attention, by their tables; a: (M, d) scratch. Ends at a barrier. */
+static void attention_block(float *h, float *a, const float *q, int64_t q_stride, const layer_t *w,
+                            const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
+                            const float *o_w, const float *o_b, int64_t M, int64_t H, int64_t D, int64_t block_size,
+                            float scale, float *scores, float *part, spin_barrier *bar, int tid, int nt) {
+    const int64_t d = H * D;
+    attend_share(a, q, q_stride, w->k_cache, w->v_cache, tables, table_stride, lens, leader, M, H, D, block_size,
+                 scale, scores, part, bar, tid, nt);
+    barrier_wait(bar, nt);
+    panel_share(h, d, a, d, o_w, o_b, M, d, d, POST_ADD, tid, nt);
+    barrier_wait(bar, nt);
+}
+
 static int32_t max_len(const int32_t *lens, int64_t M) {
     int32_t mx = 1;
     for (int64_t m = 0; m < M; m++) mx = lens[m] > mx ? lens[m] : mx;
@@ -216,20 +230,14 @@ int decoder_step_f32(
                 memcpy(w->v_cache + slots[m] * d, qkv + m * 3 * d + 2 * d, sizeof(float) * d);
             }
             barrier_wait(&bar, nt);
-            attend_share(a, qkv, 3 * d, w->k_cache, w->v_cache, self_tables, self_stride, self_lens, NULL, M, H,
-                         D, block_size, scale, scores, part, &bar, tid, nt);
-            barrier_wait(&bar, nt);
-            panel_share(h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD, tid, nt);
-            barrier_wait(&bar, nt);
+            attention_block(h, a, qkv, 3 * d, w, self_tables, self_stride, self_lens, NULL, w->o1_w, w->o1_b,
+                            M, H, D, block_size, scale, scores, part, &bar, tid, nt);
             layer_norm_rows(x, h, w->ln2_w, w->ln2_b, r0, r1, d, eps);
             barrier_wait(&bar, nt);
             panel_share(q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE, tid, nt);
             barrier_wait(&bar, nt);
-            attend_share(a, q, d, w->k_cache, w->v_cache, cross_tables, cross_stride, cross_lens, leader, M, H,
-                         D, block_size, scale, scores, part, &bar, tid, nt);
-            barrier_wait(&bar, nt);
-            panel_share(h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD, tid, nt);
-            barrier_wait(&bar, nt);
+            attention_block(h, a, q, d, w, cross_tables, cross_stride, cross_lens, leader, w->o2_w, w->o2_b,
+                            M, H, D, block_size, scale, scores, part, &bar, tid, nt);
             layer_norm_rows(x, h, w->ln3_w, w->ln3_b, r0, r1, d, eps);
             barrier_wait(&bar, nt);
             panel_share(f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU, tid, nt);

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from encdec.attention.ops import build, small_linear_cpu
+from encdec.attention.ops import build
 from encdec.cpu_threads import bandwidth_threads
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

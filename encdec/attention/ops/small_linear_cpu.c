@@ -92,15 +92,13 @@ static inline __attribute__((always_inline)) void tile(const int MR, float tot[]
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
         for (int64_t k = k0; k < k1; k++) {
-            const float *w = wp + k * PW;
-            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-            const __m256 w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
-            for (int i = 0; i < MR; i++) {
-                const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
-                acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
-                acc[i][2] = _mm256_fmadd_ps(xb, w2, acc[i][2]);
-                acc[i][3] = _mm256_fmadd_ps(xb, w3, acc[i][3]);
+            /* 12 accumulators, 3 broadcasts and one weight vector at a time: the 16
+             * ymm registers exactly (all four weight vectors at once spilled one) */
+            __m256 xb[MR_MAX];
+            for (int i = 0; i < MR; i++) xb[i] = _mm256_broadcast_ss(x + i * ldx + k);
+            for (int j = 0; j < 4; j++) {
+                const __m256 w = _mm256_loadu_ps(wp + k * PW + 8 * j);
+                for (int i = 0; i < MR; i++) acc[i][j] = _mm256_fmadd_ps(xb[i], w, acc[i][j]);
             }
         }
         for (int i = 0; i < MR; i++)
