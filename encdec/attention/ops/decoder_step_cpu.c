@@ -203,8 +203,8 @@ int decoder_step_f32(
 {
     const int64_t D = d / H;
     float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *f = a + M * d, *part = f + M * ffn;
-    const int32_t longest = max_len(self_lens, M) > max_len(cross_lens, M) ? max_len(self_lens, M)
-                                                                            : max_len(cross_lens, M);
+    const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
+    const int32_t longest = self_longest > cross_longest ? self_longest : cross_longest;
     int64_t leader[M];  /* rows sharing a cross table (find_groups) */
     find_groups(leader, cross_tables, cross_stride, cross_lens, M, block_size);
     spin_barrier bar = {0, 0};
