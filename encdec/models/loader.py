@@ -51,7 +51,7 @@ def open_checkpoint(model: str | os.PathLike, *, tokenizer: str | os.PathLike | 
     from transformers import AutoConfig
 
     from encdec.models import ct2_loader
-    from encdec.models.registry import get_model_module
+    from encdec.models.registry import get_model_hooks
 
     path = resolve_model_path(os.fspath(model))
     if ct2_loader.is_ct2_whisper_dir(path):
@@ -63,7 +63,7 @@ def open_checkpoint(model: str | os.PathLike, *, tokenizer: str | os.PathLike | 
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else type(hf_config).__name__.replace("Config", "ForConditionalGeneration")
     gen_config = load_generation_config(path)
-    complete = getattr(get_model_module(arch), "complete_generation_config", None)
+    complete = get_model_hooks(arch).complete_generation_config
     if complete is not None:
         complete(hf_config, gen_config, os.fspath(tokenizer) if tokenizer is not None else path)
     return Checkpoint(path, hf_config, gen_config, arch, "hf")
