@@ -28,6 +28,9 @@ HOP_LENGTH = 160
 CHUNK_SECONDS = 30
 N_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000 samples per window
 N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames per window
+# Sample rates an (array, sample_rate) input may have: telephone audio is 8 kHz,
+# studio audio at most 384 kHz; outside this the rate is almost surely a mistake.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 384000
 
 __all__ = ["SAMPLE_RATE", "N_SAMPLES", "N_FRAMES", "load_audio", "log_mel_spectrogram",
            "mel_filters", "pad_or_trim"]
@@ -73,7 +76,44 @@ def _sample_rate(sr: Any) -> int:
                          f"got {type(sr).__name__} {sr!r}")
     if not (math.isfinite(sr) and sr > 0 and float(sr).is_integer()):
         raise ValueError(f"audio sample_rate must be a positive integer number of Hz, got {sr!r}")
+    if not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
+        # (array, 1) would be read as hours of audio, (array, 10**7) as a click.
+        raise ValueError(f"audio sample_rate must be between {MIN_SAMPLE_RATE} and {MAX_SAMPLE_RATE} Hz, "
+                         f"got {sr!r}")
     return int(sr)
+
+
+def _check_file(path: str, where: str) -> None:
+    """Say what is wrong with a path before a decoder says it less clearly."""
+    if not os.path.exists(path):
+        raise ValueError(f"{where} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{where} is a directory, not an audio file")
+    if not os.path.isfile(path):  # /dev/null, a FIFO, a socket: no length to read
+        raise ValueError(f"{where} is not a regular file")
+
+
+def _decode_failure(path: str, error: Exception) -> str:
+    """Why a file could not be decoded, in the decoders' own words. librosa tries
+    libsndfile, then audioread, and raises audioread's error, which is often
+    empty (``NoBackendError()``, ``EOFError()``); libsndfile's says more."""
+    import soundfile
+
+    reasons = []
+    try:
+        soundfile.info(path)
+    except Exception as e:  # LibsndfileError, or RuntimeError on old soundfile
+        text = str(e).split(": ", 1)[-1] if str(e).startswith("Error opening") else str(e)
+        if "not a regular file" in text:  # said by libsndfile when its MP3 decoder gives up
+            text = "its decoder found no audio it can read"
+        reasons.append(f"libsndfile: {text.rstrip('.')}")
+    if str(error) or type(error).__name__ not in ("NoBackendError", "EOFError"):
+        reasons.append(f"{type(error).__name__}: {error}")
+    elif type(error).__name__ == "NoBackendError":
+        reasons.append("audioread: no installed backend decodes this format (ffmpeg would)")
+    else:
+        reasons.append("audioread: the file ends inside its header")
+    return "; ".join(reasons)
 
 
 def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -85,14 +125,13 @@ def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
     where = _describe(audio)
     if isinstance(audio, (str, os.PathLike)):
         path = os.fspath(audio)
-        if not os.path.isfile(path):
-            raise ValueError(f"{where} does not exist")
+        _check_file(path, where)
         try:
             with warnings.catch_warnings():  # librosa warns before falling back to audioread
                 warnings.simplefilter("ignore")
                 arr, _ = librosa.load(path, sr=sampling_rate, mono=True)
         except Exception as e:  # librosa/soundfile/audioread raise many types
-            raise ValueError(f"{where} cannot be read as audio: {type(e).__name__}: {e}") from None
+            raise ValueError(f"{where} cannot be read as audio: {_decode_failure(path, e)}") from None
         return _to_mono_float(arr, where)
     if isinstance(audio, tuple):
         if len(audio) != 2:

@@ -86,6 +86,9 @@ def test_load_file_any_rate_and_channels(tmp_path):
     ((np.array([0.0, np.inf], np.float32), 16000), "NaN or infinite"),
     (("not an array", 16000), "numpy array"),
     (3.5, "must be a path"),
+    ((np.zeros(10, np.float32), 1), "between 1000 and 384000 Hz, got 1$"),
+    ((np.zeros(10, np.float32), 999), "between 1000 and 384000 Hz, got 999"),
+    ((np.zeros(10, np.float32), 10**7), "between 1000 and 384000 Hz, got 10000000"),
 ])
 def test_bad_arrays(audio, message):
     with pytest.raises(ValueError, match=message):
@@ -113,6 +116,29 @@ def test_bad_files(tmp_path):
     sf.write(empty, np.zeros(0, np.float32), 16000)
     with pytest.raises(ValueError, match="empty|cannot be read"):
         load_audio(empty)
+
+
+def test_edge_sample_rates_are_taken():
+    for rate in (1000, 384000):
+        assert abs(len(load_audio((tone(0.5, rate, 100.0), rate))) - 8000) <= 1
+
+
+def test_paths_that_are_not_files(tmp_path):
+    with pytest.raises(ValueError, match="is a directory, not an audio file"):
+        load_audio(tmp_path)
+    with pytest.raises(ValueError, match="'/dev/null' is not a regular file"):
+        load_audio("/dev/null")
+
+
+@pytest.mark.parametrize("name, data, reason", [
+    ("junk.wav", b"\x00\x01garbage" * 10, "libsndfile: Format not recognised; audioread: no installed backend"),
+    ("short.wav", b"RIFF", "libsndfile: Format not recognised; audioread: the file ends inside its header"),
+    ("junk.mp3", b"\x00\x01garbage" * 10, "libsndfile: its decoder found no audio it can read"),
+])
+def test_undecodable_files_give_the_decoders_reason(tmp_path, name, data, reason):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match="cannot be read as audio: " + reason):
+        load_audio(tmp_path / name)
 
 
 def test_pad_or_trim():
