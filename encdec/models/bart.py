@@ -1,15 +1,25 @@
-"""BART (bart-base, bart-large, bart-large-cnn, distilbart) in plain PyTorch.
+"""BART (bart-base, bart-large, bart-large-cnn, distilbart) in plain PyTorch,
+and the layout the BART-shaped families (Marian, M2M100/NLLB, mBART) share.
 
 Tokens are packed (no padding); attention goes through ``encdec.attention``.
 Parameter names follow Hugging Face so that loading is a name map plus the
 quirks: learned positions offset by 2, ``final_logits_bias``, a tied
 ``lm_head``, ``scale_embedding`` and ``layernorm_embedding``. The q/k/v (self)
 and k/v (cross) projections are fused at load time: one matmul instead of three.
+
+Where the families differ is one ``Layout`` per model class:
+
+    family   blocks     positions                 layernorm_embedding  stack layer_norm  final_logits_bias
+    BART     post-norm  learned, rows +2          yes                  no                yes
+    Marian   post-norm  sinusoidal [sin | cos]    no                   no                yes
+    mBART    pre-norm   learned, rows +2          yes                  yes               yes
+    M2M100   pre-norm   sinusoidal, pad offset    no                   yes               no
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +34,28 @@ _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approxim
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding reserves two rows
 
 
-class _FFNInput:
-    def _ffn_in(self, h: torch.Tensor) -> torch.Tensor:
-        return self.fc1.forward_gelu(h) if self.exact_gelu else self.act(self.fc1(h))
+@dataclass(frozen=True)
+class Layout:
+    """How a BART-shaped family arranges the same blocks (see the module docstring)."""
+
+    pre_norm: bool = False  # each block h + f(LN(h)); else LN(h + f(h))
+    positions: str = "learned"  # "learned" (an nn.Embedding, rows +2) or "sinusoidal" (a table, not loaded)
+    layernorm_embedding: bool = True
+    stack_layer_norm: bool = False  # encoder.layer_norm / decoder.layer_norm after the last layer
+    final_logits_bias: bool = True
 
 
-class BartEncoderLayer(_FFNInput, nn.Module):
-    def __init__(self, cfg, backend):
+class _FFN:
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.fc1.forward_gelu(h) if self.exact_gelu else self.act(self.fc1(h))
+        return self.fc2(x)
+
+
+class BartEncoderLayer(_FFN, nn.Module):
+    def __init__(self, cfg, backend, pre_norm: bool = False):
         super().__init__()
         d = cfg.d_model
+        self.pre_norm = pre_norm
         self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, AttentionType.ENCODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = Linear(d, cfg.encoder_ffn_dim)
@@ -42,14 +65,18 @@ class BartEncoderLayer(_FFNInput, nn.Module):
         self.exact_gelu = cfg.activation_function == "gelu"
 
     def forward(self, h: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if self.pre_norm:
+            h = h + self.self_attn(self.self_attn_layer_norm(h), None, md)
+            return h + self._ffn(self.final_layer_norm(h))
         h = self.self_attn_layer_norm(h + self.self_attn(h, None, md))
-        return self.final_layer_norm(h + self.fc2(self._ffn_in(h)))
+        return self.final_layer_norm(h + self._ffn(h))
 
 
-class BartDecoderLayer(_FFNInput, nn.Module):
-    def __init__(self, cfg, backend):
+class BartDecoderLayer(_FFN, nn.Module):
+    def __init__(self, cfg, backend, pre_norm: bool = False):
         super().__init__()
         d = cfg.d_model
+        self.pre_norm = pre_norm
         self.self_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, AttentionType.DECODER, backend)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiHeadAttention(d, cfg.decoder_attention_heads,
@@ -64,44 +91,95 @@ class BartDecoderLayer(_FFNInput, nn.Module):
     def forward(self, h, kv_cache, md, encoder_hidden):
         # Self and cross KV share the layer's cache tensor: the block manager
         # hands them distinct block numbers from one pool.
+        if self.pre_norm:
+            h = h + self.self_attn(self.self_attn_layer_norm(h), kv_cache, md)
+            h = h + self.encoder_attn(self.encoder_attn_layer_norm(h), kv_cache, md, encoder_hidden)
+            return h + self._ffn(self.final_layer_norm(h))
         h = self.self_attn_layer_norm(h + self.self_attn(h, kv_cache, md))
         h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, kv_cache, md, encoder_hidden))
-        return self.final_layer_norm(h + self.fc2(self._ffn_in(h)))
+        return self.final_layer_norm(h + self._ffn(h))
 
 
 class _Stack(nn.Module):
-    def __init__(self, cfg, layer_cls, n_layers, backend, shared: nn.Embedding):
-        super().__init__()
-        self.embed_tokens = shared
-        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
-        self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model)
-        self.layernorm_embedding = nn.LayerNorm(cfg.d_model)
-        self.layers = nn.ModuleList([layer_cls(cfg, backend) for _ in range(n_layers)])
+    """Embeddings, layers and (pre-norm families) the closing layer norm of one side."""
 
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(ids) * self.embed_scale + self.embed_positions(positions + POSITION_OFFSET)
-        return self.layernorm_embedding(h)
+    def __init__(self, cfg, layout: Layout, layer_cls, n_layers, backend, embed_tokens: nn.Embedding,
+                 num_positions: int):
+        super().__init__()
+        d = cfg.d_model
+        self.embed_tokens = embed_tokens
+        self.embed_scale = math.sqrt(d) if cfg.scale_embedding else 1.0
+        if layout.positions == "learned":
+            self.embed_positions = nn.Embedding(num_positions, d)
+        else:  # computed at load time (a meta-built model's buffers start empty)
+            self.register_buffer("sinusoids", torch.zeros(num_positions, d), persistent=False)
+        self.layernorm_embedding = nn.LayerNorm(d) if layout.layernorm_embedding else None
+        self.layers = nn.ModuleList([layer_cls(cfg, backend, layout.pre_norm) for _ in range(n_layers)])
+        self.layer_norm = nn.LayerNorm(d) if layout.stack_layer_norm else None
+
+    def embed(self, ids: torch.Tensor, position_rows: torch.Tensor) -> torch.Tensor:
+        """``position_rows``: rows of the position table (family offsets applied)."""
+        pos = self.embed_positions(position_rows) if hasattr(self, "embed_positions") \
+            else F.embedding(position_rows, self.sinusoids)
+        h = self.embed_tokens(ids) * self.embed_scale + pos
+        return h if self.layernorm_embedding is None else self.layernorm_embedding(h)
+
+    def close(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.layer_norm is None else self.layer_norm(h)
 
 
 class BartForConditionalGeneration(nn.Module):
     """Runner-facing interface: ``forward`` over packed tokens -> hidden states,
     ``compute_logits``, ``build_encoder_inputs``, ``load_weights``, and the cache
-    geometry (``num_cache_layers``, ``num_kv_heads``, ``head_size``)."""
+    geometry (``num_cache_layers``, ``num_kv_heads``, ``head_size``).
+
+    Subclasses (the other BART-shaped families) set ``layout``, and override
+    ``num_positions`` / ``position_rows`` / ``sinusoid_table`` for their positions."""
+
+    layout = Layout()
+    model_name = "BART"
 
     def __init__(self, hf_config, backend: type[AttentionBackend]):
         super().__init__()
         cfg = self.config = hf_config
-        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.encoder = _Stack(cfg, BartEncoderLayer, cfg.encoder_layers, backend, self.shared)
-        self.decoder = _Stack(cfg, BartDecoderLayer, cfg.decoder_layers, backend, self.shared)
-        self.register_buffer("final_logits_bias", torch.zeros(1, cfg.vocab_size))
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.shared.weight  # tied
-        self.vocab_size = cfg.vocab_size
+        layout = self.layout
+        dec_vocab = self.decoder_vocab_size(cfg)
+        if getattr(cfg, "share_encoder_decoder_embeddings", True):
+            self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            enc_embed = dec_embed = self.shared
+        else:  # Marian checkpoints with separate source and target vocabularies
+            enc_embed, dec_embed = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Embedding(dec_vocab, cfg.d_model)
+        n_pos = self.num_positions(cfg)
+        self.encoder = _Stack(cfg, layout, BartEncoderLayer, cfg.encoder_layers, backend, enc_embed, n_pos)
+        self.decoder = _Stack(cfg, layout, BartDecoderLayer, cfg.decoder_layers, backend, dec_embed, n_pos)
+        if layout.final_logits_bias:
+            self.register_buffer("final_logits_bias", torch.zeros(1, dec_vocab))
+        self.tied = getattr(cfg, "tie_word_embeddings", True)
+        self.lm_head = Linear(cfg.d_model, dec_vocab, bias=False)
+        if self.tied:
+            self.lm_head.weight = dec_embed.weight
+        self.vocab_size = dec_vocab
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
 
+    # -- family hooks --------------------------------------------------------------
+    @staticmethod
+    def decoder_vocab_size(cfg) -> int:
+        return cfg.vocab_size
+
+    @staticmethod
+    def num_positions(cfg) -> int:
+        return cfg.max_position_embeddings + POSITION_OFFSET
+
+    def sinusoid_table(self, num_positions: int, dim: int) -> torch.Tensor:
+        raise NotImplementedError(f"{self.model_name} has learned positions")
+
+    def position_rows(self, ids: torch.Tensor, positions: torch.Tensor, num_prefill_tokens: int) -> torch.Tensor:
+        """Rows of the position table for tokens at 0-based ``positions``."""
+        return positions + POSITION_OFFSET
+
+    # -- runner interface ------------------------------------------------------------
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
         flat = [t for ids in encoder_token_ids for t in ids]
@@ -112,10 +190,11 @@ class BartForConditionalGeneration(nn.Module):
         }
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        h = self.encoder.embed(ids, positions)  # (num_encoder_tokens, d_model)
+        # Every encoder token is a prefill token: a whole sequence from position 0.
+        h = self.encoder.embed(ids, self.position_rows(ids, positions, ids.shape[0]))  # (num_encoder_tokens, d)
         for layer in self.encoder.layers:
             h = layer(h, md)
-        return h
+        return self.encoder.close(h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,
@@ -123,39 +202,52 @@ class BartForConditionalGeneration(nn.Module):
         enc = None
         if encoder_input_ids is not None and encoder_input_ids.numel():
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
-        h = self.decoder.embed(input_ids, positions)  # (num_tokens, d_model)
+        rows = self.position_rows(input_ids, positions, attn_metadata.num_prefill_tokens)
+        h = self.decoder.embed(input_ids, rows)  # (num_tokens, d_model)
         for i, layer in enumerate(self.decoder.layers):
             h = layer(h, kv_caches[i], attn_metadata, enc)
-        return h
+        return self.decoder.close(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) + self.final_logits_bias
+        logits = self.lm_head(hidden)
+        return logits + self.final_logits_bias if self.layout.final_logits_bias else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF names -> ours; q/k/v fused; missing tied embeddings taken from ``shared``."""
-        self.lm_head.weight = self.shared.weight  # re-tie: materialising from meta unties
-        tied = ("lm_head.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-        seen_shared = False
+        """HF names -> ours; q/k/v fused; tied copies (``shared``, the stacks'
+        ``embed_tokens``, a tied ``lm_head``) fill one parameter, from whichever the
+        checkpoint holds first; sinusoidal tables are computed, not read."""
+        if self.tied:  # re-tie: materialising from meta unties
+            self.lm_head.weight = self.decoder.embed_tokens.weight
+        canonical: dict[str, str] = {}  # every name of a parameter -> its first name
+        first_name: dict[int, str] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            canonical[name] = first_name.setdefault(id(p), name)
+        filled: set[str] = set()
 
         def rename(name: str) -> str | None:
-            nonlocal seen_shared
-            if name in tied:
-                if seen_shared:
-                    return None  # one of the tied copies already filled ``shared``
-                name = "shared.weight"
-            seen_shared |= name == "shared.weight"
-            return name
+            target = canonical.get(name, name)
+            if target in filled:
+                return None  # a tied copy of a parameter already filled
+            filled.add(target)
+            return target
 
         def parameters_only() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 name = name.removeprefix("model.")
                 if name == "final_logits_bias":  # a buffer, not a parameter
-                    self.final_logits_bias.copy_(tensor.view(1, -1))
+                    if self.layout.final_logits_bias:
+                        self.final_logits_bias.copy_(tensor.view(1, -1))
+                elif name.endswith("embed_positions.weight") and self.layout.positions != "learned":
+                    continue  # a sinusoidal table some checkpoints carry: computed below
                 else:
                     yield name, tensor
 
-        load_fused(self, parameters_only(), rename, model="BART",
-                   optional=lambda name, part, parts: name.endswith("embed_tokens.weight"))
+        load_fused(self, parameters_only(), rename, model=self.model_name,
+                   optional=lambda name, part, parts: False)
+        if self.layout.positions != "learned":
+            for stack in (self.encoder, self.decoder):
+                n, d = stack.sinusoids.shape
+                stack.sinusoids.copy_(self.sinusoid_table(n, d))
 
 
 def default_decoder_prompt(hf_config, generation_config, tokenizer) -> list[int]:
