@@ -46,9 +46,9 @@ def installed(tmp_path_factory) -> dict:
           str(src)], cwd=tmp)
     (wheel,) = dist.glob("encdec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for shipped in ("encdec/attention/ops/dense_attention_cpu.c", "encdec/attention/ops/paged_attention_cpu.c",
-                    "encdec/attention/ops/small_linear_cpu.c", "encdec/attention/ops/vector_math.h",
-                    "encdec/attention/ops/decoder_step_cpu.c",
+    kernels = [f"encdec/kernels/cpu/{name}_cpu.{ext}" for name in ("dense_attention", "paged_attention",
+               "small_linear", "greedy", "whisper_rules", "decoder_step") for ext in ("c", "py")]
+    for shipped in (*kernels, "encdec/kernels/cpu/vector_math.h", "encdec/kernels/cpu/build.py",
                     "encdec/benchmarks/bart_bench.py", "encdec/benchmarks/whisper_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
 
@@ -77,14 +77,14 @@ def test_generates_with_the_installed_wheel(installed, tmp_path):
     got = _python(installed, f"""
         import json, encdec
         from encdec import LLM, SamplingParams
-        from encdec.attention.ops import build, dense_cpu, paged_cpu, small_linear_cpu
+        from encdec.kernels.cpu import build, dense_attention_cpu, paged_attention_cpu, small_linear_cpu
         from encdec.testing import make_random_bart
         llm = LLM(make_random_bart({str(tmp_path / "bart")!r}, seed=0), kv_cache_memory=16 << 20, swap_space=0.01)
         out = llm.generate(["The rain in spain", "A quick brown fox"],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         print(json.dumps({{"file": encdec.__file__, "tokens": [o.outputs[0].token_ids for o in out],
-                          "isa": build.cpu_isa(), "paged": paged_cpu.available(),
-                          "dense": dense_cpu.available(), "small_linear": small_linear_cpu.path()}}))
+                          "isa": build.cpu_isa(), "paged": paged_attention_cpu.available(),
+                          "dense": dense_attention_cpu.available(), "small_linear": small_linear_cpu.path()}}))
     """)
     assert Path(got["file"]).is_relative_to(installed["venv"]), got["file"]
     assert [len(t) for t in got["tokens"]] == [8, 8]

@@ -22,7 +22,7 @@ def isa_header() -> str:
     knob set, as a header line: timings mean little without them."""
     import torch
 
-    from encdec.attention.ops import build
+    from encdec.kernels.cpu import build
 
     host = "avx512f" if "avx512f" in build.cpu_flags() else "avx2" if "avx2" in build.cpu_flags() else "neither"
     knobs = [f"{k}={os.environ[k]}" for k in ISA_KNOBS if os.environ.get(k)]

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
-from encdec.attention.ops import small_linear_cpu
-from encdec.attention.ops.build import cpu_isa
-from encdec.attention.ops.dense_cpu import dense_attention
+from encdec.kernels.cpu import small_linear_cpu
+from encdec.kernels.cpu.build import cpu_isa
+from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
 
 def onednn_available() -> bool:

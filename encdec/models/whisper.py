@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.attention.ops import decoder_step_cpu
+from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
@@ -213,7 +213,7 @@ class WhisperForConditionalGeneration(nn.Module):
             self._fused_checked = True
         return self._fused_weights is not None and decoder_step_cpu.decode_step(
             h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
-            md.cross_block_tables, md.encoder_seq_lens_tensor)
+            md.cross_block_tables, md.encoder_seq_lens_tensor) is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)

@@ -13,44 +13,25 @@ models, names a task (a bare ``<|startoftranscript|>`` is language detection).
 ``SamplingParams.extra_args`` may override per request:
 ``{"whisper_timestamps": bool, "whisper_suppress_tokens": bool}``.
 
-On CPU the rules run in one C call for all rows (``whisper_rules_cpu.c``;
-this module computes each row's flags from its output): 0.019 ms at one row
-and 0.084 ms at 7, against 0.12 and 0.41 ms as torch ops (tiny.en, AMD
-EPYC, AVX-512). Elsewhere, or without a C compiler, the torch ops run; the
-tests hold both to HF's processors.
+On CPU the rules run in one C call for all rows
+(``encdec.kernels.cpu.whisper_rules_cpu``; this module computes each row's
+flags from its output). Elsewhere, or without a C compiler, the torch ops run;
+the tests hold both to HF's processors.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
 
-from encdec.attention.ops import build
+from encdec.kernels.cpu import build, whisper_rules_cpu
+from encdec.kernels.cpu.whisper_rules_cpu import BEGIN, FIRST, LAST_TS, PENULT_TS, SUPPRESS, TIMESTAMPS
 from encdec.models.whisper_tokens import WhisperSpecialTokens
 from encdec.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 _NEG_INF = float("-inf")
 _EXTRA_KEYS = ("whisper_timestamps", "whisper_suppress_tokens")
-# Row flags of whisper_rules_cpu.c
-_SUPPRESS, _BEGIN, _TIMESTAMPS, _LAST_TS, _PENULT_TS, _FIRST = 1, 2, 4, 8, 16, 32
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-@cache
-def _rules_kernel(isa: str):
-    """The rules in one C call (whisper_rules_cpu.c says why), or None."""
-    return build.load_function(
-        "whisper_rules_cpu.c", "whisper_rules_f32",
-        [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64], None,
-        "Whisper's logits rules run as torch ops (slower)", isa=isa)
-
-
-def rules_path(isa: str | None = None) -> str | None:
-    """The vector path the rules' build for ``isa`` runs ("avx512", "avx2", "none"), or None if unbuilt."""
-    return build.vector_path("whisper_rules_cpu.c", "whisper_rules_path", isa)
 
 
 def _generation_config(config: Any):
@@ -85,10 +66,8 @@ class WhisperLogitsProcessor(LogitsProcessor):
         self.suppress_ids = self._ids(gc.suppress_tokens, vocab)  # (k,) int64, None if none
         self.begin_ids = self._ids(gc.begin_suppress_tokens, vocab)
         self.rows: dict[int, _Row] = {}
-        # The C rules (None: torch ops): CPU only; tests set it to compare the two.
-        self.kernel = _rules_kernel(build.cpu_isa()) if device.type == "cpu" else None
-        self._ids_args = [(ids.data_ptr(), ids.numel()) if ids is not None else (None, 0)
-                          for ids in (self.suppress_ids, self.begin_ids)]
+        # The ISA the C rules run with (None: torch ops): CPU only; tests set it to compare the two.
+        self.rules_isa = build.cpu_isa() if device.type == "cpu" and whisper_rules_cpu.available() else None
 
     def _ids(self, ids: list[int] | None, vocab: int) -> torch.Tensor | None:
         ids = sorted({i for i in (ids or []) if 0 <= i < vocab})
@@ -126,9 +105,7 @@ class WhisperLogitsProcessor(LogitsProcessor):
             return logits
         n = logits.shape[0]
         rows = {i: r for i, r in self.rows.items() if i < n}
-        if (self.kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
-                and logits.dim() == 2 and logits.shape[1] == self.vocab and logits.stride(1) == 1):
-            self._apply_c(logits, rows)
+        if self.rules_isa is not None and logits.shape[1] == self.vocab and self._apply_c(logits, rows):
             return logits
         # Suppressed ids are written column by column (~90 of ~51865): a
         # vocab-wide mask was a third of this processor's time at 8 rows.
@@ -139,21 +116,20 @@ class WhisperLogitsProcessor(LogitsProcessor):
             self._timestamp_rules(logits, ts_rows, [rows[i].output for i in ts_rows])
         return logits
 
-    def _apply_c(self, logits: torch.Tensor, rows: dict[int, _Row]) -> None:
+    def _apply_c(self, logits: torch.Tensor, rows: dict[int, _Row]) -> bool:
+        """The rules in one C call; False, having done nothing, where it declines."""
         n = logits.shape[0]
         flags, lows = [0] * n, [0] * n  # a row the processor does not track: no rule
         for i, r in rows.items():
-            f = (_SUPPRESS | (0 if r.output else _BEGIN)) if r.suppress else 0
+            f = (SUPPRESS | (0 if r.output else BEGIN)) if r.suppress else 0
             if r.timestamps:
                 last_ts, penult_ts, lows[i] = self._timestamp_state(r.output)
-                f |= (_TIMESTAMPS | (_LAST_TS if last_ts else 0) | (_PENULT_TS if penult_ts else 0)
-                      | (0 if r.output else _FIRST))
+                f |= (TIMESTAMPS | (LAST_TS if last_ts else 0) | (PENULT_TS if penult_ts else 0)
+                      | (0 if r.output else FIRST))
             flags[i] = f
-        flags_t, lows_t = torch.tensor(flags, dtype=torch.int32), torch.tensor(lows, dtype=torch.int64)
-        (sup, n_sup), (beg, n_beg) = self._ids_args
-        self.kernel(logits.data_ptr(), n, logits.shape[1], logits.stride(0), flags_t.data_ptr(), lows_t.data_ptr(),
-                    sup, n_sup, beg, n_beg, self.no_ts, self.eos, self.ts_begin,
-                    -1 if self.max_initial is None else self.max_initial)
+        return whisper_rules_cpu.whisper_rules(
+            logits, flags, lows, self.suppress_ids, self.begin_ids, no_timestamps=self.no_ts, eos=self.eos,
+            timestamp_begin=self.ts_begin, max_initial=self.max_initial, isa=self.rules_isa) is not None
 
     def _timestamp_state(self, seq: list[int]) -> tuple[bool, bool, int]:
         """(the last token is a timestamp, the one before is one or missing, the

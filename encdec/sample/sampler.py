@@ -7,7 +7,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from encdec.attention.ops.greedy_cpu import greedy_logprobs
+from encdec.kernels.cpu.greedy_cpu import greedy_logprobs
 from encdec.sample.metadata import SamplingMetadata
 
 _SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)

@@ -29,7 +29,7 @@ def test_no_packing_off_cpu_float32():
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_forward_gelu_paths_match(isa, monkeypatch):
     """Both GELU paths give gelu(linear(x)); which one ran is the ISA's."""
-    from encdec.attention.ops import build
+    from encdec.kernels.cpu import build
     from encdec.models import layers
 
     if isa not in build.host_isas():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend
-from encdec.attention.ops import build, decoder_step_cpu
+from encdec.kernels.cpu import build, decoder_step_cpu
 from encdec.models.whisper import (
     WhisperForConditionalGeneration,
     default_decoder_prompt,
@@ -173,7 +173,7 @@ def test_encoder_fast_paths_match_hf(ours, hf, monkeypatch):
     HF's encoder and against our own plain paths (torch SDPA, full convs)."""
     import torch.nn.functional as F
 
-    from encdec.attention.ops import dense_cpu
+    from encdec.kernels.cpu import dense_attention_cpu
     from encdec.audio import log_mel_spectrogram
     from encdec.models import layers
 
@@ -195,7 +195,7 @@ def test_encoder_fast_paths_match_hf(ours, hf, monkeypatch):
     for ours_ in (fast, plain):
         err = (ours_ - truth).abs().amax(dim=(1, 2))
         assert (err <= bound).all(), (err, hf_err)
-    if dense_cpu.available():
+    if dense_attention_cpu.available():
         assert not torch.equal(fast, plain)  # the kernel did run
 
 
@@ -236,7 +236,8 @@ def test_fused_decode_layers_match_op_by_op(ours, isa, monkeypatch):
     assert decoder_step_cpu.path(isa) == isa
     calls = []
     real = decoder_step_cpu.decode_step
-    monkeypatch.setattr(decoder_step_cpu, "decode_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    monkeypatch.setattr(decoder_step_cpu, "decode_step",
+                        lambda *a, **k: (out := real(*a, **k), calls.append(out is not None))[0])
     ref_model = copy.deepcopy(model).double()  # runs op by op: no C kernel takes float64
     g = torch.Generator().manual_seed(3)
     n_cross, n_self = cdiv(1500, BLOCK), cdiv(64, BLOCK)

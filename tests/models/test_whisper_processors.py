@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from encdec.attention.ops import build
-from encdec.models import whisper_processors
+from encdec.kernels.cpu import build, whisper_rules_cpu
 from encdec.models.whisper_processors import WhisperLogitsProcessor
 from encdec.sample.logits_processor import BatchUpdate, MoveDirectionality
 
@@ -72,12 +71,12 @@ PATHS = [*build.host_isas(), "torch"]
 
 def use_path(proc: WhisperLogitsProcessor, path: str) -> None:
     if path == "torch":
-        proc.kernel = None
+        proc.rules_isa = None
         return
-    proc.kernel = whisper_processors._rules_kernel(path)
-    if proc.kernel is None:
+    if not whisper_rules_cpu.available(path):
         pytest.skip("no C compiler here")
-    assert whisper_processors.rules_path(path) == path  # the build runs its ISA's lanes
+    assert whisper_rules_cpu.path(path) == path  # the build runs its ISA's lanes
+    proc.rules_isa = path
 
     def torch_ops(*args):
         raise AssertionError("the torch rules ran where the C call should have")

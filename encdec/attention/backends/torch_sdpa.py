@@ -3,7 +3,7 @@
 Prefill: each packed sequence attends only to itself (a per-sequence loop over
 SDPA calls is exactly a block-diagonal mask, without materialising it); the
 non-causal ones of 32+ queries (encoder self-attention) run the C dense kernel
-(``encdec/attention/ops``) where it is built.
+(``encdec/kernels/cpu``) where it is built.
 Decode: self-attention gathers every decode sequence's cached keys into one
 padded tensor with one index op per layer and one masked SDPA call; cross-
 attention reads each request's encoder keys as a zero-copy slice of the cache
@@ -25,8 +25,8 @@ from encdec.attention.backends.abstract import (
     cache_slots,
     write_to_cache,
 )
-from encdec.attention.ops import paged_cpu
-from encdec.attention.ops.dense_cpu import dense_attention
+from encdec.kernels.cpu import paged_attention_cpu
+from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
 
 def contiguous_start(table: list[int]) -> int:
@@ -123,14 +123,14 @@ def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor) -> tuple[t
 
 
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_cpu.available()
+    return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_attention_cpu.available()
 
 
 class TorchSDPAImpl(AttentionImpl):
     def _decode_c(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                   lens: torch.Tensor) -> torch.Tensor:
-        """Paged decode without copying KV (see encdec/attention/ops)."""
-        return paged_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale)
+        """Paged decode without copying KV (see encdec/kernels/cpu)."""
+        return paged_attention_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale)
 
     def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
         attn_type = attn_type or self.attn_type

@@ -6,16 +6,15 @@ once for all the step's rows, split between the threads (see the C file for
 the layout and the measurements). Built by ``build.load`` for
 ``build.cpu_isa()``: AVX-512, AVX2+FMA, or plain C for "none"; ``path(isa)``
 says which code a build runs. Where no compiler works, ``available()`` is
-False and ``Linear`` keeps oneDNN (logged once).
+False, ``small_linear`` returns None and ``Linear`` keeps oneDNN (logged once).
 """
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from encdec.attention.ops import build
+from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = 32  # output columns per panel (PW in the C file)
@@ -23,22 +22,10 @@ PANEL = 32  # output columns per panel (PW in the C file)
 # row count, and a decode batch past this is a GEMM oneDNN blocks better.
 MAX_ROWS = 64
 POST = {"none": 0, "gelu": 1, "add": 2}  # what the kernel does with x W^T + b
-
-
-@cache
-def _kernel(isa: str):
-    return build.load_function("small_linear_cpu.c", "small_linear_f32",
-                               [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int], None,
-                               "decode-step linears run on oneDNN (slower)", isa=isa)
-
-
-def available(isa: str | None = None) -> bool:
-    return _kernel(isa or build.cpu_isa()) is not None
-
-
-def path(isa: str | None = None) -> str | None:
-    """The vector path the build for ``isa`` runs ("avx512", "avx2", "none"), or None if unbuilt."""
-    return build.vector_path("small_linear_cpu.c", "small_linear_path", isa)
+_KERNEL = build.Kernel("small_linear_cpu.c", "small_linear_f32",
+                       [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int], None,
+                       "decode-step linears run on oneDNN (slower)", path_symbol="small_linear_path")
+available, path = _KERNEL.available, _KERNEL.path
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -50,11 +37,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, *,
-                 post: str = "none", threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+                 post: str = "none", threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """x (M, K) float32 -> post(x W^T + b) (M, n) from ``pack(W)``, on ``threads``
-    threads (default ``torch.get_num_threads()``); ``post`` is "none" or "gelu"."""
-    kernel = _kernel(isa or build.cpu_isa())
-    assert kernel is not None and x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
+    threads (default ``torch.get_num_threads()``); ``post`` is "none" or "gelu".
+    None where the kernel is not built."""
+    kernel = _KERNEL.function(isa)
+    if kernel is None:
+        return None
+    assert x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
     assert panels.is_contiguous() and (bias is None or bias.is_contiguous()) and post in ("none", "gelu")
     x = x.contiguous()
     m, k = x.shape

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encdec.attention.ops import build, dense_cpu
+from encdec.kernels.cpu import build, dense_attention_cpu
 
 VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
 
@@ -14,8 +14,9 @@ VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
 @pytest.fixture(params=VECTOR_ISAS or [pytest.param("none", marks=pytest.mark.skip(
     reason=f"this CPU has neither AVX-512 nor AVX2+FMA ({build.host_isas()})"))])
 def isa(request) -> str:
-    if not dense_cpu.available(request.param):
+    if not dense_attention_cpu.available(request.param):
         pytest.skip(f"the {request.param} kernel did not build here (no C compiler?)")
+    assert dense_attention_cpu.path(request.param) == request.param  # the build runs its ISA's tiles
     return request.param
 
 
@@ -34,7 +35,7 @@ def test_matches_reference_on_fused_qkv(isa, B, tq, tk, H, mag):
     q = torch.randn(B, tq, H, 64, generator=g) * mag
     kv = torch.randn(B, tk, 2, H, 64, generator=g) * mag  # k, v as strided views of one tensor
     k, v = kv[:, :, 0], kv[:, :, 1]
-    out = dense_cpu.dense_attention(q, k, v, 0.125, isa=isa)
+    out = dense_attention_cpu.dense_attention(q, k, v, 0.125, isa=isa)
     assert out is not None and out.shape == (B, tq, H, 64) and out.is_contiguous()
     ref = reference(q, k, v, 0.125)
     # As close to the float64 answer as torch's own float32 SDPA is (large
@@ -55,36 +56,34 @@ def test_long_sums_are_as_accurate_as_torch(isa):
     ref = reference(q, k, v, 0.125)
     torch_f32 = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=0.125)
     torch_err = (torch_f32.transpose(1, 2) - ref).abs().max().item()
-    err = (dense_cpu.dense_attention(q, k, v, 0.125, isa=isa) - ref).abs().max().item()
+    err = (dense_attention_cpu.dense_attention(q, k, v, 0.125, isa=isa) - ref).abs().max().item()
     assert err <= 1.25 * torch_err, (err, torch_err)
 
 
 def test_declines_what_it_cannot_run(isa):
     x = torch.randn(1, 4, 2, 64)
-    assert dense_cpu.dense_attention(x.double(), x.double(), x.double(), 1.0, isa=isa) is None
+    assert dense_attention_cpu.dense_attention(x.double(), x.double(), x.double(), 1.0, isa=isa) is None
     y = torch.randn(1, 4, 2, 32)
-    assert dense_cpu.dense_attention(y, y, y, 1.0, isa=isa) is None  # head size 32
+    assert dense_attention_cpu.dense_attention(y, y, y, 1.0, isa=isa) is None  # head size 32
     t = x.transpose(1, 2)
-    assert dense_cpu.dense_attention(t, t, t, 1.0, isa=isa) is None
-    assert dense_cpu.dense_attention(x, x[:, :0], x[:, :0], 1.0, isa=isa) is None  # no keys
-    assert dense_cpu.dense_attention(x.requires_grad_(), x, x, 1.0, isa=isa) is None
+    assert dense_attention_cpu.dense_attention(t, t, t, 1.0, isa=isa) is None
+    assert dense_attention_cpu.dense_attention(x, x[:, :0], x[:, :0], 1.0, isa=isa) is None  # no keys
+    assert dense_attention_cpu.dense_attention(x.requires_grad_(), x, x, 1.0, isa=isa) is None
 
 
 def test_portable_build_declines():
     """Built for no vector ISA the kernel says so and callers run torch SDPA."""
     if build.load("dense_attention_cpu.c", "torch SDPA", "none") is None:
         pytest.skip("no C compiler here")
-    assert not dense_cpu.available("none")
+    assert not dense_attention_cpu.available("none") and dense_attention_cpu.path("none") == "torch"
     x = torch.randn(1, 40, 2, 64)
-    assert dense_cpu.dense_attention(x, x, x, 0.125, isa="none") is None
+    assert dense_attention_cpu.dense_attention(x, x, x, 0.125, isa="none") is None
 
 
 def test_refuses_an_isa_this_cpu_lacks(monkeypatch):
     monkeypatch.setattr(build, "host_isas", lambda: ("avx2", "none"))
-    dense_cpu.available.cache_clear()
     with pytest.raises(ValueError, match="avx512"):
-        dense_cpu.available("avx512")
-    dense_cpu.available.cache_clear()
+        dense_attention_cpu.available("avx512")
 
 
 def test_missing_source_warns_and_falls_back(caplog):

@@ -5,34 +5,24 @@ The sampler takes it for all-greedy batches that ask for the chosen token's
 log-probability only (``logprobs=0``, processed), as a Whisper transcription
 does every step (see the C file for the measurement). Built by
 ``build.load`` for ``build.cpu_isa()``; ``path(isa)`` says which vector path a
-build runs. Where no compiler works, on the portable build (slower than
-torch there), or where a row holds a NaN or no finite value,
-``greedy_logprobs`` returns None and the sampler's general path runs.
+build runs. Where no compiler works, on the portable build (scalar expf over
+the vocabulary: 0.83 ms at 7 rows, torch's path 0.43, so ``path("none")`` is
+"torch"), or where a row holds a NaN or no finite value, ``greedy_logprobs``
+returns None and the sampler's general path runs.
 """
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from encdec.attention.ops import build
+from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-@cache
-def _kernel(isa: str):
-    if isa == "none":  # scalar expf over the vocabulary: 0.83 ms at 7 rows, torch's path 0.43
-        return None
-    return build.load_function("greedy_cpu.c", "greedy_logprob_f32",
-                               [_P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int], ctypes.c_int,
-                               "greedy steps take the sampler's general path (slower)", isa=isa)
-
-
-def path(isa: str | None = None) -> str | None:
-    """The vector path the build for ``isa`` runs ("avx512", "avx2"), or None where none is built."""
-    return build.vector_path("greedy_cpu.c", "greedy_path", isa) if _kernel(isa or build.cpu_isa()) else None
+_KERNEL = build.Kernel("greedy_cpu.c", "greedy_logprob_f32", [_P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int],
+                       ctypes.c_int, "greedy steps take the sampler's general path (slower)",
+                       path_symbol="greedy_path", portable=False)
+available, path = _KERNEL.available, _KERNEL.path
 
 
 def greedy_logprobs(logits: torch.Tensor, *, isa: str | None = None
@@ -44,7 +34,7 @@ def greedy_logprobs(logits: torch.Tensor, *, isa: str | None = None
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
             or logits.stride(1) != 1 or logits.shape[1] == 0):
         return None
-    kernel = _kernel(isa or build.cpu_isa())
+    kernel = _KERNEL.function(isa)
     if kernel is None:
         return None
     rows = logits.shape[0]

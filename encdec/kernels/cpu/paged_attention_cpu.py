@@ -3,48 +3,41 @@ the paged cache, so no step copies a sequence's keys and values.
 
 Built by ``build.load`` for ``build.cpu_isa()``: AVX-512 or AVX2+FMA lanes, or
 portable C where that is "none" (``path()`` says which); where no compiler
-works, ``available()`` is False and the torch backend gathers instead (logged once).
+works, ``available()`` is False, ``paged_decode_attention`` returns None and
+the torch backend gathers instead (logged once).
 """
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from encdec.attention.ops import build
 from encdec.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads
+from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-@cache
-def _kernel(isa: str):
-    return build.load_function(
-        "paged_attention_cpu.c", "paged_attention_decode_f32",
-        [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
-        None, "decode attention gathers KV (slower)", isa=isa)
-
-
-def available() -> bool:
-    return _kernel(build.cpu_isa()) is not None
-
-
-def path(isa: str | None = None) -> str | None:
-    """The vector path the build for ``isa`` runs ("avx512", "avx2", "none"), or None if unbuilt."""
-    return build.vector_path("paged_attention_cpu.c", "paged_attention_path", isa)
+_KERNEL = build.Kernel(
+    "paged_attention_cpu.c", "paged_attention_decode_f32",
+    [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    None, "decode attention gathers KV (slower)", path_symbol="paged_attention_path")
+available, path = _KERNEL.available, _KERNEL.path
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # (num_seqs, num_heads, head_size) float32, contiguous
+    q: torch.Tensor,  # (num_seqs, num_heads, head_size) float32
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size) float32, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32, contiguous
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     scale: float,
-) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
-    kernel = _kernel(build.cpu_isa())
-    assert kernel is not None and q.dtype == torch.float32 and q.device.type == "cpu"
+    *,
+    isa: str | None = None,
+) -> torch.Tensor | None:  # (num_seqs, num_heads, head_size)
+    """Each row's query over its cached keys and values; None where the kernel
+    does not run (no build, a query not float32 on CPU)."""
+    kernel = _KERNEL.function(isa)
+    if kernel is None or q.dtype != torch.float32 or q.device.type != "cpu":
+        return None
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_size = q.shape

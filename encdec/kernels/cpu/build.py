@@ -1,4 +1,6 @@
-"""Compiles the C kernels in this folder once per machine and ISA, and loads them with ctypes.
+"""Compiles the C kernels in this folder once per machine and ISA, loads them
+with ctypes, and gives each wrapper its contract (``Kernel``: ``available``,
+``path``; see this package's docstring).
 
 Hosts of one kind differ (some have AVX-512, some only AVX2+FMA), so each
 kernel is built once per instruction set with explicit flags, never
@@ -173,3 +175,47 @@ def vector_path(source: str, symbol: str, isa: str | None = None) -> str | None:
     fn = getattr(lib, symbol)
     fn.restype = ctypes.c_char_p
     return fn().decode()
+
+
+def checked_isa(isa: str | None) -> str:
+    """``isa``, or ``cpu_isa()`` for None; a ValueError for one this CPU does not run."""
+    if isa is None:
+        return cpu_isa()
+    if isa not in host_isas():
+        raise ValueError(f"isa={isa!r}: this CPU runs only {host_isas()}")
+    return isa
+
+
+class Kernel:
+    """One C entry point of this folder, built per ISA: the half of a wrapper's
+    contract that is the same for every kernel. ``path(isa)`` is what the
+    build for ``isa`` runs, as the build itself says (``path_symbol``):
+    "avx512", "avx2", "none" (portable C), or "torch" where the kernel declines
+    every call there (no build; ``portable=False`` and ``isa`` "none": the
+    kernel has no portable path, or one slower than torch's)."""
+
+    def __init__(self, source: str, symbol: str, argtypes: Sequence[Any], restype: Any, fallback: str, *,
+                 path_symbol: str, portable: bool = True):
+        self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
+        self.fallback, self.path_symbol, self.portable = fallback, path_symbol, portable
+        self._functions: dict[str, Any] = {}
+        self._paths: dict[str, str] = {}
+
+    def function(self, isa: str | None = None) -> Any | None:
+        """The ctypes function built for ``isa`` (default ``cpu_isa()``), or None where it declines."""
+        isa = checked_isa(isa)
+        if isa not in self._functions:
+            self._functions[isa] = (load_function(self.source, self.symbol, self.argtypes, self.restype,
+                                                  self.fallback, isa=isa)
+                                    if self.portable or isa != "none" else None)
+        return self._functions[isa]
+
+    def path(self, isa: str | None = None) -> str:
+        isa = checked_isa(isa)
+        if isa not in self._paths:
+            built = self.function(isa) is not None
+            self._paths[isa] = (vector_path(self.source, self.path_symbol, isa) if built else None) or "torch"
+        return self._paths[isa]
+
+    def available(self, isa: str | None = None) -> bool:
+        return self.path(isa) != "torch"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdec.attention.ops import build, paged_cpu
+from encdec.kernels.cpu import build, paged_attention_cpu
 
-pytestmark = pytest.mark.skipif(not paged_cpu.available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not paged_attention_cpu.available(), reason="no C compiler here")
 
 
 @pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not paged_cpu.available(), reason="no C compiler
 def test_kernel_matches_reference(block_size, heads, kv_heads, D, isa, monkeypatch):
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert build.cpu_isa() == isa
-    assert paged_cpu.path(isa) == isa  # the build runs its ISA's lanes (or plain C for "none")
+    assert paged_attention_cpu.path(isa) == isa  # the build runs its ISA's lanes (or plain C for "none")
     g = torch.Generator().manual_seed(0)
     B, num_blocks = 7, 1000
     cache = torch.randn(2, num_blocks, block_size, kv_heads, D, generator=g)
@@ -23,7 +23,7 @@ def test_kernel_matches_reference(block_size, heads, kv_heads, D, isa, monkeypat
     width = (int(lens.max()) + block_size - 1) // block_size
     tables = torch.randperm(num_blocks, generator=g)[: B * width].view(B, width).to(torch.int32)
     q = torch.randn(B, heads, D, generator=g)
-    out = paged_cpu.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125)
+    out = paged_attention_cpu.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125)
     flat = cache.view(2, -1, kv_heads, D)
     for i in range(B):
         pos = torch.arange(int(lens[i]))
@@ -44,7 +44,7 @@ def test_torch_fallback_matches_kernel(tiny_bart, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     llm = LLM(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01)
     fast = llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setattr(paged_cpu, "available", lambda: False)
+    monkeypatch.setattr(paged_attention_cpu, "available", lambda: False)
     monkeypatch.setattr(torch_sdpa, "dense_attention", lambda *a: None)
     slow = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fast, slow):

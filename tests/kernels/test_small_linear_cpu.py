@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encdec.attention.ops import build, small_linear_cpu
+from encdec.kernels.cpu import build, small_linear_cpu
 
 pytestmark = pytest.mark.skipif(not small_linear_cpu.available(), reason="no C compiler here")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdec.attention.ops import build, greedy_cpu
+from encdec.kernels.cpu import build, greedy_cpu
 
 VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
 
 
-@pytest.mark.skipif(not VECTOR_ISAS or greedy_cpu.path() is None, reason="no C compiler or no vector ISA here")
+@pytest.mark.skipif(not VECTOR_ISAS or not greedy_cpu.available(), reason="no C compiler or no vector ISA here")
 @pytest.mark.parametrize("isa", VECTOR_ISAS)
 @pytest.mark.parametrize("vocab", [51865, 1001, 7])  # Whisper's, and tails off the lanes
 def test_matches_torch(isa, vocab):
@@ -35,7 +35,7 @@ def test_matches_torch(isa, vocab):
     assert greedy_cpu.greedy_logprobs(wide[:, :vocab], isa=isa)[0].tolist() == want.tolist()
 
 
-@pytest.mark.skipif(greedy_cpu.path() is None, reason="no C compiler or no vector ISA here")
+@pytest.mark.skipif(not greedy_cpu.available(), reason="no C compiler or no vector ISA here")
 def test_declines_what_it_cannot_do():
     assert greedy_cpu.greedy_logprobs(torch.full((2, 40), float("-inf"))) is None  # no finite maximum
     for where in (3, 39):  # one NaN in a lane block, one in the tail: torch's argmax would pick it

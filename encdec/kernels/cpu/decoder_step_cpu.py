@@ -4,18 +4,18 @@
 The C file includes the panel matmul and paged attention kernels, so its
 vector path is theirs (``path(isa)``: "avx512", "avx2" or "none"), built by
 ``build.load`` for ``build.cpu_isa()``. Where no compiler works,
-``available()`` is False and the model runs its layers op by op (logged once).
+``available()`` is False, ``decoder_weights`` and ``decode_step`` return None
+and the model runs its layers op by op (logged once).
 """
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from functools import cache
 
 import torch
 
-from encdec.attention.ops import build
 from encdec.cpu_threads import bandwidth_threads
+from encdec.kernels.cpu import build
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Rows a step may have: the matmuls run as fast as oneDNN's at any count (within 5%
@@ -23,21 +23,9 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # table once; past this the work buffers grow and the step runs op by op.
 MAX_ROWS = 256
 _ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int]
-
-
-@cache
-def _kernel(isa: str):
-    return build.load_function("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
-                               "decoder layers of decode steps run op by op (slower)", isa=isa)
-
-
-def available(isa: str | None = None) -> bool:
-    return _kernel(isa or build.cpu_isa()) is not None
-
-
-def path(isa: str | None = None) -> str | None:
-    """The vector path the build for ``isa`` runs, or None if unbuilt."""
-    return build.vector_path("decoder_step_cpu.c", "decoder_step_path", isa)
+_KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
+                       "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
+available, path = _KERNEL.available, _KERNEL.path
 
 
 @dataclass
@@ -97,28 +85,33 @@ def decoder_weights(layers) -> DecoderWeights | None:
 
 def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.Tensor],
                 slots: torch.Tensor, self_tables: torch.Tensor, self_lens: torch.Tensor,
-                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None) -> bool:
+                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None
+                ) -> torch.Tensor | None:
     """Run every layer of ``weights`` (with its cache in ``kv_caches``) on ``h``
     (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64) of
     each cache (2, blocks, block_size, H, D); self and cross tables (int32,
-    row-major) and lengths (int32) are the attention metadata's. False, having
-    done nothing, where the step does not qualify: more than ``MAX_ROWS`` rows,
-    a cache or metadata tensor of another layout."""
+    row-major) and lengths (int32) are the attention metadata's. Returns ``h``;
+    None, having done nothing, where the step does not qualify: no build for
+    ``isa``, more than ``MAX_ROWS`` rows, a cache or metadata tensor of another
+    layout."""
     m = h.shape[0]
     index = (slots, self_tables, self_lens, cross_tables, cross_lens)
     if not (0 < m <= MAX_ROWS and h.is_contiguous() and len(kv_caches) == len(weights.weight_ptrs)
             and _index_ok(m, *index) and all(_cache_ok(c, weights.num_heads) for c in kv_caches)):
-        return False
+        return None
+    kernel = _KERNEL.function(isa)
+    if kernel is None:
+        return None
     w, threads = weights, bandwidth_threads()
     work = torch.empty(m * (6 * w.d + w.ffn) + threads * m * (w.d + 2 * w.num_heads), dtype=torch.float32)
     table = w.table(kv_caches)
-    rc = _kernel(isa or build.cpu_isa())(
+    rc = kernel(
         h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, table.data_ptr(),
         table.shape[0], kv_caches[0].shape[2], slots.data_ptr(), self_tables.data_ptr(), self_tables.stride(0),
         self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads)
     if rc != 0:
         raise MemoryError("decoder step kernel could not allocate its scratch")
-    return True
+    return h
 
 
 def _cache_ok(kv_cache: torch.Tensor, num_heads: int) -> bool:

@@ -46,6 +46,9 @@
 
 #include "vector_math.h" /* vm_exp */
 
+/* What this build runs; the "none" build declines every call (returns -1). */
+const char *dense_attention_path(void) { return VM_PATH; }
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define HAVE_VECTOR_PATH 1
 #include <immintrin.h>

@@ -1,0 +1,54 @@
+"""Calls ``dense_attention_cpu.c``: non-causal attention over equal-length
+sequences (Whisper's encoder), read straight from a fused qkv projection.
+
+The kernel has an AVX-512 and an AVX2+FMA path, built per ISA and picked by
+``build.cpu_isa()``; it has no portable path (``path("none")`` is "torch").
+``dense_attention`` returns None when it cannot take the call (no compiler,
+neither ISA, head size other than 64, not float32 on CPU, or
+``ENCDEC_DISABLE_C_KERNELS=1``) and the caller runs torch SDPA instead: same
+math, 20-30% slower on this kind of machine.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from encdec.kernels.cpu import build
+
+HEAD_SIZE = 64
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_KERNEL = build.Kernel("dense_attention_cpu.c", "dense_attention_f32",
+                       [_P] * 4 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int], ctypes.c_int,
+                       "dense attention runs torch SDPA", path_symbol="dense_attention_path", portable=False)
+available, path = _KERNEL.available, _KERNEL.path
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 4
+            and x.shape[-1] == HEAD_SIZE and x.stride(-1) == 1 and x.stride(-2) == HEAD_SIZE)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                    isa: str | None = None) -> torch.Tensor | None:
+    """softmax(scale * q k^T) v per batch row and head, or None if the kernel cannot run it.
+
+    q: (B, T_q, H, 64), k and v: (B, T_k, H, 64), float32 on CPU; heads adjacent
+    in memory (any batch and time strides, so views of a fused qkv work).
+    Returns (B, T_q, H, 64) contiguous. ``isa`` picks the path (tests; default
+    ``build.cpu_isa()``).
+    """
+    if not (_fits(q) and _fits(k) and _fits(v) and k.shape == v.shape
+            and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and k.shape[1] > 0):
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad or not available(isa):
+        return None
+    B, tq, H, D = q.shape
+    out = torch.empty(B, tq, H, D, dtype=q.dtype)
+    rc = _KERNEL.function(isa)(
+        out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        scale, torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("dense CPU attention kernel could not allocate its scratch buffers")
+    return out if rc == 0 else None
