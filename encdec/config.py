@@ -74,4 +74,7 @@ class ModelConfig:
     hf_config: Any = field(repr=False, default=None)
     max_model_len: int = 1024
     max_encoder_len: int = 1024
+    # Reserved for CUDA graphs of decode steps on GPU; no effect on CPU.
     enforce_eager: bool = False
+    generation_config: Any = field(repr=False, default=None)  # transformers GenerationConfig
+    checkpoint_path: str | None = None  # the local directory ``model`` resolved to

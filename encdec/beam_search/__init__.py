@@ -3,9 +3,9 @@
 
     params.py      BeamSearchParams (the user's), BeamSearchOutput (vLLM's shape)
     rows.py        BeamRowParams: the SamplingParams every beam row runs with
-    candidates.py  device side: the top 2k continuations of every beam group, batched
     scorer.py      HF's rules: running beams, the finished pool, early stopping
-    manager.py     engine side: forks and frees a group's beams, builds outputs
+    manager.py     engine side: decides each step's beams (the scheduler applies
+                   the decision), builds outputs; candidates: encdec/sample/beam_candidates.py
     defaults.py    a checkpoint's generation defaults, read as HF reads them
 
 This package's ``__init__`` imports nothing, so ``encdec.sampling_params`` can

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from encdec.beam_search.candidates import BeamCandidates
 from encdec.beam_search.rows import BeamRowParams
 from encdec.beam_search.scorer import RequestScalars, beam_step
+from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.outputs import CompletionOutput, RequestOutput
+from encdec.sample.beam_candidates import BeamCandidates
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _NEG = -1.0e9
@@ -72,11 +73,11 @@ class _BeamState:
 
 class BeamSearchManager:
     """Holds every live beam request's state; the engine calls ``add_group``,
-    ``process`` (each step), ``make_output`` (when finished) and ``forget`` (abort)."""
+    ``process`` (each step: decisions for the scheduler), ``make_output`` (when
+    finished) and ``forget`` (abort). ``seq_counter``: the engine's source of
+    decoder seq ids, for the forks it decides."""
 
-    def __init__(self, free_seq, seq_counter: itertools.count, tokenizer: Any, fork_seq):
-        self._free_seq = free_seq  # scheduler.free_seq
-        self._fork_seq = fork_seq  # block_manager.fork
+    def __init__(self, seq_counter: itertools.count, tokenizer: Any):
         self._seq_counter = seq_counter
         self._tokenizer = tokenizer
         self._states: dict[str, _BeamState] = {}
@@ -101,17 +102,18 @@ class BeamSearchManager:
         return len(self._states)
 
     # -- one step ----------------------------------------------------------------
-    def process(self, candidates: dict[str, BeamCandidates], groups: dict[str, SequenceGroup]) -> None:
+    def process(self, candidates: dict[str, BeamCandidates],
+                groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
+        """This step's beams of each group in ``candidates``; changes no sequence."""
         buckets: dict[tuple[int, int], list[str]] = {}
         for request_id, cand in candidates.items():
             state = self._states[request_id]
             key = (state.params.beam.beam_width, len(cand.scores))
             buckets.setdefault(key, []).append(request_id)
-        for ids in buckets.values():
-            self._process_bucket(ids, candidates, groups)
+        return [d for ids in buckets.values() for d in self._process_bucket(ids, candidates, groups)]
 
     def _process_bucket(self, ids: list[str], candidates: dict[str, BeamCandidates],
-                        groups: dict[str, SequenceGroup]) -> None:
+                        groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
         scalars, ends, reasons = [], [], []
         for request_id in ids:
             state, group, cand = self._states[request_id], groups[request_id], candidates[request_id]
@@ -132,6 +134,7 @@ class BeamSearchManager:
             torch.stack([s.pool_finished for s in states]), torch.tensor([s.improvable for s in states]))
         running, running_scores = step.running.tolist(), step.running_scores.tolist()
         pool_from, done = step.pool_from.tolist(), step.done.tolist()
+        decisions = []
         for r, request_id in enumerate(ids):
             state, group, cand = states[r], groups[request_id], candidates[request_id]
             seqs = group.get_seqs(SequenceStatus.RUNNING)
@@ -143,12 +146,9 @@ class BeamSearchManager:
                           else self._hypothesis(state, seqs, cand, i - k, reasons[r][i - k])
                           for i, finished in zip(pool_from[r], state.pool_finished.tolist())]
             state.improvable = bool(step.improvable[r])
-            if done[r]:
-                for seq in seqs:
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                    self._free_seq(seq)
-            else:
-                self._advance(state, group, seqs, cand, running[r], running_scores[r])
+            decisions.append(BeamDecision(request_id, finished=True) if done[r]
+                             else self._advance(state, request_id, seqs, cand, running[r], running_scores[r]))
+        return decisions
 
     def _end_reason(self, state: _BeamState, parent: Sequence, token: int,
                     cur_len: int) -> tuple[str, int | str | None] | None:
@@ -179,33 +179,21 @@ class BeamSearchManager:
         return _Hypothesis(seqs[cand.parents[c]].get_token_ids() + [cand.tokens[c]], cand.scores[c],
                            self._renormalized(state, seqs, cand, c), reason[0], reason[1])
 
-    def _advance(self, state: _BeamState, group: SequenceGroup, seqs: list[Sequence],
-                 cand: BeamCandidates, chosen: list[int], scores: list[float]) -> None:
-        """Make the group's running sequences the new beams (candidates ``chosen``), in order."""
-        beams = [(cand.parents[c], cand.tokens[c]) for c in chosen]
-        renormalized = [self._renormalized(state, seqs, cand, c) for c in chosen]
-        new_seqs: list[Sequence] = []
+    def _advance(self, state: _BeamState, request_id: str, seqs: list[Sequence],
+                 cand: BeamCandidates, chosen: list[int], scores: list[float]) -> BeamDecision:
+        """The group's new running beams (candidates ``chosen``), in order: the
+        first beam made from a parent keeps its sequence, the others fork it."""
+        beams: list[BeamUpdate] = []
         claimed: set[int] = set()
-        for parent, _ in beams:
-            seq = seqs[parent]
-            if parent in claimed:  # fork before the parent appends its own token
-                child = seq.fork(next(self._seq_counter))
-                self._fork_seq(seq, child)
-                group.add(child)
-                seq = child
-            claimed.add(parent)
-            new_seqs.append(seq)
-        for p, seq in enumerate(seqs):
-            if p not in claimed:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self._free_seq(seq)
-                group.remove(seq.seq_id)
-        state.renormalized = {seq.seq_id: value for seq, value in zip(new_seqs, renormalized)}
-        for seq, (_, token), score in zip(new_seqs, beams, scores):
-            seq.append_token_id(token)
-            seq.data.cumulative_logprob = score
-        position = {seq.seq_id: j for j, seq in enumerate(new_seqs)}
-        group.seqs.sort(key=lambda s: position.get(s.seq_id, -1))
+        for c, score in zip(chosen, scores):
+            parent = seqs[cand.parents[c]]
+            seq_id = next(self._seq_counter) if parent.seq_id in claimed else parent.seq_id
+            claimed.add(parent.seq_id)
+            beams.append(BeamUpdate(parent.seq_id, seq_id, cand.tokens[c], score))
+        state.renormalized = {b.seq_id: self._renormalized(state, seqs, cand, c)
+                              for b, c in zip(beams, chosen)}
+        return BeamDecision(request_id, finished=False, beams=beams,
+                            dropped=[s.seq_id for s in seqs if s.seq_id not in claimed])
 
     # -- results -----------------------------------------------------------------
     def make_output(self, group: SequenceGroup) -> RequestOutput:

@@ -42,6 +42,16 @@ if TYPE_CHECKING:
     from encdec.sequence import Sequence, SequenceGroup
 
 
+# Fraction of device blocks admission keeps free so running groups can still grow.
+WATERMARK = 0.01
+
+
+def watermark_blocks(num_gpu_blocks: int, watermark: float = WATERMARK) -> int:
+    """Blocks admission keeps free out of ``num_gpu_blocks``: what the engine's
+    KV sizing and entry checks count on top of a request's own blocks."""
+    return int(watermark * num_gpu_blocks)
+
+
 class AllocStatus(enum.Enum):
     """Whether a group fits on the GPU: now, once others leave, or never."""
 
@@ -59,7 +69,7 @@ class BlockSpaceManager:
         block_size: int,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
-        watermark: float = 0.01,
+        watermark: float = WATERMARK,
         sliding_window: int | None = None,
         enable_caching: bool = False,
         warm_gpu_blocks: int | None = None,
@@ -77,7 +87,7 @@ class BlockSpaceManager:
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         # Blocks kept free at admission so running groups can still grow.
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.watermark_blocks = watermark_blocks(num_gpu_blocks, watermark)
         # Blocks the cache engine wrote at start (None: all): allocations stay on
         # them while they can (BlockAllocator).
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, warm_gpu_blocks)

@@ -31,13 +31,17 @@ from collections import deque
 from collections.abc import Iterable
 
 from encdec.block_manager import AllocStatus, BlockSpaceManager
-from encdec.config import CacheConfig, PreemptionMode, SchedulerConfig
+from encdec.config import CacheConfig, SchedulerConfig
+from encdec.core import step_update
+from encdec.core.preemption import Preemption
 from encdec.core.scheduler_outputs import (
+    BeamDecision,
     ScheduledSequenceGroup,
     SchedulerOutputs,
     SchedulerStats,
     StepBlocks,
 )
+from encdec.core.stop_checker import StopChecker
 from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "SchedulerStats"]
@@ -47,10 +51,19 @@ __all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "Scheduler
 ADMITTED_HISTORY = 4096
 
 
-class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+class Scheduler(Preemption):
+    """``lora_config``: vLLM's argument, accepted for its shape; LoRA is not
+    supported (anything but None is refused). ``stop_checker``: what ends a
+    sequence after each appended token (``update``); the default knows token
+    ids only (no detokenizer, no eos)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 lora_config: object | None = None, *, stop_checker: StopChecker | None = None):
+        if lora_config is not None:
+            raise ValueError("lora_config: LoRA adapters are not supported by encdec")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        self.stop_checker = stop_checker or StopChecker(scheduler_config.max_model_len)
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -68,6 +81,7 @@ class Scheduler:
         # Tie-break for equal arrival times: the order groups were added.
         self._add_order: dict[str, int] = {}
         self._counter = itertools.count()
+        self._batch_seq_ids: dict[int, None] = {}  # last step's scheduled seq_ids, in order
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -103,8 +117,23 @@ class Scheduler:
         self.block_manager.free_cross(group)
         self._add_order.pop(group.request_id, None)
 
-    def free_seq(self, seq) -> None:
-        self.block_manager.free(seq)
+    def update(self, scheduler_outputs: SchedulerOutputs, runner_output,
+               beam_decisions: list[BeamDecision] = ()) -> list[SequenceGroup]:
+        """Apply one step's results to its sequences (``encdec.core.step_update``):
+        sampled tokens appended and stop-checked, beam decisions applied, finished
+        sequences and groups freed and out of ``running``. Returns the groups that
+        finished in this step, the ones ``schedule`` could never run first."""
+        sched = scheduler_outputs
+        groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
+        step_update.mark_computed(sched)
+        step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker)
+        step_update.keep_prompt_logprobs(runner_output, groups)
+        for decision in beam_decisions:
+            step_update.apply_beam_decision(decision, groups[decision.request_id], self.block_manager)
+        finished = list(sched.ignored_seq_groups)
+        finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]
+        self.free_finished_seq_groups()
+        return finished
 
     def free_finished_seq_groups(self) -> None:
         still = []
@@ -128,98 +157,6 @@ class Scheduler:
         if not self.swapped:
             return True
         return self._by_priority and group.priority < min(g.priority for g in self.swapped)
-
-    # -- failure ---------------------------------------------------------------
-    def _fail(self, group: SequenceGroup, error: str, status: SequenceStatus,
-              blocks: StepBlocks) -> None:
-        """Finish a group that cannot run, with ``error`` for its output. The
-        caller has already taken it out of its queue."""
-        for seq in group.get_seqs():
-            if not seq.is_finished():
-                seq.status = status
-        self._free_group(group)
-        group.error = error
-        blocks.ignored.append(group)
-        self.stats.num_ignored += 1
-
-    def _never_fits(self, group: SequenceGroup, num_blocks: int) -> str:
-        cfg = self.cache_config
-        return (f"request {group.request_id} needs {num_blocks} KV cache blocks but the cache has "
-                f"{cfg.num_gpu_blocks} blocks of {cfg.block_size} tokens; raise kv_cache_memory")
-
-    def _num_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.cache_config.block_size)
-
-    # -- preemption ------------------------------------------------------------
-    def _preempt(self, group: SequenceGroup, blocks: StepBlocks) -> None:
-        """Take a running group off the device. The caller removes it from
-        ``running``; this puts it in ``swapped`` or ``waiting``.
-
-        Recompute drops the KV and later re-prefills ``prompt + outputs`` of the
-        group's single live sequence (the runner prefills the first sequence of
-        ``seq_data`` and samples every sequence from it), so it is only allowed
-        for a group with one live sequence: forked siblings hold different
-        tokens and would be lost. Such groups are swapped even in recompute
-        mode, and a single-sequence group is recomputed when CPU swap is full.
-        """
-        bm = self.block_manager
-        mode = self.scheduler_config.preemption_mode or PreemptionMode.SWAP
-        can_recompute = group.get_max_num_running_seqs() == 1
-        if mode is PreemptionMode.RECOMPUTE and not can_recompute:
-            mode = PreemptionMode.SWAP
-        if mode is PreemptionMode.SWAP and not bm.can_swap_out(group):
-            if not can_recompute:
-                self._fail(group, (
-                    f"request {group.request_id} was preempted but its "
-                    f"{group.num_seqs(SequenceStatus.RUNNING)} forked sequences cannot be swapped "
-                    f"out: CPU swap space is full ({bm.get_num_free_cpu_blocks()} blocks free); "
-                    "raise swap_space"), SequenceStatus.FINISHED_ABORTED, blocks)
-                return
-            mode = PreemptionMode.RECOMPUTE
-        if mode is PreemptionMode.SWAP:
-            pairs = bm.swap_out(group)
-            blocks.swap_out.extend(pairs)
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-            self.stats.num_preempted_swap += 1
-            self.stats.num_blocks_swapped_out += len(pairs)
-        else:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.status = SequenceStatus.WAITING
-                bm.free(seq)
-                seq.reset_state_for_recompute()
-            bm.free_cross(group)
-            self.waiting.appendleft(group)  # fcfs: it arrived before every waiting group
-            self.stats.num_preempted_recompute += 1
-
-    def _preempt_for_waiting(self, blocks: StepBlocks) -> int:
-        """Priority policy (vLLM V0's priority preemption): while the most urgent
-        waiting group does not fit, preempt running groups of strictly lower
-        priority, least urgent first. Runs before the running groups get their
-        slots, so no victim has copies queued this step."""
-        if not self.waiting or not self.running:
-            return 0
-        group = min(self.waiting, key=self._key)
-        if not self._outranks_swapped(group):
-            return 0
-        bm = self.block_manager
-        num_seqs = group.num_seqs(SequenceStatus.WAITING)
-        max_seqs = self.scheduler_config.max_num_seqs
-        running = sorted(self.running, key=self._key)
-        preempted = 0
-        while running and running[-1].priority > group.priority:
-            status = bm.can_allocate(group)
-            if status is AllocStatus.NEVER or num_seqs > max_seqs:
-                break  # it will fail in _schedule_waiting; preempting would not help
-            running_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in running)
-            if status is AllocStatus.OK and running_seqs + num_seqs <= max_seqs:
-                break
-            self._preempt(running.pop(), blocks)
-            preempted += 1
-        self.running = running
-        self.stats.num_preempted_for_priority += preempted
-        return preempted
 
     # -- schedule --------------------------------------------------------------
     def _schedule_running(self, blocks: StepBlocks) -> tuple[list[SequenceGroup], int]:
@@ -388,6 +325,10 @@ class Scheduler:
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
         num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)]) + \
             sum(g.num_seqs(SequenceStatus.RUNNING) for g in decodes)
+        batch = dict.fromkeys(sid for m in metas for sid in m.seq_data)
+        joined = [sid for sid in batch if sid not in self._batch_seq_ids]
+        left = [sid for sid in self._batch_seq_ids if sid not in batch]
+        self._batch_seq_ids = batch
         return metas, SchedulerOutputs(
             scheduled_seq_groups=scheduled,
             num_prefill_groups=len(prefills),
@@ -397,4 +338,6 @@ class Scheduler:
             blocks_to_copy=blocks.copy,
             preempted=preempted,
             ignored_seq_groups=blocks.ignored,
+            seq_ids_joined=joined,
+            seq_ids_left=left,
         )

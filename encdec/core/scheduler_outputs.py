@@ -23,6 +23,33 @@ class SchedulerOutputs:
     blocks_to_copy: list[tuple[int, int]]  # device -> device (copy-on-write)
     preempted: int  # groups preempted this step
     ignored_seq_groups: list[SequenceGroup]  # can never run; finished with an error
+    # The persistent batch's joins and leaves, by decoder seq_id, against the
+    # previous step: sequences scheduled now and not then, and the reverse
+    # (finished, freed, preempted, aborted or dropped beams). Joins in the order
+    # of the step's metadata.
+    seq_ids_joined: list[int] = field(default_factory=list)
+    seq_ids_left: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BeamUpdate:
+    """One running beam after a step, made from a parent sequence."""
+
+    parent_seq_id: int  # the running sequence it extends
+    seq_id: int  # the parent's own id (the first beam made from it), else a new fork's id
+    token_id: int  # appended to the beam
+    cumulative_logprob: float  # the beam's running score (HF's running_beam_scores)
+
+
+@dataclass
+class BeamDecision:
+    """What beam search decided for one group this step; ``Scheduler.update``
+    applies it (forks share blocks by reference; dropped beams are freed)."""
+
+    request_id: str
+    finished: bool  # the search is over: every running beam finishes and is freed
+    beams: list[BeamUpdate] = field(default_factory=list)  # the new beams in order; [] if finished
+    dropped: list[int] = field(default_factory=list)  # running seq_ids no new beam extends
 
 
 @dataclass

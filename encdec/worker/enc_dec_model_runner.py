@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import torch
 
 from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, packed_slots
-from encdec.beam_search.candidates import BeamCandidates, find_beam_rows, select_candidates
+from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.cpu_threads import SMALL_STEP_ROWS, single_thread
+from encdec.sample.beam_candidates import BeamCandidates, find_beam_rows, select_candidates
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
@@ -112,6 +113,63 @@ class ModelInput:
     sampled_rows: list[SampledRow]  # every sequence sampled this step, prefills first
 
 
+class _EncoderRows:
+    """The encoder side of a step: what its prefills' encoder computes."""
+
+    def __init__(self, prefills: list[SequenceGroupMetadata]):
+        self.computed = [0 if m.cross_kv_cached else len(m.encoder_seq_data.prompt_token_ids)
+                         for m in prefills]  # per prefill: encoder tokens computed this step (0: cached)
+        run = [m for m in prefills if not m.cross_kv_cached]
+        self.tokens = [m.encoder_seq_data.prompt_token_ids for m in run]  # of the prefills that run it
+        self.features = [m.encoder_inputs for m in run]
+
+
+class _DecoderRows:
+    """The decoder side of a step, packed token by token: prefills whole, then
+    one token per decoding sequence."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.table_rows: list[int] = []  # per token: its sequence's row in the block tables
+        self.seq_lens: list[int] = []
+        self.q_lens: list[int] = []  # per prefill: tokens computed
+        self.enc_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.cross_tables: list[list[int]] = []
+        self.rows: list[SampledRow] = []
+
+    def _add_table(self, m: SequenceGroupMetadata, seq_id: int, seq_len: int) -> None:
+        self.seq_lens.append(seq_len)
+        self.tables.append(m.block_tables[seq_id])
+        self.enc_lens.append(len(m.encoder_seq_data.prompt_token_ids))
+        self.cross_tables.append(m.cross_block_table)
+
+    def add_prefill(self, m: SequenceGroupMetadata) -> None:
+        # A group's sequences share their prompt (n > 1 forks it): compute it
+        # once, through the first sequence, and sample every sequence from that
+        # last hidden state.
+        sid0, sd = next(iter(m.seq_data.items()))
+        ids = sd.get_token_ids()
+        n = len(ids)
+        self.table_rows += [len(self.tables)] * n
+        self.tokens += ids
+        self.positions += range(n)
+        self.q_lens.append(n)
+        self._add_table(m, sid0, n)
+        last = len(self.tokens) - 1
+        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+
+    def add_decode(self, m: SequenceGroupMetadata) -> None:
+        for sid, sd in m.seq_data.items():
+            n = sd.get_len()
+            self.rows.append(SampledRow(sid, len(self.tokens), m))
+            self.table_rows.append(len(self.tables))
+            self.tokens.append(sd.get_last_token_id())
+            self.positions.append(n - 1)
+            self._add_table(m, sid, n)
+
+
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
@@ -145,78 +203,37 @@ class EncoderDecoderModelRunner:
         """Pack the step's prefills and decodes (see the module docstring)."""
         dev = self.device
         prefills = [m for m in metas if m.is_prompt]
-        decodes = [m for m in metas if not m.is_prompt]
-        tokens: list[int] = []
-        positions: list[int] = []
-        table_rows: list[int] = []  # per token: its sequence's row in the block tables
-        seq_lens: list[int] = []
-        enc_lens: list[int] = []
-        tables: list[list[int]] = []
-        cross_tables: list[list[int]] = []
-        rows: list[SampledRow] = []
-        enc_tokens: list[list[int]] = []  # of the prefills that run the encoder
-        enc_features: list = []
-        enc_computed: list[int] = []  # per prefill: encoder tokens computed this step (0: cached)
-        q_lens: list[int] = []
+        dec = _DecoderRows()
         for m in prefills:
-            # A group's sequences share their prompt (n > 1 forks it): compute
-            # it once, through the first sequence, and sample every sequence
-            # from that last hidden state.
-            sid0, sd = next(iter(m.seq_data.items()))
-            ids = sd.get_token_ids()
-            n = len(ids)
-            table_rows += [len(tables)] * n
-            tokens += ids
-            positions += range(n)
-            seq_lens.append(n)
-            q_lens.append(n)
-            tables.append(m.block_tables[sid0])
-            enc = m.encoder_seq_data.prompt_token_ids
-            enc_lens.append(len(enc))
-            cross_tables.append(m.cross_block_table)
-            enc_computed.append(0 if m.cross_kv_cached else len(enc))
-            if not m.cross_kv_cached:
-                enc_tokens.append(enc)
-                enc_features.append(m.encoder_inputs)
-            last = len(tokens) - 1
-            rows += [SampledRow(sid, last, m) for sid in m.seq_data]
-        num_prefill_tokens = len(tokens)
-        for m in decodes:
-            enc_len = len(m.encoder_seq_data.prompt_token_ids)
-            for sid, sd in m.seq_data.items():
-                n = sd.get_len()
-                rows.append(SampledRow(sid, len(tokens), m))
-                table_rows.append(len(tables))
-                tokens.append(sd.get_last_token_id())
-                positions.append(n - 1)
-                seq_lens.append(n)
-                tables.append(m.block_tables[sid])
-                enc_lens.append(enc_len)
-                cross_tables.append(m.cross_block_table)
-        num_decode = len(tokens) - num_prefill_tokens
-        q_start = _prefix_sum(q_lens)
-        e_start = _prefix_sum(enc_computed)
-        block_tables = _padded(tables, dev)
-        cross_block_tables = _padded(cross_tables, dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        slot_mapping = cache_slots(block_tables.to(torch.long), _i32(table_rows, dev), pos, self.block_size)
+            dec.add_prefill(m)
+        num_prefill_tokens = len(dec.tokens)
+        for m in metas[len(prefills):]:
+            dec.add_decode(m)
+        enc = _EncoderRows(prefills)
+        q_start = _prefix_sum(dec.q_lens)
+        e_start = _prefix_sum(enc.computed)
+        block_tables = _padded(dec.tables, dev)
+        cross_block_tables = _padded(dec.cross_tables, dev)
+        pos = torch.tensor(dec.positions, dtype=torch.long, device=dev)
+        slot_mapping = cache_slots(block_tables.to(torch.long), _i32(dec.table_rows, dev), pos, self.block_size)
         # Written at prefill only, by the prefills that run the encoder (a cached
         # prefill's length is 0 here, so it contributes no slots).
-        cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc_computed, self.block_size)
+        cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc.computed, self.block_size)
                               if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
+        seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
         md = self.backend.make_metadata(
-            num_prefills=len(prefills),
+            num_prefills=n,
             num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=num_decode,
+            num_decode_tokens=len(dec.tokens) - num_prefill_tokens,
             slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             seq_lens_tensor=_i32(seq_lens, dev),
-            max_prefill_seq_len=max(q_lens, default=0),
-            max_decode_seq_len=max(seq_lens[len(prefills):], default=0),
-            max_query_len=max(q_lens, default=1),
+            max_prefill_seq_len=max(dec.q_lens, default=0),
+            max_decode_seq_len=max(seq_lens[n:], default=0),
+            max_query_len=max(dec.q_lens, default=1),
             query_start_loc=_i32(q_start, dev),
             seq_start_loc=_i32(q_start, dev),
-            context_lens_tensor=_i32([0] * len(prefills) + [n - 1 for n in seq_lens[len(prefills):]], dev),
+            context_lens_tensor=_i32([0] * n + [k - 1 for k in seq_lens[n:]], dev),
             block_tables=block_tables,
             encoder_seq_lens=enc_lens,
             encoder_seq_lens_tensor=_i32(enc_lens, dev),
@@ -226,41 +243,42 @@ class EncoderDecoderModelRunner:
             cross_slot_mapping=cross_slot_mapping,
             cross_block_tables=cross_block_tables,
             block_size=self.block_size,
-            block_tables_list=tables,
-            cross_block_tables_list=cross_tables,
+            block_tables_list=dec.tables,
+            cross_block_tables_list=dec.cross_tables,
             prefill_cross_cached=([m.cross_kv_cached for m in prefills]
-                                  if len(enc_tokens) < len(prefills) else None),
+                                  if len(enc.tokens) < n else None),
         )
-        enc_kwargs = self.model.build_encoder_inputs(enc_tokens, enc_features, dev) if enc_tokens else {}
-        return ModelInput(input_ids=torch.tensor(tokens, dtype=torch.long, device=dev), positions=pos,
-                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=rows)
+        enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
+        return ModelInput(input_ids=torch.tensor(dec.tokens, dtype=torch.long, device=dev), positions=pos,
+                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows)
 
     # -- persistent batch ----------------------------------------------------
-    def _update_batch(self, rows: list[SampledRow]) -> list[int]:
-        """Make the persistent batch hold exactly this step's sequences; return,
+    def _update_batch(self, sched: SchedulerOutputs, rows: list[SampledRow]) -> list[int]:
+        """Apply the scheduler's leaves and joins to the persistent batch; return,
         for each batch row, the index into ``rows``."""
         ib = self.input_batch
-        key_to_row = {str(sid): i for i, (sid, _, _) in enumerate(rows)}
-        for key in list(ib.req_ids):
-            if key is not None and key not in key_to_row:
-                ib.remove_request(key)
-        for key, i in key_to_row.items():
-            if key not in ib.req_id_to_index:
-                sid, _, m = rows[i]
-                sd = m.seq_data[sid]
-                ib.add_request(key, m.sampling_params, sd.prompt_token_ids, sd.output_token_ids,
-                               seed_index=sd.sample_index)
+        for seq_id in sched.seq_ids_left:
+            ib.remove_request(str(seq_id))
+        if not rows:
+            return []
+        joined = set(sched.seq_ids_joined)
+        for row in rows:
+            if row.seq_id in joined:
+                sd = row.meta.seq_data[row.seq_id]
+                ib.add_request(str(row.seq_id), row.meta.sampling_params, sd.prompt_token_ids,
+                               sd.output_token_ids, seed_index=sd.sample_index)
         ib.condense()
-        return [key_to_row[key] for key in ib.req_ids]
+        index = {str(row.seq_id): i for i, row in enumerate(rows)}
+        return [index[key] for key in ib.req_ids]
 
     # -- step ----------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, metas: list[SequenceGroupMetadata], *, blocks_to_swap_in=(), blocks_to_swap_out=(),
-                blocks_to_copy=()) -> ModelRunnerOutput:
-        self.cache.swap_out(list(blocks_to_swap_out))
-        self.cache.swap_in(list(blocks_to_swap_in))
-        self.cache.copy(list(blocks_to_copy))
+    def execute(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> ModelRunnerOutput:
+        self.cache.swap_out(sched.blocks_to_swap_out)
+        self.cache.swap_in(sched.blocks_to_swap_in)
+        self.cache.copy(sched.blocks_to_copy)
         if not metas:
+            self._update_batch(sched, [])
             return ModelRunnerOutput(samples=[])
         inp = self.prepare(metas)
         rows = inp.sampled_rows
@@ -270,27 +288,27 @@ class EncoderDecoderModelRunner:
         with single_thread(small):
             hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
                                 **inp.encoder_inputs)
-        order = self._update_batch(rows)
+        order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = _asked_prompt_positions(metas)
-        index = torch.tensor([rows[i][1] for i in order] + [a.hidden_index for a in asked],
+        index = torch.tensor([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked],
                              dtype=torch.long, device=self.device)
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
         token_lps = _prompt_token_logprobs(all_logits[len(order):], asked)
         # Beam search: its groups' rows go to candidate selection, not sampling.
-        beam = find_beam_rows(metas, {rows[i][0]: r for r, i in enumerate(order)}, self.device)
+        beam = find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
         with single_thread(small):
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))
         candidates = select_candidates(beam, out.processed_logprobs) if beam else {}
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
-        lp = self._logprobs(out.logprobs_tensors, [rows[i][2].sampling_params.logprobs for i in order])
-        samples = [SampledToken(rows[i][0], tok, lp[r] if lp else {})
-                   for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i][0] not in beam_seqs]
+        lp = self._logprobs(out.logprobs_tensors, [rows[i].meta.sampling_params.logprobs for i in order])
+        samples = [SampledToken(rows[i].seq_id, tok, lp[r] if lp else {})
+                   for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i].seq_id not in beam_seqs]
         return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
                                  prompt_token_logprobs=token_lps, beam_candidates=candidates)
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from encdec.engine.stop_checker import StopChecker
+from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceStatus
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from encdec.engine.capacity import kv_blocks_needed
+from encdec.block_manager.capacity import kv_blocks_needed
 
 
 @pytest.mark.parametrize("dec, enc, max_tokens, best_of, watermark, want", [
@@ -30,5 +30,5 @@ def test_worst_case_blocks(dec, enc, max_tokens, best_of, watermark, want):
 
 
 def test_no_torch():
-    code = "import sys, encdec.engine.capacity; assert 'torch' not in sys.modules"
+    code = "import sys, encdec.block_manager.capacity; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

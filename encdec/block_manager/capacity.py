@@ -1,11 +1,14 @@
 """How many KV blocks a request may hold at once, by the block manager's and the
 scheduler's own arithmetic, so the engine can refuse at entry a request that
-could never finish (the scheduler would end it mid-run with an error).
+could never finish (the scheduler would end it mid-run with an error), and the
+worker can refuse a cache too small for the longest request.
 Pure arithmetic on ints: no torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from encdec.block_manager.manager import watermark_blocks
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,11 @@ class KVNeed:
     def reserve(self) -> int:
         """Blocks the scheduler's checks ask for beyond what the request holds."""
         return self.total - self.self_attention - self.cross_attention
+
+
+def blocks(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` token slots."""
+    return -(-tokens // block_size)
 
 
 def kv_blocks_needed(dec_len: int, enc_len: int, *, max_tokens: int, best_of: int,
@@ -36,18 +44,24 @@ def kv_blocks_needed(dec_len: int, enc_len: int, *, max_tokens: int, best_of: in
                (can_allocate); a swapped group of several sequences resumes
                only with a spare block per sequence (can_swap_in)
     """
-    def blocks(tokens: int) -> int:
-        return -(-tokens // block_size)
-
-    cross, prompt_blocks = blocks(enc_len), blocks(dec_len)
+    cross, prompt_blocks = blocks(enc_len, block_size), blocks(dec_len, block_size)
     last = dec_len + max_tokens - 1
     if max_tokens == 1:  # the prefill samples every sequence; no decode step
         self_peak = prompt_blocks
     else:
         full = dec_len // block_size
-        self_peak = full + best_of * (blocks(last) - full)
+        self_peak = full + best_of * (blocks(last, block_size) - full)
         if best_of > 1 and dec_len % block_size:
             self_peak = max(self_peak, prompt_blocks + best_of)
     spare = best_of if best_of > 1 else 0
-    total = max(self_peak + cross + spare, blocks(last) + cross + watermark_blocks)
+    total = max(self_peak + cross + spare, blocks(last, block_size) + cross + watermark_blocks)
     return KVNeed(total, self_peak, cross)
+
+
+def longest_request_blocks(max_model_len: int, max_encoder_len: int, block_size: int,
+                           num_gpu_blocks: int) -> tuple[int, int, int]:
+    """(self, cross, watermark) blocks one request of the longest kind holds in a
+    cache of ``num_gpu_blocks``: a ``max_model_len`` decoder sequence, a cross
+    table over ``max_encoder_len`` encoder tokens, and what admission keeps free."""
+    return (blocks(max_model_len, block_size), blocks(max_encoder_len, block_size),
+            watermark_blocks(num_gpu_blocks))

@@ -18,12 +18,25 @@ if TYPE_CHECKING:
 class StopChecker:
     """``get_tokenizer_len``, if given, returns the tokenizer's length: a sampled id
     at or past it (a padded-vocabulary row no tokenizer can decode) stops the
-    sequence with that id as ``stop_reason`` instead of breaking detokenization."""
+    sequence with that id as ``stop_reason`` instead of breaking detokenization.
+    ``detokenizer`` (an ``encdec.outputs.Detokenizer``) and ``eos_token_id`` are
+    what ``check`` uses: the scheduler calls it for every appended token."""
 
     def __init__(self, max_model_len: int,
-                 get_tokenizer_len: Callable[[], int] | None = None) -> None:
+                 get_tokenizer_len: Callable[[], int] | None = None, *,
+                 detokenizer: Any = None, eos_token_id: int | None = None) -> None:
         self.max_model_len = max_model_len
         self.get_tokenizer_len = get_tokenizer_len
+        self.detokenizer = detokenizer
+        self.eos_token_id = eos_token_id
+
+    def check(self, seq: Any, sampling_params: SamplingParams) -> None:
+        """The token just appended to ``seq``: its text (when the request wants
+        text and a detokenizer was given), then whether it ends the sequence."""
+        added = 0
+        if self.detokenizer is not None and sampling_params.detokenize:
+            added = self.detokenizer.decode_sequence_inplace(seq, sampling_params)
+        self.maybe_stop_sequence(seq, added, sampling_params, self.eos_token_id)
 
     def maybe_stop_sequence(self, seq: Any, new_char_count: int, sampling_params: SamplingParams,
                             eos_token_id: int | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Device side of beam search: each beam group's top-K continuations.
+"""Candidate selection for beam search: each beam group's top-K continuations
+(the engine side, ``encdec.beam_search``, turns them into beams).
 
 HF scores every (beam, token) pair of a request by the beam's running score
 plus the token's processed log-probability and keeps the best K over the

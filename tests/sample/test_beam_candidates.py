@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdec.beam_search.candidates import find_beam_rows, select_candidates
 from encdec.beam_search.params import BeamSearchParams
 from encdec.beam_search.rows import BeamRowParams
+from encdec.sample.beam_candidates import find_beam_rows, select_candidates
 from encdec.sequence import SequenceData, SequenceGroupMetadata
 
 

@@ -1,0 +1,88 @@
+"""What a step's results do to its sequences, applied by ``Scheduler.update``
+(the one owner of sequence state, as nano-vllm's ``Scheduler.postprocess``):
+
+    sampled tokens   appended; the stop checker ends the sequence on eos, a stop
+                     id or string, max_tokens or max_model_len; a finished
+                     sequence's blocks are freed at once
+    beam decisions   parents kept by one new beam append in place, by m > 1
+                     beams fork m - 1 times first (shared blocks, copy-on-write
+                     of the last one later), kept by none are freed; a finished
+                     search finishes and frees every beam
+    prompt logprobs  kept on the group the first time a prefill reports them
+
+Pure bookkeeping: the runner's output is read by field names, no torch.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from encdec.core.scheduler_outputs import BeamDecision, SchedulerOutputs
+from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from encdec.block_manager import BlockSpaceManager
+    from encdec.core.stop_checker import StopChecker
+
+
+def mark_computed(sched: SchedulerOutputs) -> None:
+    """The scheduled tokens are computed; a prefill's first token time is now."""
+    now = time.time()
+    for i, s in enumerate(sched.scheduled_seq_groups):
+        s.seq_group.update_num_computed_tokens(s.token_chunk_size)
+        if i < sched.num_prefill_groups and s.seq_group.metrics.first_token_time is None:
+            s.seq_group.metrics.first_token_time = now
+
+
+def append_samples(samples: list[Any], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
+                   stop_checker: StopChecker) -> None:
+    """``samples``: the runner's sampled tokens (``seq_id``, ``token_id``, ``logprobs``)."""
+    seqs = {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
+            for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
+    for sample in samples:
+        seq, group = seqs[sample.seq_id]
+        seq.append_token_id(sample.token_id, sample.logprobs)
+        stop_checker.check(seq, group.sampling_params)
+        if seq.is_finished():
+            block_manager.free(seq)
+
+
+def keep_prompt_logprobs(runner_output: Any, groups: dict[str, SequenceGroup]) -> None:
+    """A recomputed prefill reports them again; the first report stays."""
+    for request_id, lps in runner_output.prompt_logprobs.items():
+        group = groups.get(request_id)
+        if group is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = lps
+    for request_id, lps in runner_output.prompt_token_logprobs.items():
+        group = groups.get(request_id)
+        if group is not None and group.prompt_token_logprobs is None:
+            group.prompt_token_logprobs = lps
+
+
+def apply_beam_decision(decision: BeamDecision, group: SequenceGroup,
+                        block_manager: BlockSpaceManager) -> None:
+    running = {s.seq_id: s for s in group.get_seqs(SequenceStatus.RUNNING)}
+    if decision.finished:
+        for seq in running.values():
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            block_manager.free(seq)
+        return
+    beams: list[Sequence] = []
+    for b in decision.beams:  # every fork before any parent appends its own token
+        seq = running[b.parent_seq_id]
+        if b.seq_id != seq.seq_id:
+            child = seq.fork(b.seq_id)
+            block_manager.fork(seq, child)
+            group.add(child)
+            seq = child
+        beams.append(seq)
+    for seq_id in decision.dropped:
+        seq = running[seq_id]
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        block_manager.free(seq)
+        group.remove(seq_id)
+    for seq, b in zip(beams, decision.beams):
+        seq.append_token_id(b.token_id)
+        seq.data.cumulative_logprob = b.cumulative_logprob
+    position = {seq.seq_id: j for j, seq in enumerate(beams)}
+    group.seqs.sort(key=lambda s: position.get(s.seq_id, -1))

@@ -1,0 +1,180 @@
+"""``Processor``: a call's prompts and params checked and tokenized before
+anything is queued (vLLM V1's ``Processor``).
+
+Every check that can run before scheduling runs here, so one bad prompt refuses
+the whole call (the error names its index: "prompt 3: ...") and the engine's
+state never changes for it. What needs the device (the logits processors' own
+rules, the vocabulary size) is asked of the worker through public calls.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from collections.abc import Sequence as Seq  # encdec.sequence.Sequence is the other one
+from typing import Any
+
+import numpy as np
+
+from encdec.beam_search.params import BeamSearchParams
+from encdec.beam_search.rows import BeamRowParams
+from encdec.block_manager.capacity import kv_blocks_needed
+from encdec.block_manager.manager import watermark_blocks
+from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
+from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
+from encdec.models.registry import get_model_hooks
+from encdec.sampling_params import SamplingParams
+
+
+def load_tokenizer(hooks: Any, path: str) -> Any:
+    """The model module's tokenizer loader if it has one, else ``AutoTokenizer``."""
+    if hooks.load_tokenizer is not None:
+        return hooks.load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Processor:
+    """``validate_params``: the worker's check of a request's params against its
+    logits processors; ``vocab_size``: the model's logits width."""
+
+    def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, *, vocab_size: int,
+                 validate_params: Callable[[SamplingParams], None]):
+        self.model_config = model_config
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.vocab_size = vocab_size
+        self._validate_params = validate_params
+        self.hooks = get_model_hooks(model_config.architecture)
+        hf_config, gen_config = model_config.hf_config, model_config.generation_config
+        self.tokenizer = load_tokenizer(self.hooks, model_config.tokenizer or model_config.checkpoint_path)
+        default_prompt = self.hooks.default_decoder_prompt(hf_config, gen_config, self.tokenizer)
+        audio, prepare = self.hooks.make_audio_processor, self.hooks.prepare_decoder_prompt
+        self.input_preprocessor = InputPreprocessor(
+            self.tokenizer, hf_config.decoder_start_token_id, lambda: list(default_prompt),
+            audio(hf_config) if audio else None,
+            (lambda ids: prepare(ids, gen_config)) if prepare else None)
+        eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else hf_config.eos_token_id
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+
+    def process_requests(self, prompts: Seq[PromptType],
+                         params_list: Seq[SamplingParams | None], *,
+                         priority: Seq[int] | None = None,
+                         truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
+        """Validate and tokenize a whole call. The audio of all prompts becomes
+        features in one batched call. ``truncation``: cut an encoder prompt longer
+        than the model's positions as HF's ``tokenizer(truncation=True)`` does (its
+        final eos kept) instead of refusing it. ``BeamSearchParams`` become the
+        params of the beams' rows."""
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._process(prompts, params_list, priority, indexed=True, truncation=truncation)
+
+    def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
+                        priority: int = 0, truncation: bool = False) -> tuple[dict, SamplingParams]:
+        """``process_requests`` for one prompt (errors carry no index)."""
+        return self._process([prompt], [params], [priority], indexed=False, truncation=truncation)[0]
+
+    def _process(self, prompts: Seq[PromptType], params_list: Seq[SamplingParams | None],
+                 priority: Seq[int] | None, *, indexed: bool,
+                 truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
+        checked: dict[int, SamplingParams] = {}  # id(user params) -> checked; a shared one is checked once
+        for i, params in enumerate(params_list):
+            with prompt_errors(i if indexed else None):
+                if priority is not None:
+                    self.check_priority(priority[i])
+                if id(params) not in checked:
+                    checked[id(params)] = self._check_params(params)
+        # The tokenizer's defaults, except for Whisper, whose special tokens the
+        # user gives (vLLM's rule; an added eos would end generation).
+        kwargs = {"add_special_tokens": False} if self.model_config.hf_config.model_type == "whisper" else None
+        preprocessor = self.input_preprocessor
+        all_inputs = preprocessor.process_batch(prompts, tokenization_kwargs=kwargs) if indexed \
+            else [preprocessor.process(prompts[0], tokenization_kwargs=kwargs)]
+        out = []
+        for i, (inputs, params) in enumerate(zip(all_inputs, params_list)):
+            with prompt_errors(i if indexed else None):
+                out.append(self._check_request(inputs, checked[id(params)], truncation=truncation))
+        return out
+
+    def check_priority(self, priority: Any) -> None:
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            # vLLM raises too, rather than ignore it.
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             f"(scheduling_policy={self.scheduler_config.policy!r}); pass "
+                             "scheduling_policy='priority' to LLM to use priorities")
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The checks that need the model: token ids against the vocabulary,
+        logits processors' own rules. Returns a private copy with the model's
+        eos ids folded in."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, BeamSearchParams):  # beam search: its rows run greedy params
+            params = BeamRowParams.from_beam_params(params)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = params.clone()
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_against(self.vocab_size)
+        self._validate_params(params)
+        params.update_from_generation_config({"eos_token_id": self.model_config.generation_config.eos_token_id},
+                                             self.eos_token_id)
+        return params
+
+    def _check_request(self, inputs: dict, params: SamplingParams, *,
+                       truncation: bool = False) -> tuple[dict, SamplingParams]:
+        """Lengths, token ids and KV capacity of one processed prompt; returns the
+        inputs (truncated if asked) and their own params with ``max_tokens`` fitted
+        to the decoder's positions."""
+        dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
+        cfg = self.model_config
+        if enc_len > cfg.max_encoder_len and truncation and "encoder_features" not in inputs:
+            ids, keep = inputs["encoder_prompt_token_ids"], cfg.max_encoder_len
+            ids = ids[:keep - 1] + ids[-1:] if ids[-1] == self.eos_token_id else ids[:keep]
+            inputs = {**inputs, "encoder_prompt_token_ids": ids}
+            enc_len = len(ids)
+        if enc_len > cfg.max_encoder_len:
+            raise ValueError(f"encoder prompt is {enc_len} tokens, longer than the model's "
+                             f"{cfg.max_encoder_len} encoder positions; pass truncation=True to cut it")
+        if dec_len >= cfg.max_model_len:
+            raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
+                             "decoder positions and needs room for at least one output token")
+        far = [p for p in params.prompt_token_logprobs or () if not -dec_len <= p < dec_len]
+        if far:
+            raise ValueError(f"prompt_token_logprobs positions {far} are outside the {dec_len}-token decoder prompt")
+        # Audio requests carry placeholder encoder ids; the decoder's are real.
+        ids = inputs["prompt_token_ids"] if "encoder_features" in inputs \
+            else inputs["encoder_prompt_token_ids"] + inputs["prompt_token_ids"]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        params = params.clone()
+        if params.max_tokens is None or dec_len + params.max_tokens > cfg.max_model_len:
+            params.max_tokens = cfg.max_model_len - dec_len
+        self._check_fits(dec_len, enc_len, params)
+        return inputs, params
+
+    def _check_fits(self, dec_len: int, enc_len: int, params: SamplingParams) -> None:
+        """Refuse a request that could never finish in this KV cache, which the
+        scheduler would otherwise end mid-run with an error and an empty or cut
+        output (arithmetic in ``encdec.block_manager.capacity``)."""
+        bs, b, total = self.cache_config.block_size, params.best_of, self.cache_config.num_gpu_blocks
+        if b > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"best_of (or n) is {b}, more sequences than max_num_seqs="
+                             f"{self.scheduler_config.max_num_seqs} can run at once; raise max_num_seqs")
+        need = kv_blocks_needed(dec_len, enc_len, max_tokens=params.max_tokens, best_of=b,
+                                block_size=bs, watermark_blocks=watermark_blocks(total))
+        if need.total > total:
+            raise ValueError(
+                f"the request can never fit the KV cache: it needs up to {need.total} blocks of {bs} "
+                f"tokens ({need.self_attention} for decoder self-attention: a {dec_len}-token prompt + "
+                f"max_tokens={params.max_tokens}, best_of={b}; {need.cross_attention} for cross-attention "
+                f"over {enc_len} encoder positions; {need.reserve} the scheduler keeps in reserve) but "
+                f"the cache has {total} blocks; lower max_tokens or raise kv_cache_memory")

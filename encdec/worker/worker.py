@@ -1,0 +1,229 @@
+"""``Worker``: one device's model, KV cache, persistent batch and step runner.
+
+Everything that knows the device lives here, built in this order by the engine:
+
+    Worker(args)                  device, checkpoint -> ModelConfig, model + weights
+    worker.init_cache(...)        KV sizing (the block manager's arithmetic), CacheEngine
+    worker.init_batch(...)        logits processors, InputBatch, generator, model runner
+    worker.execute_model(...)     one scheduled step -> ModelRunnerOutput
+
+A CUDA graph capture, a new weight format or a new device's KV sizing lands
+here; the engine above sees only configs and ``execute_model``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from encdec.attention.selector import get_attn_backend
+from encdec.block_manager.capacity import longest_request_blocks
+from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
+from encdec.core.scheduler_outputs import SchedulerOutputs
+from encdec.engine.arg_utils import EngineArgs
+from encdec.models.layers import pack_linears
+from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
+from encdec.models.registry import get_model_cls, get_model_hooks
+from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
+from encdec.sampling_params import SamplingParams
+from encdec.sequence import SequenceGroupMetadata
+from encdec.worker import huge_pages
+from encdec.worker.cache_engine import (
+    MAX_PREFAULT_BYTES,
+    CacheEngine,
+    cache_block_bytes,
+    default_cpu_kv_cache_bytes,
+    default_gpu_kv_cache_bytes,
+    typical_decoder_len,
+)
+from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
+from encdec.worker.input_batch import InputBatch
+
+logger = logging.getLogger("encdec")
+
+_GiB = 1 << 30
+_DTYPE = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and what our kernels run); the checkpoint's
+    half type on CUDA (bfloat16 if it says so, else float16)."""
+    if dtype != "auto":
+        return _DTYPE[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", "")).removeprefix("torch.")
+    return torch.bfloat16 if ckpt == "bfloat16" else torch.float16
+
+
+class SkipParameterInit(TorchFunctionMode):
+    """Skip ``torch.nn.init`` while a model is built on the meta device: the
+    checkpoint overwrites every weight, and meta-device init ops import
+    torch._refs and sympy (measured: 1.6 s and +76 MiB RSS for a tiny BART).
+    A torch function mode is local to the thread that enters it."""
+
+    _SKIPPED = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.nn.init.normal_,
+                torch.nn.init.uniform_, torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_,
+                torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_,
+                torch.nn.init.xavier_normal_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+class ProcessorConfig:
+    """What logits processors see: ``scheduler_config``, ``model_config`` and the
+    checkpoint's ``generation_config``."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, model_config: ModelConfig, generation_config: Any):
+        self.scheduler_config = scheduler_config
+        self.model_config = model_config
+        self.generation_config = generation_config
+
+
+def _model_config(args: EngineArgs, ckpt: Checkpoint, dtype: torch.dtype) -> ModelConfig:
+    """The checkpoint's lengths, capped by ``max_model_len``."""
+    hf_config = ckpt.hf_config
+    max_dec = getattr(hf_config, "max_target_positions", None) or hf_config.max_position_embeddings
+    max_enc = getattr(hf_config, "max_source_positions", None) or hf_config.max_position_embeddings
+    if args.max_model_len is not None:
+        if args.max_model_len > max_dec:
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
+                             f"{max_dec} decoder positions")
+        max_dec = args.max_model_len
+        if get_model_hooks(ckpt.architecture).make_audio_processor is None:
+            # A text encoder's prompt is bounded by max_model_len too (as in vLLM);
+            # an audio encoder's length is fixed by the model.
+            max_enc = min(max_enc, args.max_model_len)
+    return ModelConfig(
+        model=args.model, tokenizer=args.tokenizer, dtype=str(dtype).removeprefix("torch."),
+        seed=args.seed, architecture=ckpt.architecture, hf_config=hf_config,
+        max_model_len=max_dec, max_encoder_len=max_enc, enforce_eager=args.enforce_eager,
+        generation_config=ckpt.generation_config, checkpoint_path=ckpt.path)
+
+
+class Worker:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
+        self.model_config = _model_config(args, self.checkpoint, self.dtype)
+        self.backend = get_attn_backend(args.attention_backend, self.device.type)
+        self.model = self._load_model()
+        self.vocab_size: int = self.model.vocab_size
+
+    def _load_model(self) -> torch.nn.Module:
+        """Build the model on the meta device, load the checkpoint, prepack linears."""
+        ckpt = self.checkpoint
+        model_cls = get_model_cls(ckpt.architecture)
+        with torch.device("meta"), SkipParameterInit():
+            model = model_cls(ckpt.hf_config, self.backend)
+        model = model.to_empty(device="cpu").to(torch.float32)
+        for buf in model.buffers():  # buffers a checkpoint may omit start at zero
+            buf.zero_()
+        model.load_weights(iterate_weights(ckpt))
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        huge_pages.move_parameters(model)  # CPU: decode steps stream the weights; see huge_pages
+        num_packed = pack_linears(model)  # CPU float32: oneDNN, see encdec/models/layers.py
+        logger.info("prepacked %d linear layers for oneDNN", num_packed)
+        return model
+
+    # -- KV cache ------------------------------------------------------------------
+    def init_cache(self, cfg: CacheConfig, max_num_seqs: int) -> CacheConfig:
+        """Size the KV cache (device and swap blocks) and allocate it. Refuses a
+        cache that cannot hold one request of the longest kind: a ``max_model_len``
+        decoder sequence, a cross table for the longest encoder input and the
+        block manager's admission watermark."""
+        model, mc = self.model, self.model_config
+        block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
+                                        model.num_kv_heads, model.head_size, self.dtype)
+        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes)
+        cfg.num_gpu_blocks = kv_bytes // block_bytes
+        if cfg.num_gpu_blocks < 1:
+            raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
+                             f"(one block is {block_bytes} bytes)")
+        dec_blocks, cross_blocks, watermark = longest_request_blocks(
+            mc.max_model_len, mc.max_encoder_len, cfg.block_size, cfg.num_gpu_blocks)
+        needed = dec_blocks + cross_blocks + watermark
+        if cfg.num_gpu_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes, {block_bytes} bytes "
+                f"per block of {cfg.block_size} tokens) but one request needs {needed} blocks "
+                f"({needed * block_bytes} bytes): {dec_blocks} for a max_model_len={mc.max_model_len} "
+                f"decoder sequence, {cross_blocks} for its cross-attention table of "
+                f"{mc.max_encoder_len} encoder tokens and {watermark} kept free by admission (1% watermark); "
+                f"raise kv_cache_memory or lower max_model_len")
+        cfg.num_cpu_blocks = int(cfg.swap_space * _GiB) // block_bytes
+        logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.1f MiB each)",
+                    cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size, block_bytes / 2**20)
+        self.cache_engine = CacheEngine(
+            num_layers=model.num_cache_layers, num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size, block_size=cfg.block_size,
+            num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
+            dtype=self.dtype, device=self.device, backend=self.backend, prefault_bytes=prefault_bytes)
+        cfg.num_warm_gpu_blocks = self.cache_engine.num_warm_blocks
+        return cfg
+
+    def _kv_bytes(self, cfg: CacheConfig, max_num_seqs: int, block_bytes: int) -> tuple[int, int]:
+        """(cache bytes, bytes to prefault). CPU commits at start what the first
+        requests write (see CacheEngine._prefault): all of an explicitly sized
+        cache up to 1 GiB, the first 16 typical requests' worth of a default one,
+        so that LLM() costs little more than its model."""
+        mc = self.model_config
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory, MAX_PREFAULT_BYTES
+        if self.device.type == "cuda":
+            return default_gpu_kv_cache_bytes(self.device, cfg.gpu_memory_utilization), MAX_PREFAULT_BYTES
+        dec_blocks, cross_blocks, _ = longest_request_blocks(mc.max_model_len, mc.max_encoder_len,
+                                                             cfg.block_size, 0)
+        typical_request = (-(-typical_decoder_len(mc.max_model_len) // cfg.block_size)
+                           + cross_blocks) * block_bytes
+        kv_bytes = default_cpu_kv_cache_bytes(max_num_seqs * typical_request,
+                                              minimum=(dec_blocks + cross_blocks) * block_bytes)
+        return kv_bytes, 16 * typical_request
+
+    # -- persistent batch and runner ---------------------------------------------------
+    def init_batch(self, scheduler_config: SchedulerConfig, logits_processors: list[Any] | None,
+                   seed: int) -> None:
+        """Logits processors (the model's, then the user's), the persistent batch,
+        the engine's generator and the model runner."""
+        pin = self.device.type == "cuda"
+        hooks = get_model_hooks(self.model_config.architecture)
+        model_procs = list(hooks.logits_processors()) if hooks.logits_processors is not None else []
+        user_procs = [resolve_logitsproc_class(p) for p in (logits_processors or [])]
+        self.processor_classes = model_procs + user_procs
+        self.processor_config = ProcessorConfig(scheduler_config, self.model_config,
+                                                self.model_config.generation_config)
+        logitsprocs = build_logitsprocs(self.processor_config, self.device, pin, self.processor_classes)
+        self.input_batch = InputBatch(max_num_reqs=scheduler_config.max_num_seqs, vocab_size=self.vocab_size,
+                                      device=self.device, logitsprocs=logitsprocs, is_pin_memory=pin)
+        # Unseeded random sampling draws from this, not torch's global RNG: two
+        # engines (or an engine and the user's own torch code) do not disturb
+        # each other, and an engine's unseeded outputs follow from its seed.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.model_runner = EncoderDecoderModelRunner(self.model, self.backend, self.cache_engine,
+                                                      self.input_batch, self.device,
+                                                      generator=self.generator)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """The logits processors' own checks of a request's params (ValueError)."""
+        self.input_batch.logitsprocs.validate_params(params)
+
+    def execute_model(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> ModelRunnerOutput:
+        return self.model_runner.execute(metas, sched)
