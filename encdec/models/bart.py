@@ -254,3 +254,16 @@ def default_decoder_prompt(hf_config, generation_config, tokenizer) -> list[int]
     """``[<DEC>, <BOS>]``: HF starts from <DEC> and forces <BOS> as the first
     generated token; putting it in the prompt gives the same sequence."""
     return [hf_config.decoder_start_token_id, hf_config.bos_token_id]
+
+
+def start_then_forced_bos(hf_config, generation_config, tokenizer) -> list[int]:
+    """The translation families' default decoder prompt, as HF's ``generate``
+    begins with the checkpoint's defaults: the decoder start token, then the
+    ``forced_bos_token_id`` (mBART-50's target language) where the generation
+    config forces one; beam search counts that token as HF does (see
+    ``encdec.beam_search``)."""
+    start = generation_config.decoder_start_token_id
+    if start is None:
+        start = hf_config.decoder_start_token_id
+    forced = generation_config.forced_bos_token_id
+    return [start] if forced is None else [start, forced]

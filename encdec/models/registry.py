@@ -21,6 +21,7 @@ from typing import Any, Protocol
 _MODELS = {
     "BartForConditionalGeneration": "encdec.models.bart",
     "BartModel": "encdec.models.bart",
+    "MarianMTModel": "encdec.models.marian",
     "WhisperForConditionalGeneration": "encdec.models.whisper",
 }
 
