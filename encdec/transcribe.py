@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from encdec.sampling_params import SamplingParams
 from encdec.transcription.job import JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import (
@@ -65,37 +64,28 @@ def _is_array_and_rate(audio: Any) -> bool:
             and isinstance(audio[1], (int, float, np.number)) and not isinstance(audio[1], bool))
 
 
-def transcribe(llm: Any, audio: Any, *, language: str | None = None, task: str = "transcribe",
-               timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
-               best_of: int = 5,
-               temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
-               compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
-               no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
-               initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
-               vad_filter: bool = False, vad_parameters: dict | None = None, clip_timestamps: Any = None,
-               sampling_params: SamplingParams | None = None, mode: str = "sequential",
-               use_tqdm: bool = True, prompt: str | None = None) -> list[Transcription]:
+def transcribe(llm: Any, audio: Any, options: TranscribeOptions | None = None, *, use_tqdm: bool = True,
+               prompt: str | None = None, **option_kwargs: Any) -> list[Transcription]:
     """One ``Transcription`` per input of ``audio`` (one input or a list), with
-    faster-whisper's options (``TranscribeOptions`` documents them and ``mode``).
-    ``prompt`` is the older name of ``initial_prompt``. Every option and input is
-    checked, and every input decoded, before anything is queued: a bad input ``i``
-    raises a ``ValueError`` naming "audio input i"."""
+    faster-whisper's options: a ``TranscribeOptions`` (which documents them and
+    ``mode``) or its fields by keyword, not both. ``prompt`` is the older name of
+    ``initial_prompt``. Every option and input is checked, and every input decoded,
+    before anything is queued: a bad input ``i`` raises a ``ValueError`` naming
+    "audio input i"."""
     engine = getattr(llm, "llm_engine", None)
     if engine is None:
         raise ValueError("transcribe needs an encdec LLM (with llm_engine) running a Whisper model")
     if prompt is not None:
-        if initial_prompt is not None:
+        if option_kwargs.get("initial_prompt") is not None:
             raise ValueError("give initial_prompt or its older name prompt, not both")
-        initial_prompt = prompt
-    options = TranscribeOptions(language=language, task=task, timestamps=timestamps, beam_size=beam_size,
-                                best_of=best_of, temperature=temperature,
-                                compression_ratio_threshold=compression_ratio_threshold,
-                                log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
-                                condition_on_previous_text=condition_on_previous_text,
-                                initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
-                                clip_timestamps=clip_timestamps, sampling_params=sampling_params,
-                                word_timestamps=word_timestamps, vad_filter=vad_filter,
-                                vad_parameters=vad_parameters, mode=mode)
+        option_kwargs["initial_prompt"] = prompt
+    if options is None:
+        options = TranscribeOptions(**option_kwargs)
+    elif not isinstance(options, TranscribeOptions):
+        raise TypeError(f"options must be a TranscribeOptions, got {type(options).__name__}")
+    elif option_kwargs:
+        raise TypeError(f"give a TranscribeOptions or keyword options, not both (got options and "
+                        f"{sorted(option_kwargs)})")
     options.validate(engine)
     return run_jobs(engine, _make_jobs(engine, _as_inputs(audio), options), use_tqdm=use_tqdm)
 

@@ -1,4 +1,10 @@
-"""``EngineArgs``: the user's options, checked once, turned into frozen configs."""
+"""``EngineArgs``: the user's options, checked once, turned into frozen configs.
+
+The fields are the options ``LLM`` takes and every command line offers
+(``entrypoints.cli_options``): a field's comment is its documentation and its
+``--help`` text, its metadata the command line's ``choices`` (and ``unit``:
+"bytes" takes sizes like 512MiB), so an option is written once, here.
+"""
 from __future__ import annotations
 
 import os
@@ -12,30 +18,38 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 
 @dataclass
 class EngineArgs:
-    model: str  # hub id or local directory (a pathlib.Path is accepted)
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    swap_space: float = 4
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    preemption_mode: str | None = None
-    scheduling_policy: str = "fcfs"
-    logits_processors: list[Any] | None = None
-    attention_backend: str | None = None
-    enforce_eager: bool = False
-    # Requests with the same encoder input share one cross-attention table and
-    # one encoder pass (API.md "Encoder cache").
+    """The engine's options, as ``LLM(model, **options)`` takes them; each field's
+    comment documents it (and is its ``--help`` text)."""
+
+    model: str  # HF hub id or local checkpoint directory (a pathlib.Path is accepted)
+    tokenizer: str | None = None  # tokenizer directory or hub id; default: the checkpoint's own
+    # Weights and activations; auto: float32 on CPU; on CUDA bfloat16 for a bfloat16
+    # checkpoint, else float16.
+    dtype: str = field(default="auto", metadata={"choices": _DTYPES})
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    seed: int = 0  # seeds the engine's generator: unseeded random sampling follows from it
+    block_size: int = 16  # token slots per KV block
+    # Bytes of KV cache (on the command line also 512MiB, 2GiB, 1.5GB); default: sized
+    # from gpu_memory_utilization on CUDA, from max_num_seqs and free memory on CPU.
+    kv_cache_memory: int | None = field(default=None, metadata={"unit": "bytes"})
+    gpu_memory_utilization: float = 0.9  # CUDA: the fraction of device memory for the KV cache
+    swap_space: float = 4  # GiB of CPU memory for the KV blocks of preempted (swapped-out) requests
+    max_num_seqs: int = 256  # decoder sequences running at once
+    max_num_batched_tokens: int | None = None  # tokens of one step's prefills; default: max(32768, one request)
+    max_model_len: int | None = None  # longest decoder sequence; default: the model's decoder positions
+    # What a preempted request gives up: swap (its KV blocks go to CPU) or recompute; default: swap.
+    preemption_mode: str | None = field(default=None, metadata={"choices": ("swap", "recompute")})
+    # Admission order: fcfs, or priority (generate(..., priority=[...]), smallest number first).
+    scheduling_policy: str = field(default="fcfs", metadata={"choices": ("fcfs", "priority")})
+    logits_processors: list[Any] | None = None  # custom logits processors: pkg.module:Class (or classes)
+    # Attention implementation; default: xformers on CUDA where its kernels run, else torch_sdpa.
+    attention_backend: str | None = field(default=None, metadata={"choices": ("torch_sdpa", "xformers")})
+    enforce_eager: bool = False  # reserved for CUDA graphs on GPU (no effect on CPU)
+    # Requests with the same encoder input share one encoder pass and cross-attention table.
     enable_encoder_cache: bool = True
-    # CPU torch threads, process-wide: applied by ``LLM`` (configure_cpu_runtime);
-    # LLMEngine itself never changes process state. None = leave as is.
+    # CPU threads for torch, set process-wide by LLM (configure_cpu_runtime; LLMEngine
+    # never changes process state); default: leave the process's setting.
     num_threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):

@@ -5,32 +5,15 @@ import argparse
 import json
 import sys
 
+from encdec.entrypoints.cli_options import add_engine_args, engine_options
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF hub id or local checkpoint directory")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
-    p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU swap for KV blocks")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["xformers", "torch_sdpa"])
-    p.add_argument("--logits-processors", nargs="*", default=None,
-                   help="custom logits processors as pkg.module:Class")
-    p.add_argument("--enable-encoder-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="share one encoder pass and cross-attention table between requests "
-                        "with the same encoder input (default: on)")
+    add_engine_args(p.add_argument_group("engine options (as LLM takes them)"))
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
-                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                logits_processors=args.logits_processors, enable_encoder_cache=args.enable_encoder_cache)
+engine_kwargs = engine_options  # the engine options given (--model included), as LLM(**...) takes them
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -55,7 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompts = [ExplicitEncoderDecoderPrompt(encoder_prompt=p, decoder_prompt=args.decoder_prompt)
                    for p in prompts]
     configure_cpu_runtime()  # a program owns its process: full CPU speed
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**engine_options(args))
     # The checkpoint's generation defaults (e.g. bart-large-cnn's 4 beams), then the flags given.
     params = with_overrides(
         llm.get_default_sampling_params(), max_tokens=args.max_tokens, temperature=args.temperature,
@@ -89,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``encdec``'s parser, every subcommand's options included."""
     parser = argparse.ArgumentParser(prog="encdec", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -135,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_server_args(sv)
     sv.set_defaults(func=_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as e:

