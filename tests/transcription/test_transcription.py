@@ -18,7 +18,7 @@ from encdec.transcribe import _as_inputs
 from encdec.transcription import TranscribeOptions, TranscriptionJob
 
 torch.set_num_threads(1)
-SPEECH = os.path.join(os.path.dirname(__file__), "data", "speech")
+SPEECH = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
 MAX_STEPS = 3000  # bound on engine steps in the hand-driven loop
 
 
@@ -148,7 +148,7 @@ def test_transcribe_uses_only_public_engine_methods(llm, clips, long_wav):
         llm.transcribe(audios, use_tqdm=False, mode="independent")
     assert engine.used["add_processed_request"] == 3 and engine.used["step"] > 0
     assert set(engine.used) <= PublicEngine.PUBLIC
-    root = os.path.join(os.path.dirname(__file__), "..", "encdec")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "encdec")
     for path in [os.path.join(root, "transcribe.py"), *glob.glob(os.path.join(root, "transcription", "*.py"))]:
         src = open(path).read()
         assert not re.search(r"\b(llm|engine)\._", src), path
@@ -197,3 +197,20 @@ def test_input_forms():
     assert len(_as_inputs((a, a))) == 2 and len(_as_inputs((a, True))) == 2
     with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
         TranscribeOptions(sampling_params={"temperature": 0})
+
+
+def test_transcribe_takes_a_transcribe_options_or_its_fields_by_keyword(llm, clips):
+    files, _ = clips
+    options = TranscribeOptions(mode="independent", timestamps=True)
+    by_options = llm.transcribe(files[0], options, use_tqdm=False)
+    assert by_options == llm.transcribe(files[0], mode="independent", timestamps=True, use_tqdm=False)
+    assert by_options[0].text.strip() and by_options[0].segments[0].end > 0
+    with pytest.raises(TypeError, match="not both"):
+        llm.transcribe(files[0], options, mode="sequential")
+    with pytest.raises(TypeError, match="options must be a TranscribeOptions, got dict"):
+        llm.transcribe(files[0], {"mode": "independent"})
+    with pytest.raises(TypeError, match="beam_sise"):
+        llm.transcribe(files[0], beam_sise=2)
+    with pytest.raises(ValueError, match="initial_prompt or its older name prompt"):
+        llm.transcribe(files[0], prompt="a", initial_prompt="b")
+    assert_engine_empty(llm)
