@@ -41,8 +41,6 @@ from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encde
     special_token_ids,
 )
 
-N_FRAMES = 3000  # 30 s of 10 ms mel frames; the encoder input length
-N_POSITIONS = 1500  # encoder outputs per 30 s window (conv2 has stride 2)
 # Windows per encoder call on CPU. A window's activations are 2.3 MB (tiny) and
 # its fc1 output 9.2 MB, so a few windows stay in the last-level cache between
 # ops while 16 do not: tiny.en per window, 2 threads, AMD EPYC with 32 MiB L3:
