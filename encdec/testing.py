@@ -156,10 +156,11 @@ def _lang_tokenizer(out_dir: str, vocab_size: int, langs: tuple[str, ...], singl
 
 def make_random_m2m100(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_model: int = 64,
                        layers: int = 2, heads: int = 4, ffn: int = 128, max_positions: int = 256,
-                       init_std: float = 0.2, langs: tuple[str, ...] = M2M100_LANGS,
+                       init_std: float = 1.0, langs: tuple[str, ...] = M2M100_LANGS,
                        generation: dict | None = None, **overrides) -> str:
     """Random M2M100 (pre-norm, sinusoidal positions past <pad>, ``scale_embedding``,
-    relu); its tokenizer writes ``<src_lang> text </s>`` with ``langs[0]`` as the
+    relu); ``init_std`` 1.0: below it the fixed positions are too weak against the
+    scaled token embeddings and greedy outputs repeat one token. Its tokenizer writes ``<src_lang> text </s>`` with ``langs[0]`` as the
     source and holds every code of ``langs`` as an added special token.
     ``generation``: default M2M100's (5 beams, lengths scaled down)."""
     from transformers import M2M100Config, M2M100ForConditionalGeneration

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 _MODELS = {
     "BartForConditionalGeneration": "encdec.models.bart",
     "BartModel": "encdec.models.bart",
+    "M2M100ForConditionalGeneration": "encdec.models.m2m100",
     "MarianMTModel": "encdec.models.marian",
     "WhisperForConditionalGeneration": "encdec.models.whisper",
 }
