@@ -39,8 +39,10 @@ class BeamSearchParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    forced_bos_token_id: int | None = None  # HF: forced as the first generated token
-    forced_eos_token_id: int | None = None  # HF: forced when one token is left
+    # HF: forced as the first generated token / when one token is left. None: the
+    # checkpoint's generation config decides (HF's merge rule); False: none forced.
+    forced_bos_token_id: int | bool | None = None
+    forced_eos_token_id: int | bool | None = None
     # Also report each hypothesis' log-probs renormalised after the processors, summed
     # (BeamCompletionOutput.renormalized_logprob: HF Whisper's fallback average); one
     # more vocabulary-wide pass per step, so off unless asked for.
@@ -53,7 +55,8 @@ class BeamSearchParams:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
             setattr(self, name, check_int(name, getattr(self, name)))
         for name in ("max_tokens", "forced_bos_token_id", "forced_eos_token_id"):
-            setattr(self, name, check_int(name, getattr(self, name), none_ok=True))
+            if not (name.startswith("forced") and getattr(self, name) is False):
+                setattr(self, name, check_int(name, getattr(self, name), none_ok=True))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "renormalized_logprob"):
             setattr(self, name, check_bool(name, getattr(self, name)))
         for name in ("length_penalty", "temperature"):

@@ -28,7 +28,7 @@ class BeamRowParams(SamplingParams):
         """``best_of = beam_width``: the group is made with ``beam_width`` sequences,
         which share the decoder prompt's blocks and the one cross table."""
         extra = {key: getattr(params, key) for key in ("forced_bos_token_id", "forced_eos_token_id")
-                 if getattr(params, key) is not None}
+                 if getattr(params, key) is not None and getattr(params, key) is not False}
         return cls(
             n=1, best_of=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, stop=list(params.stop),

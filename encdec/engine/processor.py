@@ -8,6 +8,7 @@ rules, the vocabulary size) is asked of the worker through public calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq  # encdec.sequence.Sequence is the other one
@@ -23,6 +24,9 @@ from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
 from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.registry import get_model_hooks
 from encdec.sampling_params import SamplingParams
+
+# Generation-config tokens a request inherits from the checkpoint unless it sets them.
+FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")
 
 
 def load_tokenizer(hooks: Any, path: str) -> Any:
@@ -116,16 +120,46 @@ class Processor:
         if params is None:
             params = SamplingParams()
         if isinstance(params, BeamSearchParams):  # beam search: its rows run greedy params
-            params = BeamRowParams.from_beam_params(params)
-        if not isinstance(params, SamplingParams):
+            params = BeamRowParams.from_beam_params(self._forced_tokens(params))
+        elif not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params = params.clone()
+        else:
+            params = self._forced_tokens(params.clone())
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
         params.verify_against(self.vocab_size)
         self._validate_params(params)
         params.update_from_generation_config({"eos_token_id": self.model_config.generation_config.eos_token_id},
                                              self.eos_token_id)
+        return params
+
+    def _forced_tokens(self, params: SamplingParams | BeamSearchParams) -> SamplingParams | BeamSearchParams:
+        """HF's merge rule for the checkpoint's forced BOS/EOS (bart-large-cnn's
+        generation config forces both): a request that leaves one unset (None;
+        for ``SamplingParams`` a key absent from ``extra_args``) inherits it;
+        ``False`` turns it off for that request. Resolved here, so every path
+        (greedy, sampling, beams) sees ints or nothing. ``SamplingParams`` is
+        changed in place: pass a private copy."""
+        gen = self.model_config.generation_config
+        given = {k: (getattr(params, k) if isinstance(params, BeamSearchParams)
+                     else (params.extra_args or {}).get(k)) for k in FORCED_TOKENS}
+        resolved = {}
+        for key, value in given.items():
+            if value is None:
+                value = getattr(gen, key, None)
+                if isinstance(value, list) and len(value) == 1:
+                    value = value[0]
+            if value is not None and value is not False:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                        or not 0 <= value < self.vocab_size:
+                    raise ValueError(f"{key} must be a token id in [0, {self.vocab_size}) or False, "
+                                     f"got {value!r}")
+            resolved[key] = None if value is False else value
+        if isinstance(params, BeamSearchParams):
+            return dataclasses.replace(params, **resolved)
+        extra = {k: v for k, v in (params.extra_args or {}).items() if k not in FORCED_TOKENS}
+        extra.update({k: int(v) for k, v in resolved.items() if v is not None})
+        params.extra_args = extra or None
         return params
 
     def _check_request(self, inputs: dict, params: SamplingParams, *,

@@ -67,7 +67,10 @@ def _our_params(case, prompt_len: int) -> BeamSearchParams:
     _, k, lp, early, ngram, min_len, max_len, bos, eos, nrs = case
     return BeamSearchParams(k, max_len - prompt_len, min_tokens=max(0, min_len - prompt_len),
                             length_penalty=lp, early_stopping=early, no_repeat_ngram_size=ngram,
-                            num_return_sequences=nrs, forced_bos_token_id=bos, forced_eos_token_id=eos)
+                            num_return_sequences=nrs,
+                            # HF's explicit None turns the checkpoint's forced token off: ours is False
+                            forced_bos_token_id=False if bos is None else bos,
+                            forced_eos_token_id=False if eos is None else eos)
 
 
 def _same_tokens(ours: list[int], hf: list[int]) -> bool:
@@ -123,9 +126,11 @@ def test_stop_token_ids_are_extra_eos_ids(engines):
     llm, hf = engines["plain"]
     encs = mixed_prompts(12, seed=9)
     prompts = [TokensPrompt(prompt_token_ids=e) for e in encs]
-    free = llm.generate(prompts, BeamSearchParams(3, 20), use_tqdm=False)
+    off = dict(forced_bos_token_id=False, forced_eos_token_id=False)  # HF below: None (off)
+    free = llm.generate(prompts, BeamSearchParams(3, 20, **off), use_tqdm=False)
     stops = [out.outputs[0].token_ids[4] for out in free]  # a token each best hypothesis makes
-    outs = llm.generate(prompts, [BeamSearchParams(3, 20, stop_token_ids=[t]) for t in stops], use_tqdm=False)
+    outs = llm.generate(prompts, [BeamSearchParams(3, 20, stop_token_ids=[t], **off) for t in stops],
+                        use_tqdm=False)
     assert sum(o.outputs[0].token_ids[-1] == t for o, t in zip(outs, stops)) >= 6
     for enc, out, stop in zip(encs, outs, stops):
         with torch.inference_mode():

@@ -19,9 +19,12 @@ def llm(beam_barts):
 
 def test_beam_search_returns_every_hypothesis_best_first(llm):
     prompts = [TokensPrompt(prompt_token_ids=e) for e in mixed_prompts(6, seed=5)]
-    params = BeamSearchParams(4, 20, length_penalty=1.5)
+    # The checkpoint forces BOS and EOS (bart-large-cnn's defaults); off here, so
+    # HF's length counts the generated tokens alone (the score check below).
+    off = dict(forced_bos_token_id=False, forced_eos_token_id=False)
+    params = BeamSearchParams(4, 20, length_penalty=1.5, **off)
     outs = llm.beam_search(prompts, params)
-    gens = llm.generate(prompts, BeamSearchParams(4, 20, length_penalty=1.5, num_return_sequences=4),
+    gens = llm.generate(prompts, BeamSearchParams(4, 20, length_penalty=1.5, num_return_sequences=4, **off),
                         use_tqdm=False)
     for out, gen in zip(outs, gens):
         assert isinstance(out, BeamSearchOutput) and len(out.sequences) == 4
