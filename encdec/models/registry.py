@@ -23,6 +23,7 @@ _MODELS = {
     "BartModel": "encdec.models.bart",
     "M2M100ForConditionalGeneration": "encdec.models.m2m100",
     "MarianMTModel": "encdec.models.marian",
+    "MBartForConditionalGeneration": "encdec.models.mbart",
     "WhisperForConditionalGeneration": "encdec.models.whisper",
 }
 
