@@ -78,3 +78,17 @@ class ModelConfig:
     enforce_eager: bool = False
     generation_config: Any = field(repr=False, default=None)  # transformers GenerationConfig
     checkpoint_path: str | None = None  # the local directory ``model`` resolved to
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What the worker needs to put a model on a device (``EngineArgs.load_config()``)."""
+
+    model: str  # local directory or hub id
+    tokenizer: str | None  # None: the checkpoint's own
+    dtype: str  # as asked: "auto" or a dtype name; the worker resolves it
+    device: str  # "auto" | "cpu" | "cuda[:N]"
+    seed: int
+    max_model_len: int | None  # None: the model's decoder positions
+    attention_backend: str | None  # None: the selector's choice for the device
+    enforce_eager: bool  # reserved for CUDA graphs of decode steps (no effect on CPU)

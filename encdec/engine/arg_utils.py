@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from encdec.config import CacheConfig, PreemptionMode
+from encdec.config import CacheConfig, LoadConfig, PreemptionMode
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 
@@ -83,6 +83,13 @@ class EngineArgs:
             swap_space=self.swap_space,
             kv_cache_memory=self.kv_cache_memory,
             enable_encoder_cache=self.enable_encoder_cache,
+        )
+
+    def load_config(self) -> LoadConfig:
+        return LoadConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+            seed=self.seed, max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
         )
 
     def preemption(self) -> PreemptionMode | None:

@@ -68,7 +68,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.worker = Worker(args)
+        self.worker = Worker(args.load_config())
         mc = self.model_config = self.worker.model_config
         self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len)
         self.cache_config = self.worker.init_cache(args.cache_config(), args.max_num_seqs)

@@ -2,7 +2,7 @@
 
 Everything that knows the device lives here, built in this order by the engine:
 
-    Worker(args)                  device, checkpoint -> ModelConfig, model + weights
+    Worker(load_config)           device, checkpoint -> ModelConfig, model + weights
     worker.init_cache(...)        KV sizing (the block manager's arithmetic), CacheEngine
     worker.init_batch(...)        logits processors, InputBatch, generator, model runner
     worker.execute_model(...)     one scheduled step -> ModelRunnerOutput
@@ -20,9 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager.capacity import longest_request_blocks
-from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
+from encdec.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
 from encdec.core.scheduler_outputs import SchedulerOutputs
-from encdec.engine.arg_utils import EngineArgs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
 from encdec.models.registry import get_model_cls, get_model_hooks
@@ -95,7 +94,7 @@ class ProcessorConfig:
         self.generation_config = generation_config
 
 
-def _model_config(args: EngineArgs, ckpt: Checkpoint, dtype: torch.dtype) -> ModelConfig:
+def _model_config(args: LoadConfig, ckpt: Checkpoint, dtype: torch.dtype) -> ModelConfig:
     """The checkpoint's lengths, capped by ``max_model_len``."""
     hf_config = ckpt.hf_config
     max_dec = getattr(hf_config, "max_target_positions", None) or hf_config.max_position_embeddings
@@ -117,8 +116,8 @@ def _model_config(args: EngineArgs, ckpt: Checkpoint, dtype: torch.dtype) -> Mod
 
 
 class Worker:
-    def __init__(self, args: EngineArgs):
-        self.args = args
+    def __init__(self, args: LoadConfig):
+        self.load_config = args
         self.device = resolve_device(args.device)
         self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
