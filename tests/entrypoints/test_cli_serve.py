@@ -11,7 +11,8 @@ def test_serve_help_lists_server_and_engine_options(capsys):
         main(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("MODEL", "--host", "--port", "--api-key", "--max-audio-mb", "--kv-cache-memory",
+    for flag in ("MODEL", "--host", "--port", "--api-key", "--max-audio-mb", "--header-read-timeout",
+                 "--body-read-timeout", "--kv-cache-memory",
                  "--max-num-seqs", "--dtype", "--block-size"):
         assert flag in out
 
@@ -19,3 +20,9 @@ def test_serve_help_lists_server_and_engine_options(capsys):
 def test_serve_bad_engine_option_is_a_clear_error_before_listening(tiny_bart, capsys):
     assert main(["serve", tiny_bart, "--max-num-seqs", "0", "--port", "1"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--header-read-timeout", "--body-read-timeout"])
+def test_serve_timeouts_must_be_positive(flag, capsys):
+    assert main(["serve", "/nonexistent", flag, "0", "--port", "1"]) == 2
+    assert f"{flag} must be > 0 seconds" in capsys.readouterr().err

@@ -18,28 +18,41 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import encdec
 from encdec import configure_cpu_runtime
 from encdec.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from encdec.entrypoints.openai.cli_args import engine_args_from
+from encdec.entrypoints.openai.http_limits import BodyLimits, header_timeout_protocol
 from encdec.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from encdec.entrypoints.openai.protocol import APIError, CompletionRequest
 from encdec.entrypoints.openai.serving_completion import CompletionServer
+from encdec.entrypoints.openai.serving_transcription import TranscriptionServer
 from encdec.entrypoints.openai.sse import SSEResponse
 
 logger = logging.getLogger("encdec")
 _START = time.time()  # "created" of /v1/models
 
 
+# Room for a multipart body's boundaries and text fields beside an audio file of
+# the largest allowed size; the body is refused once it grows past this.
+FORM_ALLOWANCE = 64 << 10
+
+
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.response_body(), status_code=e.status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """Pydantic's errors -> one sentence that names the fields."""
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """Pydantic's errors -> one 400 sentence that names the fields. A body that
+    is not JSON at all names no field (pydantic's location is a character offset)."""
     parts, first = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            where = err.get("loc", ("body", "?"))[-1]
+            reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+            return APIError(400, f"the body is not valid JSON: {reason} (at character {where})")
         loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "form")]
         name = ".".join(loc) or "body"
         first = first or (loc[0] if loc else None)
@@ -47,7 +60,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"unsupported field {name!r}")
         else:
             parts.append(f"{name}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", first
+    return APIError(400, "; ".join(parts) or "invalid request", param=first)
+
+
+def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
+    """Starlette's own refusals (unknown path, wrong method, a body it cannot parse)."""
+    if e.status_code == 404:
+        return APIError(404, f"Invalid URL ({request.method} {request.url.path})", type="not_found_error")
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}"
+                        + (f"; use {allowed}" if allowed else ""))
+    return APIError(e.status_code, str(e.detail),
+                    type="invalid_request_error" if e.status_code < 500 else "internal_error")
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 9110)."""
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 class ServerState:
@@ -62,25 +93,25 @@ class ServerState:
         self.api_key = api_key
         self.max_audio_bytes = max_audio_bytes
         self.completions = CompletionServer(engine, model_name)
-        self.transcriptions = None
-        try:
-            from encdec.entrypoints.openai.serving_transcription import TranscriptionServer
-        except ImportError:  # the engine-agnostic transcription job is not in this build
-            TranscriptionServer = None
-        if TranscriptionServer is not None and TranscriptionServer.supports(engine):
-            self.transcriptions = TranscriptionServer(engine, model_name, metrics)
+        self.transcriptions = (TranscriptionServer(engine, model_name, metrics)
+                               if TranscriptionServer.supports(engine) else None)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.model_path):
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model", type="not_found_error")
 
+    def max_body_bytes(self, path: str) -> int | None:
+        """The largest body a route reads (audio uploads); None: no cap."""
+        return self.max_audio_bytes + FORM_ALLOWANCE if path.startswith("/v1/audio/") else None
+
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None = None,
               api_key: str | None = None, max_audio_mb: float = 25.0,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, body_read_timeout: float = 30.0) -> FastAPI:
     """The app around a built (not started) engine; the app's lifespan starts and
-    drains it. ``metrics`` must be the one given to the engine as ``on_step``."""
+    drains it. ``metrics`` must be the one given to the engine as ``on_step``.
+    ``body_read_timeout``: the longest wait for the next piece of a request body."""
     metrics = metrics or ServerMetrics(model_name)
     state = ServerState(engine, model_name, metrics, api_key=api_key,
                         max_audio_bytes=int(max_audio_mb * (1 << 20)),
@@ -94,6 +125,22 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
 
     app = FastAPI(title="encdec", version=encdec.__version__, lifespan=lifespan)
     app.state.server = state
+    _add_error_handlers(app)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1") and not _authorized(request, api_key):
+            return _error(APIError(401, "missing or wrong API key: send "
+                                   "'Authorization: Bearer <key>'", type="authentication_error"))
+        return await call_next(request)
+
+    app.add_middleware(BodyLimits, read_timeout=body_read_timeout, max_bytes=state.max_body_bytes)
+    _add_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours, pydantic's, starlette's, and the unexpected."""
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError) -> JSONResponse:
@@ -101,21 +148,24 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(e)
-        return _error(APIError(400, message, param=param))
+        return _error(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(_http_error(request, e))
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return _error(APIError(503, str(e), type="service_unavailable"))
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(APIError(401, "missing or wrong API key: send "
-                                       "'Authorization: Bearer <key>'", type="authentication_error"))
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unexpected error in a request handler")
+        return _error(APIError(500, f"internal error: {type(e).__name__}", type="internal_error"))
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    engine, model_name = state.engine, state.model_name
 
     @app.get("/health")
     async def health() -> Response:
@@ -130,7 +180,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -160,9 +210,6 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
     async def translations(raw: Request) -> Response:
         return await audio(raw, "translate")
 
-    return app
-
-
 
 def serve(args: argparse.Namespace) -> int:
     """Build the engine (errors show before the port opens), then run uvicorn until
@@ -170,15 +217,20 @@ def serve(args: argparse.Namespace) -> int:
     (drain), and the app's lifespan stops the engine thread."""
     import uvicorn
 
+    for flag in ("header_read_timeout", "body_read_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
     engine_args = engine_args_from(args)
     configure_cpu_runtime(engine_args.num_threads)  # a server owns its process: full CPU speed
     model_name = args.served_model_name or args.model
     metrics = ServerMetrics(model_name)
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
     app = build_app(engine, model_name=model_name, model_path=args.model, api_key=args.api_key,
-                    max_audio_mb=args.max_audio_mb, metrics=metrics)
+                    max_audio_mb=args.max_audio_mb, metrics=metrics,
+                    body_read_timeout=args.body_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=60, access_log=False)
+                            timeout_graceful_shutdown=60, access_log=False,
+                            http=header_timeout_protocol(args.header_read_timeout))
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler in
     # place before it started: make that one a no-op, so a drained server exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio upload, MiB")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    p.add_argument("--header-read-timeout", type=float, default=15.0,
+                   help="seconds a client has to send a request's line and headers; then it is dropped")
+    p.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="longest wait, seconds, for the next piece of a request body; then 408")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)

@@ -6,7 +6,7 @@ so the server and ``LLM.generate`` refuse the same things with the same words.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,7 +59,9 @@ class CompletionRequest(BaseModel):
     best_of: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: int | None = None
+    # OpenAI: an integer 0-5 (how many alternatives per token); strict, so that
+    # ``true`` (the chat API's spelling) is refused rather than read as 1.
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=5)] | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -8,15 +8,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from encdec import sampling_params as _sp
 from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_output
 from encdec.entrypoints.openai.protocol import APIError, CompletionRequest
 from encdec.entrypoints.openai.sse import DONE, sse
 from encdec.inputs import ExplicitEncoderDecoderPrompt, TokensPrompt
 from encdec.outputs import CompletionOutput, RequestOutput
-from encdec.sampling_params import SamplingParams
-
-BeamSearchParams = getattr(_sp, "BeamSearchParams", None)  # built by the beam-search issue
+from encdec.sampling_params import BeamSearchParams, SamplingParams
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.startswith("_")}
 
@@ -30,22 +27,19 @@ def refusal(e: Exception) -> APIError:
 
 
 def beam_search_params(req: CompletionRequest) -> Any:
-    """``use_beam_search=true`` -> ``BeamSearchParams``, once that class exists here.
-
-    The one place beam search is routed; the engine side (``process_request``
-    taking ``BeamSearchParams``) is wired by the beam-search issue."""
-    if BeamSearchParams is None:
-        raise APIError(400, "beam search is not available in this build (use_beam_search)",
-                       param="use_beam_search")
+    """``use_beam_search=true`` -> ``BeamSearchParams``: the one place beam search is routed."""
     if req.stream:
         raise APIError(400, "use_beam_search cannot be streamed", param="use_beam_search")
-    return BeamSearchParams(
-        beam_width=max(req.n, req.best_of or 0), max_tokens=req.max_tokens,
-        min_tokens=req.min_tokens, length_penalty=req.length_penalty,
-        num_return_sequences=req.n, ignore_eos=req.ignore_eos,
-        temperature=req.temperature or 0.0, stop=req.stop, stop_token_ids=req.stop_token_ids,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens)
+    try:
+        return BeamSearchParams(
+            beam_width=max(req.n, req.best_of or 0), max_tokens=req.max_tokens,
+            min_tokens=req.min_tokens, length_penalty=req.length_penalty,
+            num_return_sequences=req.n, ignore_eos=req.ignore_eos,
+            temperature=req.temperature or 0.0, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens)
+    except (ValueError, TypeError) as e:
+        raise refusal(e) from None
 
 
 def to_sampling_params(req: CompletionRequest) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -54,8 +55,7 @@ def _form_fields(form: Any) -> dict[str, Any]:
 def _make_job(engine: Any, data: bytes, filename: str, options: TranscribeOptions) -> Any:
     """Uploaded bytes -> a job (which decodes them once; librosa reads paths, so
     through a temporary file). Runs off the event loop."""
-    suffix = os.path.splitext(filename)[1][:10]
-    with tempfile.NamedTemporaryFile(suffix=suffix) as f:
+    with tempfile.NamedTemporaryFile(suffix=_suffix(filename)) as f:
         f.write(data)
         f.flush()
         try:
@@ -63,6 +63,13 @@ def _make_job(engine: Any, data: bytes, filename: str, options: TranscribeOption
         except ValueError as e:
             msg = str(e).replace(f"audio file {f.name!r}", "it").removeprefix("audio input 0: ")
             raise APIError(400, f"could not decode the audio file {filename!r}: {msg}", param="file") from None
+
+
+def _suffix(filename: str) -> str:
+    """The upload's extension, which decoders may go by (".mp3"), when it is a
+    plain one; the name is the client's text (NUL bytes, slashes, any length)."""
+    ext = os.path.splitext(filename)[1]
+    return ext if re.fullmatch(r"\.[A-Za-z0-9]{1,9}", ext) else ""
 
 
 class TranscriptionServer:
@@ -81,11 +88,7 @@ class TranscriptionServer:
         if not ctype.startswith("multipart/form-data"):
             raise APIError(415, f"send the audio as multipart/form-data (got content-type {ctype!r})",
                            param="file")
-        limit = state.max_audio_bytes
-        length = raw.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit + (1 << 20):
-            raise APIError(413, f"the upload is {int(length)} bytes, over the server's limit of "
-                           f"{limit} bytes of audio (--max-audio-mb)", param="file")
+        limit = state.max_audio_bytes  # the body's size is capped as it streams (http_limits.BodyLimits)
         try:
             form = await raw.form(max_files=1, max_fields=64)
         except Exception as e:  # noqa: BLE001 - starlette's multipart errors, malformed bodies
