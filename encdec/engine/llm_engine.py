@@ -89,7 +89,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
 
-    # -- what callers read (the worker's and the processor's, by their public names) --
+    # -- what callers read (the worker's parts are ``engine.worker.*``) ----------------
     @property
     def stats(self) -> SchedulerStats:
         """Live counters (encoder cache queries/hits/passes, preemptions, swaps,
@@ -105,33 +105,12 @@ class LLMEngine:
         return self.model_config.generation_config
 
     @property
-    def model_hooks(self) -> Any:
-        """The model module's hooks (``encdec.models.registry.ModelHooks``)."""
-        return self.processor.hooks
-
-    @property
     def model(self) -> Any:
         return self.worker.model
 
     @property
     def model_runner(self) -> Any:
         return self.worker.model_runner
-
-    @property
-    def cache_engine(self) -> Any:
-        return self.worker.cache_engine
-
-    @property
-    def input_batch(self) -> Any:
-        return self.worker.input_batch
-
-    @property
-    def backend(self) -> Any:
-        return self.worker.backend
-
-    @property
-    def vocab_size(self) -> int:
-        return self.worker.vocab_size
 
     def new_request_id(self) -> str:
         """A request id not in use ("0", "1", ...), so callers keep no counter of

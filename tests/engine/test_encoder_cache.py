@@ -107,7 +107,7 @@ def test_bart_sharing_under_preemption_matches_unconstrained_cache_off(tiny_bart
     stats = llm.llm_engine.stats
     assert stats.num_preempted > 0 and stats.encoder_cache_hits > 0
     assert stats.num_swapped_in == stats.num_preempted_swap
-    cache = llm.llm_engine.cache_engine
+    cache = llm.llm_engine.worker.cache_engine
     assert cache.num_swapped_out_blocks == stats.num_blocks_swapped_out
     assert cache.num_swapped_in_blocks == stats.num_blocks_swapped_in
     assert_all_free(llm)

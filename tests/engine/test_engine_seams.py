@@ -162,7 +162,7 @@ def test_prepare_packs_a_typed_model_input(tiny_bart):
     engine.add_request("a", TokensPrompt(prompt_token_ids=list(range(5, 15))), SamplingParams(max_tokens=3))
     engine.add_request("b", TokensPrompt(prompt_token_ids=[7, 8, 9]), SamplingParams(max_tokens=3, n=2))
     metas, _ = engine.scheduler.schedule()
-    inp = engine.model_runner.prepare(metas)
+    inp = engine.worker.model_runner.prepare(metas)
     assert isinstance(inp, ModelInput) and inp.encoder_inputs
     md = inp.attn_metadata
     assert inp.input_ids.tolist() == [2, 0, 2, 0] and inp.positions.tolist() == [0, 1, 0, 1]

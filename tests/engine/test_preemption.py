@@ -94,7 +94,7 @@ def test_outputs_under_pressure_match_unconstrained_run(tiny_bart, reference, mo
         assert summary(o) == summary(r), f"request {o.request_id}"
     assert sum(len(o.outputs) == 3 for o in outs) == 8
     stats = sched.stats
-    cache = llm.llm_engine.cache_engine
+    cache = llm.llm_engine.worker.cache_engine
     if mode == "swap":
         assert stats.num_preempted_swap > 0 and stats.num_preempted_recompute == 0
     else:  # single-sequence groups are recomputed; forked (n=3) ones are still swapped
@@ -124,7 +124,7 @@ def test_forked_sequences_share_cross_and_prompt_blocks(tiny_bart):
     assert len(cross) == 3 and all(bm.gpu_allocator.get_ref_count(b) == 1 for b in cross)
     assert engine.num_free_blocks()[0] == 64 - 4
     engine.step()  # each writes its own token into the shared block: two copies, one keeps it
-    assert engine.cache_engine.num_copied_blocks == 2
+    assert engine.worker.cache_engine.num_copied_blocks == 2
     tables = [bm.get_block_table(s) for s in seqs]
     assert len({t[0] for t in tables}) == 3
     assert all(bm.gpu_allocator.get_ref_count(t[0]) == 1 for t in tables)

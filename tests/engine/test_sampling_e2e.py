@@ -123,7 +123,7 @@ def test_dummy_processor_from_entry_point(tiny_bart, monkeypatch):
 
     monkeypatch.setattr(metadata, "entry_points", fake)
     llm = LLM(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01)
-    assert any(isinstance(p, DummyLogitsProcessor) for p in llm.llm_engine.input_batch.logitsprocs.all)
+    assert any(isinstance(p, DummyLogitsProcessor) for p in llm.llm_engine.worker.input_batch.logitsprocs.all)
     out = llm.generate("x y z", SamplingParams(temperature=0, max_tokens=3, extra_args={"target_token": 42}),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [42] * 3

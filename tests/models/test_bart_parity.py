@@ -129,8 +129,8 @@ def test_prefill_and_decode_logits_match_hf(tmp_path, backend):
     if backend == "xformers":
         pytest.importorskip("xformers")
     llm = LLM(path, kv_cache_memory=16 << 20, swap_space=0.01, attention_backend=backend)
-    assert llm.llm_engine.backend.get_name() == backend
-    runner = llm.llm_engine.model_runner
+    assert llm.llm_engine.worker.backend.get_name() == backend
+    runner = llm.llm_engine.worker.model_runner
     rec = _Recorder(runner.sampler, runner.input_batch)
     runner.sampler = rec
     prompts = ["The rain in spain falls", "A quick brown fox " * 8,
