@@ -14,13 +14,15 @@ Data's ``"numpy"`` (default) and ``"pandas"`` batch formats, keeps the input
 columns and adds its own.
 
 Unlike ``ray.data.llm`` (vLLM's stage), rows may carry an explicit decoder
-prompt and ``params`` may be ``BeamSearchParams``.
+prompt and ``params`` may be ``BeamSearchParams``, and a bad row (no prompt,
+undecodable audio) becomes a row with an ``error`` instead of failing its
+batch and, after Ray's retries, the job (``on_error="raise"`` to fail fast).
 """
 from __future__ import annotations
 
-import inspect
 import io
 import os
+import re
 from typing import Any
 
 try:
@@ -38,6 +40,10 @@ TASKS = ("generate", "transcribe")
 # Output columns per task; a batch that already has one of them is refused
 # rather than silently overwritten.
 OUTPUT_COLUMNS = {"generate": ("generated_text",), "transcribe": ("text", "language")}
+ON_ERROR = ("row", "raise")
+# The engine's and transcribe's prefix naming an input of a call ("prompt 3: ");
+# a row refused alone is input 0 of its call, which says nothing.
+_INDEX = re.compile(r"^(prompt|audio input) 0: ")
 
 
 class LLMPredictor:
@@ -53,6 +59,12 @@ class LLMPredictor:
     memory) and adds ``text`` and ``language``; ``transcribe_options`` are
     ``LLM.transcribe``'s keyword options (language, beam_size, timestamps, ...).
 
+    ``on_error="row"`` (default): a row the engine cannot take (no prompt, an
+    empty one, undecodable audio, a missing column) gets None outputs and its
+    message in an added ``error`` column (None on good rows); the other rows of
+    its batch complete. ``on_error="raise"``: such a row fails its batch, and
+    so the job, naming the row (no ``error`` column).
+
     ``num_threads`` sets torch's threads in the actor (the actor is its own
     process, so this is the one place to set them); None keeps what Ray gave
     the worker (``OMP_NUM_THREADS`` = the actor's ``num_cpus``). Other keyword
@@ -61,9 +73,11 @@ class LLMPredictor:
 
     def __init__(self, model: str | os.PathLike, *, task: str = "generate", params: Any = None,
                  transcribe_options: dict[str, Any] | None = None, num_threads: int | None = None,
-                 **llm_kwargs: Any):
+                 on_error: str = "row", **llm_kwargs: Any):
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if task == "transcribe" and params is not None:
             raise ValueError("params applies to task='generate'; for task='transcribe' pass "
                              "LLM.transcribe's options in transcribe_options")
@@ -85,14 +99,17 @@ class LLMPredictor:
         if "use_tqdm" in options:
             raise ValueError("transcribe_options must not set use_tqdm: actors show no progress bars")
         if task == "transcribe":
-            try:  # unknown options fail here, when the actor starts, not on the first batch
-                inspect.signature(LLM.transcribe).bind(None, None, **options)
-            except TypeError as e:
-                raise TypeError(f"transcribe_options: {e}") from None
+            from encdec.transcription.options import TranscribeOptions
+
+            try:  # bad options fail here, when the actor starts, not on the first batch
+                TranscribeOptions(**{"initial_prompt" if k == "prompt" else k: v for k, v in options.items()})
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"transcribe_options: {e}") from None
         self.task = task
         self.params = params
         self.transcribe_options = options
         self.num_threads = num_threads
+        self.on_error = on_error
         # The actor is its own process, so it sets the process-wide CPU settings
         # (threads, retained host memory) a program sets, before its engine starts.
         configure_cpu_runtime(self.num_threads)
@@ -100,42 +117,75 @@ class LLMPredictor:
 
     def __call__(self, batch: Any) -> Any:
         columns = _Columns(batch)
-        for name in OUTPUT_COLUMNS[self.task]:
+        added = OUTPUT_COLUMNS[self.task] + (("error",) if self.on_error == "row" else ())
+        for name in added:
             if name in columns.names:
                 raise ValueError(f"the batch already has a {name!r} column, which LLMPredictor "
-                                 f"(task={self.task!r}) writes; rename or drop it first")
-        if columns.num_rows == 0:
-            return columns.with_new({name: [] for name in OUTPUT_COLUMNS[self.task]})
+                                 f"(task={self.task!r}, on_error={self.on_error!r}) writes; rename or "
+                                 f"drop it first")
+        errors: list[str | None] = [None] * columns.num_rows
         if self.task == "generate":
-            return columns.with_new({"generated_text": self._generate(columns)})
-        texts, languages = self._transcribe(columns)
-        return columns.with_new({"text": texts, "language": languages})
+            inputs = self._cells(columns, "prompt", _singleton, errors)
+            if "decoder_prompt" in columns.names:
+                decoder = self._cells(columns, "decoder_prompt", _decoder_prompt, errors)
+                inputs = [_explicit(p, d) for p, d in zip(inputs, decoder)]
+        else:
+            inputs = self._cells(columns, "audio", _load_audio, errors)
+        done = self._complete(inputs, [row for row, e in enumerate(errors) if e is None], errors)
+        new = {name: [done[row][k] if row in done else None for row in range(columns.num_rows)]
+               for k, name in enumerate(OUTPUT_COLUMNS[self.task])}
+        if self.on_error == "row":
+            new["error"] = errors
+        return columns.with_new(new)
 
-    def _generate(self, columns: _Columns) -> list[str]:
-        from encdec.inputs import ExplicitEncoderDecoderPrompt
+    def _cells(self, columns: _Columns, name: str, convert: Any, errors: list[str | None]) -> list[Any]:
+        """Each row's cell of column ``name`` through ``convert``; a cell it refuses
+        (or a missing column) is its row's error, or raises naming the row."""
+        if name not in columns.names:
+            message = f"task={self.task!r} reads a {name!r} column; the batch has {columns.names}"
+            if self.on_error == "raise":
+                raise ValueError(message)
+            errors[:] = [e or f"ValueError: {message}" for e in errors]
+            return [None] * columns.num_rows
+        out: list[Any] = []
+        for row, value in enumerate(columns.get(name)):
+            try:
+                out.append(convert(value))
+            except (ValueError, TypeError) as e:
+                if self.on_error == "raise":
+                    raise type(e)(f"row {row}: {e}") from None
+                errors[row] = errors[row] or f"{type(e).__name__}: {e}"
+                out.append(None)
+        return out
 
-        prompts: list[Any] = [_singleton(v, row, "prompt")
-                              for row, v in enumerate(columns.get("prompt", self.task))]
-        if "decoder_prompt" in columns.names:
-            prompts = [ExplicitEncoderDecoderPrompt(
-                encoder_prompt=p, decoder_prompt=None if d is None else _singleton(d, row, "decoder_prompt"))
-                for row, (p, d) in enumerate(zip(prompts, columns.get("decoder_prompt", self.task)))]
+    def _complete(self, inputs: list[Any], rows: list[int], errors: list[str | None]) -> dict[int, tuple]:
+        """Outputs of ``rows`` (row -> output columns), from one engine call when
+        it takes them all. The engine checks a whole call before queuing anything,
+        so a refusal costs no decoding: with on_error="row" the rows are split in
+        halves until each refused row stands alone and gets the engine's message."""
+        if not rows:
+            return {}
         try:
-            if self.params is None:  # the checkpoint's defaults
-                outs = self.llm.generate(prompts, use_tqdm=False)
-            else:
-                outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+            return dict(zip(rows, self._run([inputs[row] for row in rows])))
         except (ValueError, TypeError) as e:
-            raise _refused(e, columns.num_rows) from e
-        return [o.outputs[0].text for o in outs]
+            if self.on_error == "raise":
+                raise _refused(e, len(errors)) from e
+            if len(rows) == 1:
+                errors[rows[0]] = f"{type(e).__name__}: {_INDEX.sub('', str(e))}"
+                return {}
+            half = len(rows) // 2
+            return {**self._complete(inputs, rows[:half], errors), **self._complete(inputs, rows[half:], errors)}
 
-    def _transcribe(self, columns: _Columns) -> tuple[list[str], list[str | None]]:
-        wavs = [_load_audio(v, row) for row, v in enumerate(columns.get("audio", self.task))]
-        try:
-            results = self.llm.transcribe(wavs, **self.transcribe_options, use_tqdm=False)
-        except (ValueError, TypeError) as e:
-            raise _refused(e, columns.num_rows) from e
-        return [r.text for r in results], [r.language for r in results]
+    def _run(self, inputs: list[Any]) -> list[tuple]:
+        """One engine call: a tuple of output columns per input."""
+        if self.task == "transcribe":
+            results = self.llm.transcribe(inputs, **self.transcribe_options, use_tqdm=False)
+            return [(r.text, r.language) for r in results]
+        if self.params is None:  # the checkpoint's defaults
+            outs = self.llm.generate(inputs, use_tqdm=False)
+        else:
+            outs = self.llm.generate(inputs, self.params, use_tqdm=False)
+        return [(o.outputs[0].text,) for o in outs]
 
 
 class _Columns:
@@ -155,9 +205,7 @@ class _Columns:
                             f"{type(batch).__module__}.{type(batch).__name__}")
         self.batch = batch
 
-    def get(self, name: str, task: str) -> list[Any]:
-        if name not in self.names:
-            raise ValueError(f"task={task!r} reads a {name!r} column; the batch has {self.names}")
+    def get(self, name: str) -> list[Any]:
         col = self.batch[name]
         return col.tolist() if _is_dataframe(self.batch) else list(col)
 
@@ -178,7 +226,7 @@ def _is_dataframe(batch: Any) -> bool:
     return isinstance(batch, pandas.DataFrame)
 
 
-def _singleton(value: Any, row: int, column: str) -> Any:
+def _singleton(value: Any, column: str = "prompt") -> Any:
     """A cell -> a prompt the engine takes: text, or token ids as a TokensPrompt."""
     from encdec.inputs import TokensPrompt
 
@@ -189,15 +237,33 @@ def _singleton(value: Any, row: int, column: str) -> Any:
     if isinstance(value, (list, tuple)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value):
         return TokensPrompt(prompt_token_ids=[int(t) for t in value])
-    raise TypeError(f"row {row}: {column!r} must be text or a list of token ids, "
+    raise TypeError(f"{column!r} must be text or a list of token ids, "
                     f"got {type(value).__name__} {_preview(value)}")
 
 
-def _load_audio(value: Any, row: int) -> np.ndarray:
+def _decoder_prompt(value: Any) -> Any:
+    return None if value is None else _singleton(value, "decoder_prompt")
+
+
+def _explicit(prompt: Any, decoder_prompt: Any) -> Any:
+    from encdec.inputs import ExplicitEncoderDecoderPrompt
+
+    return ExplicitEncoderDecoderPrompt(encoder_prompt=prompt, decoder_prompt=decoder_prompt)
+
+
+def _load_audio(value: Any) -> np.ndarray:
     """A cell (path or encoded bytes) -> 16 kHz mono float32, decoded once, here,
-    so that an unreadable file names its row."""
+    so that an unreadable file is its row's error."""
     from encdec.audio import load_audio
 
+    if isinstance(value, (bytes, bytearray, memoryview)) and _is_path_text(bytes(value)):
+        # Arrow types a column by its values: one that mixes paths and bytes is
+        # ``binary``, and its paths arrive as their UTF-8 bytes.
+        path = bytes(value).decode("utf-8")
+        if not os.path.exists(path):
+            raise ValueError(f"'audio' bytes {_preview(bytes(value))} are text, not audio, and name no "
+                             f"file when read as a path (as a column mixing paths and bytes gives them)")
+        value = path
     if isinstance(value, (str, os.PathLike)):
         source: Any = os.fspath(value)
     elif isinstance(value, (bytes, bytearray, memoryview)):
@@ -206,17 +272,27 @@ def _load_audio(value: Any, row: int) -> np.ndarray:
         try:
             data, sr = soundfile.read(io.BytesIO(bytes(value)), dtype="float32")
         except Exception as e:  # soundfile raises its own LibsndfileError and RuntimeError
-            raise ValueError(f"row {row}: 'audio' bytes ({len(value)} bytes) cannot be decoded: "
+            raise ValueError(f"'audio' bytes ({len(value)} bytes) cannot be decoded: "
                              f"{type(e).__name__}: {e}; formats libsndfile cannot read in memory "
                              f"(e.g. m4a) must be given as paths") from None
         source = (data, int(sr))
     else:
-        raise TypeError(f"row {row}: 'audio' must be a path or the file's bytes, got "
+        raise TypeError(f"'audio' must be a path or the file's bytes, got "
                         f"{type(value).__name__} {_preview(value)}")
+    return load_audio(source)
+
+
+def _is_path_text(data: bytes) -> bool:
+    """Bytes that can only be a path: UTF-8 text of a path's length without NUL.
+    No audio file is: each format's header holds NUL bytes (WAV/AIFF/M4A sizes,
+    FLAC, Ogg, ID3) or bytes that are not UTF-8 (an MPEG frame's 0xFF sync)."""
+    if not 0 < len(data) <= 4096 or b"\0" in data:
+        return False
     try:
-        return load_audio(source)
-    except ValueError as e:
-        raise ValueError(f"row {row}: {e}") from None
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _refused(e: Exception, num_rows: int) -> Exception:

@@ -1,5 +1,6 @@
 """Jobs on a local Ray cluster (2 CPUs, 127.0.0.1, no dashboard): a 2-actor pool
-gives the same rows as one process, and survives an actor dying mid-job.
+gives the same rows as one process, survives an actor dying mid-job, and turns
+bad rows into rows with an error (or fails the job with on_error="raise").
 
 One cluster serves the module; its processes are gone after teardown. Every
 job runs under a deadline, since the machine is shared and slow at times."""
@@ -124,8 +125,8 @@ def test_two_actors_transcribe_the_same_rows_as_one_process(cluster, ct2_dir):
     paths = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))[:12]
     assert len(paths) == 12
     want = LLM(str(ct2_dir), **WHISPER_KW).transcribe(paths, use_tqdm=False)
-    # The files' bytes, as read from object storage (a column is one Arrow type:
-    # paths and bytes cannot mix; paths are tested in test_predictor.py).
+    # The files' bytes, as read from object storage (paths: test_predictor.py;
+    # a column mixing both: below).
     items = [{"id": i, "audio": Path(p).read_bytes()} for i, p in enumerate(paths)]
     ds = ray.data.from_items(items).map_batches(
         LLMPredictor, fn_constructor_kwargs=dict(model=ct2_dir, task="transcribe", num_threads=1, **WHISPER_KW),
@@ -181,3 +182,54 @@ def test_a_killed_actor_is_restarted_and_no_row_is_lost(cluster, tiny_bart, bart
     crashed_pid = int(Path(marker).read_text())
     assert crashed_pid != os.getpid() and time.monotonic() - started < JOB_SECONDS
     assert [r["generated_text"] for r in rows] == want
+
+
+BAD_ROWS = {17: {"prompt": None}, 88: {}, 150: {"prompt": ""}}  # no text, no column, empty text
+
+
+def test_bad_rows_get_an_error_and_the_rest_of_their_batch_completes(cluster, tiny_bart, bart_job):
+    prompts, want = bart_job
+    items = [{"id": i, **BAD_ROWS.get(i, {"prompt": p})} for i, p in enumerate(prompts)]
+    ds = ray.data.from_items(items, override_num_blocks=8).map_batches(
+        LLMPredictor, fn_constructor_kwargs=dict(model=tiny_bart, params=GREEDY, num_threads=1, **BART_KW),
+        batch_size=25, compute=ray.data.ActorPoolStrategy(size=2), num_cpus=1)
+    with deadline(JOB_SECONDS, "the BART job with bad rows"):
+        rows = _rows_by_id(ds.take_all(), len(prompts))
+    assert len(rows) == 200
+    for i, row in enumerate(rows):
+        if i in BAD_ROWS:
+            assert row["generated_text"] is None and row["error"], row
+        else:
+            assert row["error"] is None and row["generated_text"] == want[i], (i, row)
+    assert "'prompt' must be text or a list of token ids, got NoneType" in rows[17]["error"]
+    assert "'prompt' must be text" in rows[88]["error"]  # Arrow fills a missing key with null
+    assert "empty" in rows[150]["error"]
+
+
+def test_on_error_raise_fails_the_job(cluster, tiny_bart, bart_job):
+    prompts = bart_job[0][:20]
+    items = [{"id": i, "prompt": "" if i == 7 else p} for i, p in enumerate(prompts)]
+    ds = ray.data.from_items(items, override_num_blocks=2).map_batches(
+        LLMPredictor, fn_constructor_kwargs=dict(model=tiny_bart, params=GREEDY, num_threads=1,
+                                                 on_error="raise", **BART_KW),
+        batch_size=10, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1)
+    with deadline(JOB_SECONDS, "the failing BART job"), pytest.raises(Exception) as e:
+        ds.take_all()
+    assert "refused a batch of 10 rows" in str(e.value) and "empty" in str(e.value)
+
+
+def test_a_column_mixing_bytes_and_paths_transcribes(cluster, ct2_dir):
+    paths = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))[:4]
+    want = LLM(str(ct2_dir), **WHISPER_KW).transcribe(paths, use_tqdm=False)
+    items = [{"id": i, "audio": Path(p).read_bytes() if i % 2 else p} for i, p in enumerate(paths)]
+    items.append({"id": 4, "audio": b"RIFF\0\0\0\0not a wav"})  # corrupt audio: its row's error
+    ds = ray.data.from_items(items).map_batches(
+        LLMPredictor, fn_constructor_kwargs=dict(model=ct2_dir, task="transcribe", num_threads=1, **WHISPER_KW),
+        batch_size=5, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1)
+    schema = ds.schema()
+    assert str(dict(zip(schema.names, schema.types))["audio"]) == "binary"  # the paths became bytes
+    with deadline(JOB_SECONDS, "the mixed-column Whisper job"):
+        rows = _rows_by_id(ds.take_all(), 5)
+    assert [r["text"] for r in rows[:4]] == [t.text for t in want] and all(r["text"] for r in rows[:4])
+    assert [r["error"] for r in rows[:4]] == [None] * 4
+    assert rows[4]["text"] is None and "cannot be decoded" in rows[4]["error"]

@@ -3,6 +3,7 @@ columns out, bad rows named. No cluster here (tests/ray/test_cluster.py has one)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,18 @@ def predictor(tiny_bart):
     return LLMPredictor(tiny_bart, params=GREEDY, **SMALL)
 
 
+@pytest.fixture(scope="module")
+def strict_predictor(tiny_bart):
+    return LLMPredictor(tiny_bart, params=GREEDY, on_error="raise", **SMALL)
+
+
 def test_generate_keeps_columns_and_matches_llm(predictor, bart_llm):
     batch = {"id": np.arange(4),
              "prompt": np.array(["The rain in spain", "hello world", "numbers 1 2 3", "Ada"]),
              "decoder_prompt": np.array([None, "Hi", [2, 0, 5], np.array([7, 8])], dtype=object)}
     out = predictor(batch)
-    assert list(out) == ["id", "prompt", "decoder_prompt", "generated_text"]
+    assert list(out) == ["id", "prompt", "decoder_prompt", "generated_text", "error"]
+    assert list(out["error"]) == [None] * 4
     assert out["id"] is batch["id"] and len(out["generated_text"]) == 4
     want = bart_llm.generate([
         ExplicitEncoderDecoderPrompt(encoder_prompt="The rain in spain", decoder_prompt=None),
@@ -49,7 +56,7 @@ def test_token_id_prompts_and_pandas_batches(predictor, bart_llm):
     pd = pytest.importorskip("pandas")
     ids = [[0, 50, 60, 70, 2], [0, 9, 2]]
     out = predictor(pd.DataFrame({"prompt": ids, "k": ["a", "b"]}))
-    assert list(out.columns) == ["prompt", "k", "generated_text"]
+    assert list(out.columns) == ["prompt", "k", "generated_text", "error"]
     want = bart_llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], GREEDY, use_tqdm=False)
     assert out["generated_text"].tolist() == [o.outputs[0].text for o in want]
 
@@ -69,7 +76,7 @@ def test_params_none_leaves_the_choice_to_the_engine(tiny_bart, monkeypatch):
 
 def test_empty_batch(predictor):
     out = predictor({"prompt": np.array([], dtype=object)})
-    assert len(out["generated_text"]) == 0
+    assert len(out["generated_text"]) == 0 and len(out["error"]) == 0
 
 
 @pytest.mark.parametrize("batch, error, match", [
@@ -82,11 +89,37 @@ def test_empty_batch(predictor):
      "already has a 'generated_text' column"),
     ({"prompt": np.array(["x", ""])}, ValueError, "refused a batch of 2 rows.*empty"),
 ])
-def test_bad_rows_are_named(predictor, batch, error, match):
+def test_bad_rows_fail_the_batch_with_on_error_raise(strict_predictor, batch, error, match):
     with pytest.raises(error, match=match):
-        predictor(batch)
+        strict_predictor(batch)
     # The actor's engine keeps serving after a refused batch.
-    assert len(predictor({"prompt": np.array(["fine"])})["generated_text"]) == 1
+    assert len(strict_predictor({"prompt": np.array(["fine"])})["generated_text"]) == 1
+
+
+def test_bad_rows_get_their_error_and_the_others_complete(predictor, bart_llm):
+    good = ["The rain in spain", "hello world", "numbers 1 2 3", "Ada", "tokens", "memory pages"]
+    cells = [good[0], None, good[1], "", good[2], 3.5, good[3], [0, 10**6, 2], good[4], good[5]]
+    out = predictor({"id": np.arange(10), "prompt": np.array(cells, dtype=object)})
+    want = [o.outputs[0].text for o in bart_llm.generate(good, GREEDY, use_tqdm=False)]
+    bad = {1: "TypeError: 'prompt' must be text or a list of token ids, got NoneType None",
+           3: "ValueError: the encoder prompt is empty", 5: "TypeError: 'prompt' must be text",
+           7: "ValueError: "}
+    texts = iter(want)
+    for row in range(10):
+        if row in bad:
+            assert out["generated_text"][row] is None and out["error"][row].startswith(bad[row]), out["error"][row]
+        else:
+            assert out["error"][row] is None and out["generated_text"][row] == next(texts)
+    assert "1000000" in out["error"][7] and not out["error"][7].startswith("ValueError: prompt 0")
+    assert list(out["id"]) == list(range(10))
+
+
+def test_a_missing_column_is_every_rows_error(predictor):
+    out = predictor({"text": np.array(["x", "y"])})
+    assert list(out["generated_text"]) == [None, None]
+    assert all("reads a 'prompt' column; the batch has ['text']" in e for e in out["error"])
+    with pytest.raises(ValueError, match="already has a 'error' column"):
+        predictor({"prompt": np.array(["x"]), "error": np.array([None])})
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -96,6 +129,7 @@ def test_bad_rows_are_named(predictor, batch, error, match):
     (dict(params=[GREEDY]), TypeError, "one params object"),
     (dict(params=SamplingParams(n=2, temperature=1.0)), ValueError, "2 completions per row"),
     (dict(num_threads=0), ValueError, "num_threads"),
+    (dict(on_error="skip"), ValueError, "on_error must be one of"),
     (dict(task="transcribe", transcribe_options={"use_tqdm": True}), ValueError, "progress bars"),
     (dict(task="transcribe", transcribe_options={"bogus": 1}), TypeError, "transcribe_options"),
 ])
@@ -121,15 +155,38 @@ def test_audio_paths_and_bytes_give_the_same_transcript(whisper_predictor):
     assert "lazy dog" in from_paths["text"][0]  # "The quick brown fox jumps over the lazy dog."
 
 
-@pytest.mark.parametrize("cell, error, match", [
-    (b"not audio at all", ValueError, "row 1: 'audio' bytes \\(16 bytes\\) cannot be decoded"),
-    ("/nonexistent/clip.wav", ValueError, "row 1: audio file '/nonexistent/clip.wav' does not exist"),
-    (12, TypeError, "row 1: 'audio' must be a path or the file's bytes"),
-])
-def test_bad_audio_rows_are_named(whisper_predictor, cell, error, match):
+BAD_AUDIO = [
+    (b"\0not audio at all", ValueError, "'audio' bytes \\(17 bytes\\) cannot be decoded"),
+    (b"not audio at all", ValueError, "'audio' bytes b'not audio at all' are text, not audio, and name no file"),
+    ("/nonexistent/clip.wav", ValueError, "audio file '/nonexistent/clip.wav' does not exist"),
+    (12, TypeError, "'audio' must be a path or the file's bytes"),
+    (None, TypeError, "'audio' must be a path or the file's bytes, got NoneType"),
+]
+
+
+@pytest.mark.parametrize("cell, error, match", BAD_AUDIO)
+def test_bad_audio_rows_are_named(ct2_dir, whisper_predictor, cell, error, match):
     good = os.path.join(SPEECH, "s00.wav")
-    with pytest.raises(error, match=match):
-        whisper_predictor({"audio": np.array([good, cell], dtype=object)})
+    strict = LLMPredictor(ct2_dir, task="transcribe", num_threads=1, on_error="raise", kv_cache_memory=64 << 20,
+                          swap_space=0.05)
+    with pytest.raises(error, match="row 1: " + match):
+        strict({"audio": np.array([good, cell], dtype=object)})
+    out = whisper_predictor({"audio": np.array([good, cell, good], dtype=object)})
+    assert out["error"][0] is None and out["error"][2] is None and "lazy dog" in out["text"][2]
+    assert out["text"][1] is None and out["language"][1] is None
+    assert re.match(f"{error.__name__}: {match}", out["error"][1]), out["error"][1]
+
+
+def test_a_column_of_paths_and_bytes_as_arrow_stores_it(whisper_predictor):
+    """Arrow types a column mixing paths and bytes as binary: the paths arrive as bytes."""
+    import pyarrow as pa
+
+    paths = [os.path.join(SPEECH, f"s0{i}.wav") for i in range(2)]
+    column = pa.array([Path(paths[0]).read_bytes(), paths[1]])
+    assert column.type == pa.binary() and column[1].as_py() == paths[1].encode()
+    mixed = whisper_predictor({"audio": column.to_numpy(zero_copy_only=False)})
+    from_paths = whisper_predictor({"audio": np.array(paths, dtype=object)})
+    assert list(mixed["text"]) == list(from_paths["text"]) and list(mixed["error"]) == [None, None]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
