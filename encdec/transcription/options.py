@@ -47,6 +47,9 @@ class TranscribeOptions:
     clip_timestamps: tuple[float, ...] | None = None  # [start, end, ...] seconds to transcribe (CLI: 0,10.5)
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
     word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
+    # sequential mode, with word_timestamps: skip silences longer than this (s) around likely
+    # hallucinations (faster-whisper's rule; transcription.silence)
+    hallucination_silence_threshold: float | None = None
     vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
     vad_parameters: dict | None = None  # overrides of vad.VAD_DEFAULTS (independent: INDEPENDENT_VAD_DEFAULTS)
     # sequential: openai/whisper's long-form algorithm with fallback and conditioning;
@@ -82,6 +85,7 @@ class TranscribeOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"{name} must be a number or None, got {value!r}")
+        _check_hallucination_silence_threshold(self)
         if self.clip_timestamps is not None:
             object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
         if self.vad_parameters is not None:
@@ -111,6 +115,20 @@ class TranscribeOptions:
                                      timestamps=self.timestamps)
         if self.sampling_params is not None:
             engine.process_request(window_prompt(_PROBE, dec), self.sampling_params)
+
+
+def _check_hallucination_silence_threshold(options: TranscribeOptions) -> None:
+    value = options.hallucination_silence_threshold
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"hallucination_silence_threshold must be a number of seconds > 0 or None, got {value!r}")
+    if not options.word_timestamps:
+        raise ValueError("hallucination_silence_threshold needs word_timestamps=True: it finds hallucinations "
+                         "by their words' probabilities and timing")
+    if options.mode != "sequential":
+        raise ValueError("hallucination_silence_threshold applies to mode='sequential' (it moves the seek "
+                         f"of the next window), got mode={options.mode!r}")
 
 
 def _check_vad_parameters(value: Any, vad_filter: bool) -> None:

@@ -135,11 +135,16 @@ class SequentialJob:
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         # No speech at all: no window is decoded (a multilingual model still detects the language).
         self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
-        self._aligner = None
+        self._aligner = self._silence = None
         if options.word_timestamps:
             from encdec.transcription.alignment import WordAligner
 
             self._aligner = WordAligner(engine.model, hf, engine.generation_config, engine.tokenizer)
+        if options.hallucination_silence_threshold is not None:
+            from encdec.transcription.silence import HallucinationFilter, silent_frames
+
+            self._silence = HallucinationFilter(options.hallucination_silence_threshold,
+                                                silent_frames(wav, self._features.shape[1]))
         self._clip, self._seek = 0, self._clips[0][0]
         encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)
         self._prompt_text = encode(options.initial_prompt) if options.initial_prompt else []
@@ -365,15 +370,21 @@ class SequentialJob:
                                       timestamp_begin=self._ids.timestamp_begin)
             new: list[Segment] = []
             for s in segs:
-                self._history.append(s.tokens)
                 text = self._tokenizer.decode([x for x in s.tokens if x < eot], skip_special_tokens=True)
                 new.append(Segment(s.start, s.end, text, seek=w.seek, tokens=s.tokens, temperature=t,
                                    avg_logprob=avg, compression_ratio=ratio, no_speech_prob=w.no_speech_prob))
+            resume = None
             if self._aligner is not None:
                 self._add_words(w, new)
+            if self._silence is not None:  # likely hallucinations in silence: dropped, decoding resumes later
+                keep, resume = self._silence.apply(new, w.seek, w.num_frames)
+                new = new[:keep]
+            self._history += [s.tokens for s in new]
             self.segments += new
-            # A window must move on (HF would loop forever on <|0.00|><|0.00|> at its end).
-            self._seek += step if step > 0 else w.num_frames
+            if resume is not None:
+                self._seek = resume
+            else:  # a window must move on (HF would loop forever on <|0.00|><|0.00|> at its end)
+                self._seek += step if step > 0 else w.num_frames
         self._next_window()
 
     def _add_words(self, w: _Window, segments: list[Segment]) -> None:
