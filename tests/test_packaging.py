@@ -48,7 +48,8 @@ def installed(tmp_path_factory) -> dict:
     names = zipfile.ZipFile(wheel).namelist()
     kernels = [f"encdec/kernels/cpu/{name}_cpu.{ext}" for name in ("dense_attention", "paged_attention",
                "small_linear", "greedy", "whisper_rules", "decoder_step") for ext in ("c", "py")]
-    for shipped in (*kernels, "encdec/kernels/cpu/vector_math.h", "encdec/kernels/cpu/build.py",
+    kernels += [f"encdec/kernels/cpu/{name}" for name in ("vector_math.h", "team.h", "build.py")]
+    for shipped in (*kernels,
                     "encdec/benchmarks/bart_bench.py", "encdec/benchmarks/whisper_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
 

@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from encdec import LLM, SamplingParams, TokensPrompt
-from encdec.cpu_threads import SMALL_STEP_ROWS, bandwidth_threads, single_thread
+from encdec import cpu_threads
+from encdec.cpu_threads import SMALL_STEP_ROWS, bandwidth_threads, cgroup_cpu_limit, kernel_threads, single_thread
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    # These tests are about the count set aside, not the cap at the cores the
+    # process can get (tested below): a 1-core host gets 2 as well.
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -76,3 +80,53 @@ def test_runner_threads_per_step_kind(tiny_bart, two_threads):
     assert all(t == (1 if n <= SMALL_STEP_ROWS else 2) for n, t in decode), decode
     assert {t for kind, _, t in seen if kind != "decode"} == {2}, seen
     assert torch.get_num_threads() == 2
+
+
+def _tree(root, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return str(root)
+
+
+def test_cgroup_v2_quota_is_the_lowest_on_the_path(tmp_path):
+    root = _tree(tmp_path, {"cpu.max": "max 100000", "a/cpu.max": "150000 100000",
+                            "a/b/cpu.max": "max 100000"})
+    assert cgroup_cpu_limit("0::/a/b\n", root) == 1.5  # the parent's quota binds its children
+    assert cgroup_cpu_limit("0::/\n", root) is None  # "max": no quota
+    assert cgroup_cpu_limit("0::/elsewhere\n", root) is None
+    assert cgroup_cpu_limit("", root) is None
+
+
+def test_cgroup_v1_quota(tmp_path):
+    root = _tree(tmp_path, {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000", "cpu,cpuacct/job/cpu.cfs_period_us": "100000",
+                            "cpu,cpuacct/free/cpu.cfs_quota_us": "-1", "cpu,cpuacct/free/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_limit("4:cpu,cpuacct:/job\n3:memory:/x\n", root) == 0.5
+    assert cgroup_cpu_limit("4:cpu,cpuacct:/free\n", root) is None  # -1: no quota
+
+
+def test_available_cores_is_affinity_capped_by_the_quota_rounded_up(monkeypatch):
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for quota, want in [(None, 4), (1.5, 2), (0.2, 1), (8.0, 4)]:
+        monkeypatch.setattr(cpu_threads, "cgroup_cpu_limit", lambda text, q=quota: q)
+        cpu_threads.available_cores.cache_clear()
+        assert cpu_threads.available_cores() == want
+    cpu_threads.available_cores.cache_clear()
+
+
+def test_kernel_and_torch_threads_never_exceed_available_cores(monkeypatch):
+    from encdec.worker import cpu_runtime
+
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 1)
+    monkeypatch.setattr(cpu_runtime, "available_cores", lambda: 1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernel_threads() == 1 and kernel_threads(8) == 1 and bandwidth_threads() == 1
+        assert cpu_runtime.configure_cpu_runtime(4, retain_freed_memory=False) == 1
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="num_threads"):
+            cpu_runtime.configure_cpu_runtime(0, retain_freed_memory=False)
+    finally:
+        torch.set_num_threads(before)

@@ -83,5 +83,6 @@ def test_main_call_runs_where_available_and_declines_with_none_elsewhere(isa, mo
         weights = decoder_step_cpu.DecoderWeights(64, 1, 64, 1e-5, 0.125, [], [[0] * 18])
         h = torch.zeros(1, 64)
         idx = torch.zeros(1, 1, dtype=torch.int32)
-        assert decoder_step_cpu.decode_step(h, weights, [torch.zeros(2, 1, 16, 1, 64)], torch.zeros(1, dtype=torch.long),
-                                            idx, idx[0], idx, idx[0], isa=isa) is None
+        slots = torch.zeros(1, dtype=torch.long)
+        assert decoder_step_cpu.decode_step(h, weights, [torch.zeros(2, 1, 16, 1, 64)], slots, idx, idx[0], idx,
+                                            idx[0], isa=isa) is None

@@ -11,9 +11,12 @@
  * regions a step, and under OMP_WAIT_POLICY=PASSIVE each wakes the sleeping
  * worker (~55 us here) and each OpenMP barrier puts one to sleep (~22 us).
  * So the old fused layer kept its matmuls on one thread. Here one region
- * runs the step and the threads meet at a spinning barrier (~0.04 us) between
- * its phases: matmuls split by column panels (small_linear_cpu.c), attention
- * by each row's slots (paged_attention_cpu.c), LayerNorm by rows.
+ * runs the step as a list of phases (team.h): matmuls in items of column
+ * panels (small_linear_cpu.c), attention in items of CHUNK slots of a row
+ * (paged_attention_cpu.c), LayerNorm and joins by rows; each item is taken by
+ * whichever thread is free, and a thread done early spins a little, then
+ * sleeps, until the phase's last item is done (a partner that lost its core
+ * to another process costs a wake-up, not a time slice).
  *
  * Measured in whole runs (AMD EPYC Zen 4, AVX-512, 2 threads; sequential
  * long-form of 8 six-minute files; a step here is the engine's, LM head and
@@ -26,14 +29,13 @@
  * rounding). GELU is the exact one (vm_gelu, or erff on the portable build).
  */
 #include <math.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
 
 #include "small_linear_cpu.c"
 #include "paged_attention_cpu.c"
+#include "team.h"
 
 const char *decoder_step_path(void) { return small_linear_path(); }
 
@@ -46,34 +48,6 @@ typedef struct {
     const float *ln3_w, *ln3_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
     float *k_cache, *v_cache;
 } layer_t;
-
-/* A barrier the threads of one region spin at: the phases of a step are tens
- * of microseconds long, and both threads arrive within a few. After many
- * spins (a preempted partner) it yields the core. */
-typedef struct {
-    atomic_int count;
-    atomic_int phase;
-} spin_barrier;
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static void barrier_wait(spin_barrier *b, int nt) {
-    if (nt == 1) return;
-    const int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
-    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == nt - 1) {
-        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
-        return;
-    }
-    for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++) {
-        if (spins < (1L << 16)) cpu_relax();
-        else sched_yield();
-    }
-}
 
 /* x = LN(h) for rows [r0, r1); (M, d). */
 static void layer_norm_rows(float *x, const float *h, const float *w, const float *b, int64_t r0, int64_t r1,
@@ -113,75 +87,77 @@ static void find_groups(int64_t *leader, const int32_t *tables, int64_t stride, 
     }
 }
 
-/* Attention of each row's q over its cached K/V into a (M, d); q rows lie
- * q_stride apart. Each thread takes its share of every row's slots, all heads
- * (the same K/V bytes, contiguous; splitting a row's heads instead had both
- * threads stream every other part of the same slots, and the step ran 2-4x
- * slower), so a step of one row, or of rows of unequal lengths, keeps both
- * cores reading. Rows with one leader (find_groups; NULL: none share) are
- * taken together, each slot read once for all. The parts meet after a
- * barrier, a share of the rows per thread:
- *     out = sum_t e^(mx_t - mx) o_t / sum_t e^(mx_t - mx) sum_t.
- * part: nt * M * (H * D + 2 H) floats shared; scores: this thread's scratch. */
-static void attend_share(float *a, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
-                         int64_t M, int64_t H, int64_t D, int64_t block_size, float scale, float *scores,
-                         float *part, spin_barrier *bar, int tid, int nt) {
-    const int64_t stride = H * D + 2 * H;  /* one part: o (H, D), mx (H), sum (H) */
-    for (int64_t l = 0; l < M; l++) {
-        if (leader && leader[l] != l) continue;  /* l leads a group (without leaders: every row alone) */
-        const int32_t t0 = (int32_t)((int64_t)lens[l] * tid / nt), t1 = (int32_t)((int64_t)lens[l] * (tid + 1) / nt);
-        const int32_t *table = tables + l * table_stride;
-        float *os[GROUP_MAX], *mx[GROUP_MAX], *sum[GROUP_MAX];
-        const float *qs[GROUP_MAX];
-        int G = 0;
-        for (int64_t m = l; m < M && (m == l || leader); m++) {
-            if (m != l && leader[m] != l) continue;
-            os[G] = part + (tid * M + m) * stride;
-            mx[G] = os[G] + H * D;
-            sum[G] = mx[G] + H;
-            qs[G++] = q + m * q_stride;
-            if (G == GROUP_MAX) {
-                attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores,
-                             mx, sum);
-                G = 0;
-            }
-        }
-        if (G)
-            attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx,
-                         sum);
-    }
-    barrier_wait(bar, nt);
-    for (int64_t m = M * tid / nt; m < M * (tid + 1) / nt; m++)
-        for (int64_t h = 0; h < H; h++) {
-            float mx = -INFINITY, total = 0.f, w[nt];
-            for (int t = 0; t < nt; t++) mx = fmaxf(mx, part[(t * M + m) * stride + H * D + h]);
-            for (int t = 0; t < nt; t++) {
-                const float *o = part + (t * M + m) * stride;
-                w[t] = o[H * D + H + h] > 0.f ? expf(o[H * D + h] - mx) : 0.f;
-                total += w[t] * o[H * D + H + h];
-            }
-            float *out = a + m * H * D + h * D;
-            for (int64_t i = 0; i < D; i++) {
-                float acc = 0.f;
-                for (int t = 0; t < nt; t++) acc += w[t] * part[(t * M + m) * stride + h * D + i];
-                out[i] = acc / total;
-            }
-        }
+/* Slots of a row's attention per work item: each item is a part of one row's
+ * (or one group's) attention, and a row's parts are joined in order. Parts
+ * are cut by this length, not by the number of threads, so the result is the
+ * same on any number of threads, whoever ran which part. A cross-attention
+ * row of Whisper (1500 slots) is 12 items, so a step of one row keeps both
+ * cores reading; 128 slots of tiny.en's K and V are 384 KB, ~20 us. */
+#define CHUNK 128
+
+static int64_t num_chunks(int32_t len) { return (len + CHUNK - 1) / CHUNK; }
+
+/* The attention items of a step: (row, chunk) for each leader row (find_groups;
+ * NULL leader: every row leads itself) and each of its chunks, in order. */
+static int64_t list_items(int64_t *items, const int32_t *lens, const int64_t *leader, int64_t M, int64_t C) {
+    int64_t n = 0;
+    for (int64_t m = 0; m < M; m++)
+        if (!leader || leader[m] == m)
+            for (int64_t c = 0; c < num_chunks(lens[m]); c++) items[n++] = m * C + c;
+    return n;
 }
 
-/* h += out(attention of the rows' q over the layer's cache): self and cross
- * attention, by their tables; a: (M, d) scratch. Ends at a barrier. */
-static void attention_block(float *h, float *a, const float *q, int64_t q_stride, const layer_t *w,
-                            const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
-                            const float *o_w, const float *o_b, int64_t M, int64_t H, int64_t D, int64_t block_size,
-                            float scale, float *scores, float *part, spin_barrier *bar, int tid, int nt) {
-    const int64_t d = H * D;
-    attend_share(a, q, q_stride, w->k_cache, w->v_cache, tables, table_stride, lens, leader, M, H, D, block_size,
-                 scale, scores, part, bar, tid, nt);
-    barrier_wait(bar, nt);
-    panel_share(h, d, a, d, o_w, o_b, M, d, d, POST_ADD, tid, nt);
-    barrier_wait(bar, nt);
+/* One attention item: chunk c of the slots of leader row l, for l and the rows
+ * it leads (each slot's K and V read once for all of them), not yet normalised,
+ * into their parts: part (m, c) at part + (m * C + c) * (H D + 2 H) holds
+ * o (H, D), mx (H), sum (H) (attend_range). q rows lie q_stride apart;
+ * scores: this thread's scratch, CHUNK * H * GROUP_MAX floats. */
+static void attend_item(int64_t item, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
+                        int64_t M, int64_t H, int64_t D, int64_t block_size, float scale, float *scores,
+                        float *part, int64_t C) {
+    const int64_t stride = H * D + 2 * H, l = item / C, c = item % C;
+    const int32_t t0 = (int32_t)(c * CHUNK), t1 = (int32_t)(t0 + CHUNK < lens[l] ? t0 + CHUNK : lens[l]);
+    const int32_t *table = tables + l * table_stride;
+    float *os[GROUP_MAX], *mx[GROUP_MAX], *sum[GROUP_MAX];
+    const float *qs[GROUP_MAX];
+    int G = 0;
+    for (int64_t m = l; m < M && (m == l || leader); m++) {
+        if (m != l && leader[m] != l) continue;
+        os[G] = part + (m * C + c) * stride;
+        mx[G] = os[G] + H * D;
+        sum[G] = mx[G] + H;
+        qs[G++] = q + m * q_stride;
+        if (G == GROUP_MAX) {
+            attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx,
+                         sum);
+            G = 0;
+        }
+    }
+    if (G)
+        attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx, sum);
+}
+
+/* Row m's attention output a (H * D) from its parts, joined in chunk order:
+ *     out = sum_c e^(mx_c - mx) o_c / sum_c e^(mx_c - mx) sum_c. */
+static void join_row(float *a, const float *part, int64_t m, int32_t len, int64_t H, int64_t D, int64_t C) {
+    const int64_t stride = H * D + 2 * H, n = num_chunks(len);
+    const float *row = part + m * C * stride;
+    for (int64_t h = 0; h < H; h++) {
+        float mx = -INFINITY, total = 0.f, w[n];
+        for (int64_t c = 0; c < n; c++) mx = fmaxf(mx, row[c * stride + H * D + h]);
+        for (int64_t c = 0; c < n; c++) {
+            const float *o = row + c * stride;
+            w[c] = o[H * D + H + h] > 0.f ? expf(o[H * D + h] - mx) : 0.f;
+            total += w[c] * o[H * D + H + h];
+        }
+        float *out = a + h * D;
+        for (int64_t i = 0; i < D; i++) {
+            float acc = 0.f;
+            for (int64_t c = 0; c < n; c++) acc += w[c] * row[c * stride + h * D + i];
+            out[i] = acc / total;
+        }
+    }
 }
 
 static int32_t max_len(const int32_t *lens, int64_t M) {
@@ -190,11 +166,15 @@ static int32_t max_len(const int32_t *lens, int64_t M) {
     return mx;
 }
 
-/* h: (M, d) residual stream, updated in place. work: at least
- * M * (6 d + ffn) + num_threads * M * (d + 2 H) floats. layers: num_layers of
- * layer_t. slots: (M,) int64, where each row's new K/V goes; self tables/lens
- * include the new token. Returns 0, or -1 where a thread's scratch could not
- * be allocated (then nothing was done). */
+/* Rows per item of the row-wise phases (LayerNorm, K/V copy, joins). */
+#define ROWS_ITEM 4
+/* The phases of one layer, in order (TEAM_PHASE numbers them l * PHASES + k). */
+enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, FC2, PHASES };
+
+/* h: (M, d) residual stream, updated in place. work: at least M * (6 d + ffn)
+ * floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
+ * new K/V goes; self tables/lens include the new token. Returns 0, or -1 where
+ * the scratch could not be allocated (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
@@ -202,50 +182,61 @@ int decoder_step_f32(
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads)
 {
     const int64_t D = d / H;
-    float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *f = a + M * d, *part = f + M * ffn;
+    float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *f = a + M * d;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
-    const int32_t longest = self_longest > cross_longest ? self_longest : cross_longest;
+    const int64_t C = num_chunks(self_longest > cross_longest ? self_longest : cross_longest);
+    const int64_t P = PHASES * num_layers, nt = num_threads > 1 ? num_threads : 1;
+    const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX, rows_items = (M + ROWS_ITEM - 1) / ROWS_ITEM;
+    /* One block: the parts (M * C of H D + 2 H), each thread's scores, both
+     * attentions' item lists, the phase counters. */
+    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (H * D + 2 * H) + nt * scores_size);
+    char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + sizeof(atomic_int) * 2 * (P + 1));
+    if (!block) return -1;
+    float *part = (float *)block, *scores_all = part + M * C * (H * D + 2 * H);
+    int64_t *self_items = (int64_t *)(block + part_bytes), *cross_items = self_items + M * C;
+    atomic_int *counters = (atomic_int *)(cross_items + M * C);
+    memset(counters, 0, sizeof(atomic_int) * 2 * (P + 1));
     int64_t leader[M];  /* rows sharing a cross table (find_groups) */
     find_groups(leader, cross_tables, cross_stride, cross_lens, M, block_size);
-    spin_barrier bar = {0, 0};
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+    const int64_t n_self = list_items(self_items, self_lens, NULL, M, C);
+    const int64_t n_cross = list_items(cross_items, cross_lens, leader, M, C);
+    team_t team = {0, 0, counters, counters + P + 1};
+#pragma omp parallel num_threads(nt)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t r0 = M * tid / nt, r1 = M * (tid + 1) / nt;  /* this thread's rows */
-        float *scores = (float *)malloc(sizeof(float) * (size_t)longest * (size_t)H * GROUP_MAX);
-        if (!scores) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        barrier_wait(&bar, nt);
-        for (int64_t l = 0; l < num_layers && !failed; l++) {
+        float *scores = scores_all + omp_get_thread_num() * scores_size;
+        for (int64_t l = 0; l < num_layers; l++) {
             const layer_t *w = layers + l;
-            layer_norm_rows(x, h, w->ln1_w, w->ln1_b, r0, r1, d, eps);
-            barrier_wait(&bar, nt);
-            panel_share(qkv, 3 * d, x, d, w->qkv_w, w->qkv_b, M, d, 3 * d, POST_NONE, tid, nt);
-            barrier_wait(&bar, nt);
-            for (int64_t m = r0; m < r1; m++) {
-                memcpy(w->k_cache + slots[m] * d, qkv + m * 3 * d + d, sizeof(float) * d);
-                memcpy(w->v_cache + slots[m] * d, qkv + m * 3 * d + 2 * d, sizeof(float) * d);
-            }
-            barrier_wait(&bar, nt);
-            attention_block(h, a, qkv, 3 * d, w, self_tables, self_stride, self_lens, NULL, w->o1_w, w->o1_b,
-                            M, H, D, block_size, scale, scores, part, &bar, tid, nt);
-            layer_norm_rows(x, h, w->ln2_w, w->ln2_b, r0, r1, d, eps);
-            barrier_wait(&bar, nt);
-            panel_share(q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE, tid, nt);
-            barrier_wait(&bar, nt);
-            attention_block(h, a, q, d, w, cross_tables, cross_stride, cross_lens, leader, w->o2_w, w->o2_b,
-                            M, H, D, block_size, scale, scores, part, &bar, tid, nt);
-            layer_norm_rows(x, h, w->ln3_w, w->ln3_b, r0, r1, d, eps);
-            barrier_wait(&bar, nt);
-            panel_share(f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU, tid, nt);
-            barrier_wait(&bar, nt);
-            panel_share(h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD, tid, nt);
-            barrier_wait(&bar, nt);
+            const int p = (int)(l * PHASES);
+#define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
+            TEAM_PHASE(&team, p + LN1, rows_items, layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps));
+            TEAM_PHASE(&team, p + QKV, matmul_items(3 * d),
+                       matmul_item(i, qkv, 3 * d, x, d, w->qkv_w, w->qkv_b, M, d, 3 * d, POST_NONE));
+            TEAM_PHASE(&team, p + KV_COPY, M, {
+                memcpy(w->k_cache + slots[i] * d, qkv + i * 3 * d + d, sizeof(float) * d);
+                memcpy(w->v_cache + slots[i] * d, qkv + i * 3 * d + 2 * d, sizeof(float) * d);
+            });
+            TEAM_PHASE(&team, p + SELF_ATT, n_self,
+                       attend_item(self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, self_tables, self_stride,
+                                   self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
+            TEAM_PHASE(&team, p + SELF_JOIN, M, join_row(a + i * d, part, i, self_lens[i], H, D, C));
+            TEAM_PHASE(&team, p + O1, matmul_items(d),
+                       matmul_item(i, h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD));
+            TEAM_PHASE(&team, p + LN2, rows_items, layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps));
+            TEAM_PHASE(&team, p + Q, matmul_items(d), matmul_item(i, q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE));
+            TEAM_PHASE(&team, p + CROSS_ATT, n_cross,
+                       attend_item(cross_items[i], q, d, w->k_cache, w->v_cache, cross_tables, cross_stride,
+                                   cross_lens, leader, M, H, D, block_size, scale, scores, part, C));
+            TEAM_PHASE(&team, p + CROSS_JOIN, M, join_row(a + i * d, part, i, cross_lens[i], H, D, C));
+            TEAM_PHASE(&team, p + O2, matmul_items(d),
+                       matmul_item(i, h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD));
+            TEAM_PHASE(&team, p + LN3, rows_items, layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps));
+            TEAM_PHASE(&team, p + FC1, matmul_items(ffn),
+                       matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU));
+            TEAM_PHASE(&team, p + FC2, matmul_items(d),
+                       matmul_item(i, h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD));
+#undef ROWS
         }
-        free(scores);
     }
-    return failed ? -1 : 0;
+    free(block);
+    return 0;
 }

@@ -103,7 +103,7 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
     if kernel is None:
         return None
     w, threads = weights, bandwidth_threads()
-    work = torch.empty(m * (6 * w.d + w.ffn) + threads * m * (w.d + 2 * w.num_heads), dtype=torch.float32)
+    work = torch.empty(m * (6 * w.d + w.ffn), dtype=torch.float32)
     table = w.table(kv_caches)
     rc = kernel(
         h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, table.data_ptr(),

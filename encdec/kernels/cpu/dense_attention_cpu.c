@@ -32,6 +32,7 @@
  * AVX-512 17.9 -> 17.6 ms.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,21 +273,18 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
     return -1;
 #else
     const int64_t ldk = (tk + 15) / 16 * 16; /* keys, zero padded to whole panels */
-    int failed = 0;
+    /* Jobs are taken one at a time by whichever thread is free (a counter, no
+     * barrier): a thread that lost its core to another process, or could not
+     * allocate its buffers, leaves its jobs to the others. */
+    atomic_llong next = 0, done = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         float *kt = alloc_floats(D * ldk);
         float *vp = alloc_floats(tk * D);
         float *s = alloc_floats(R * ldk);
         float qs[R * D] __attribute__((aligned(64)));
-        if (!kt || !vp || !s) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic)
-            for (int64_t job = 0; job < B * H; job++) {
+        if (kt && vp && s) {
+            for (int64_t job; (job = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed)) < B * H;) {
                 const int64_t b = job / H, h = job % H;
                 const float *kb = k + b * k_sb + h * D, *vb = v + b * v_sb + h * D;
                 for (int64_t t = 0; t < tk; t++) {
@@ -306,12 +304,13 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
                     for (int i = 0; i < R; i++) inv[i] = 1.0f / softmax_numerator(s + i * ldk, tk);
                     pv_rows(s, ldk, vp, tk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
                 }
+                atomic_fetch_add_explicit(&done, 1, memory_order_relaxed);
             }
         }
         free(kt);
         free(vp);
         free(s);
     }
-    return failed ? -2 : 0;
+    return done == B * H ? 0 : -2;  /* jobs left: no thread could allocate its buffers */
 #endif
 }

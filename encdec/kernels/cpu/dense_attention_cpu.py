@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from encdec.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
 
 HEAD_SIZE = 64
@@ -48,7 +49,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     rc = _KERNEL.function(isa)(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        scale, torch.get_num_threads())
+        scale, kernel_threads())
     if rc == -2:
         raise MemoryError("dense CPU attention kernel could not allocate its scratch buffers")
     return out if rc == 0 else None

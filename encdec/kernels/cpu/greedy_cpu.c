@@ -29,7 +29,7 @@ const char *greedy_path(void) { return VM_PATH; }
 int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int64_t *tok, float *lp,
                        int64_t *rank, int threads) {
     int bad = 0;
-#pragma omp parallel for if (threads > 1) num_threads(threads) schedule(static) reduction(| : bad)
+#pragma omp parallel for if (threads > 1) num_threads(threads) schedule(dynamic) reduction(| : bad)
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * stride;
         const float mx = vm_max_of(row, V);

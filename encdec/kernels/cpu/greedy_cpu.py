@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from encdec.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -42,6 +43,6 @@ def greedy_logprobs(logits: torch.Tensor, *, isa: str | None = None
     lp = torch.empty(rows, dtype=torch.float32)
     rank = torch.empty(rows, dtype=torch.int64)
     if kernel(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), tok.data_ptr(), lp.data_ptr(),
-              rank.data_ptr(), torch.get_num_threads()):
+              rank.data_ptr(), min(rows, kernel_threads())):  # a row per thread at most: no idle wake-up
         return None
     return tok, lp, rank

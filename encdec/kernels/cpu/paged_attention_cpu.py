@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from encdec.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads
+from encdec.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads, kernel_threads
 from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -46,5 +46,5 @@ def paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
-        bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else torch.get_num_threads())
+        bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else kernel_threads())
     return out

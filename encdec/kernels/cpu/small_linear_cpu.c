@@ -10,8 +10,9 @@
  * (AVX-512: 8 x 2 zmm; AVX2+FMA: 3 x 4 ymm) runs down the whole panel; more
  * rows take another tile over the same panel, which is in L2 by then. No
  * horizontal sums (the old kernel took a dot product per output and spent a
- * quarter of its time in them). Threads split the panels, so both cores stream
- * half the weight each: one core reads ~26 GB/s here, two ~32.
+ * quarter of its time in them). Threads take the panels a few at a time
+ * (panels_item), so both cores stream the weight, each as fast as its core
+ * lets it: one core reads ~26 GB/s here, two ~32.
  *
  * Measured (AMD EPYC Zen 4, AVX-512, 2 threads, the weight flushed from the
  * cache, medians; the old kernel took a dot product per output, four input rows
@@ -31,6 +32,7 @@
  * Post-ops, applied to a panel's outputs as they are written: none, exact GELU
  * (vector_math.h's vm_gelu), or adding into y (a residual stream).
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
@@ -175,16 +177,34 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
     }
 }
 
-/* This thread's panels of a matmul split between nt threads. */
-static void panel_share(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *b,
-                        int64_t M, int64_t K, int64_t N, int post, int tid, int nt) {
+/* Column panels per work item of a matmul of P panels: about 16 items for the
+ * decoder's matmuls (2-10 us each at decode sizes), at most 8 panels (an LM
+ * head of 1621 panels is ~200 items): fine enough that a thread on a free core
+ * takes over the share of one that lost its core, coarse enough that taking
+ * an item (one atomic add) costs nothing. Every panel's values are the same
+ * whichever thread computes it. */
+static int64_t panels_item(int64_t P) { return P / 16 < 1 ? 1 : P / 16 > 8 ? 8 : P / 16; }
+
+static int64_t matmul_items(int64_t N) {
     const int64_t P = (N + PW - 1) / PW;
-    panel_range(y, ldy, x, ldx, wp, b, M, K, N, P * tid / nt, P * (tid + 1) / nt, post);
+    return (P + panels_item(P) - 1) / panels_item(P);
 }
 
-/* Entry point: y (M, N) = post(x (M, K) W^T + b) on num_threads threads. */
+/* Item i of y = post(x W^T + b), y (M, N) with row stride ldy, x (M, K) with
+ * row stride ldx: its panels. */
+static void matmul_item(int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp,
+                        const float *b, int64_t M, int64_t K, int64_t N, int post) {
+    const int64_t P = (N + PW - 1) / PW, per = panels_item(P), p0 = i * per;
+    panel_range(y, ldy, x, ldx, wp, b, M, K, N, p0, p0 + per < P ? p0 + per : P, post);
+}
+
+/* Entry point: y (M, N) = post(x (M, K) W^T + b) on num_threads threads, each
+ * taking the next item while any is left. */
 void small_linear_f32(float *y, const float *x, const float *wp, const float *b,
                       int64_t M, int64_t K, int64_t N, int post, int num_threads) {
+    const int64_t n = matmul_items(N);
+    atomic_llong next = 0;
 #pragma omp parallel num_threads(num_threads)
-    panel_share(y, N, x, K, wp, b, M, K, N, post, omp_get_thread_num(), omp_get_num_threads());
+    for (int64_t i; (i = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed)) < n;)
+        matmul_item(i, y, N, x, K, wp, b, M, K, N, post);
 }

@@ -2,7 +2,7 @@
 decode step, from the weight packed once in column panels (``pack``).
 
 A decode step reads every decoder weight once; the kernel streams each panel
-once for all the step's rows, split between the threads (see the C file for
+once for all the step's rows, shared by the threads (see the C file for
 the layout and the measurements). Built by ``build.load`` for
 ``build.cpu_isa()``: AVX-512, AVX2+FMA, or plain C for "none"; ``path(isa)``
 says which code a build runs. Where no compiler works, ``available()`` is
@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from encdec.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -39,7 +40,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def small_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, *,
                  post: str = "none", threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """x (M, K) float32 -> post(x W^T + b) (M, n) from ``pack(W)``, on ``threads``
-    threads (default ``torch.get_num_threads()``); ``post`` is "none" or "gelu".
+    threads (default torch's count; at most ``available_cores()``); ``post`` is "none" or "gelu".
     None where the kernel is not built."""
     kernel = _KERNEL.function(isa)
     if kernel is None:
@@ -51,5 +52,5 @@ def small_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     assert panels.shape == (-(-n // PANEL), k, PANEL), (tuple(panels.shape), n, k)
     out = torch.empty(m, n, dtype=torch.float32)
     kernel(out.data_ptr(), x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-           m, k, n, POST[post], threads or torch.get_num_threads())
+           m, k, n, POST[post], kernel_threads(threads))
     return out
