@@ -5,7 +5,10 @@
 padded batches of 16 in input order, as a user would; each batch runs until its
 longest request is done, and only each request's own tokens count as useful.
 
-    python -m benchmarks.bart_bench [--requests 64] [--threads N] [--profile]
+    python -m benchmarks.bart_bench [--requests 64] [--threads N] [--profile] [--background-load N]
+
+With ``--background-load N`` both sides also run with N busy processes taking
+cores, printed beside the idle figures.
 """
 from __future__ import annotations
 
@@ -16,7 +19,16 @@ import statistics
 import tempfile
 import time
 
-from .common import OtherCPUMonitor, allocator_for_both_sides, isa_header, timed
+from .common import (
+    OtherCPUMonitor,
+    add_background_load_arg,
+    allocator_for_both_sides,
+    background_load,
+    isa_header,
+    load_label,
+    load_levels,
+    timed,
+)
 
 
 def make_workload(n: int, vocab: int, seed: int):
@@ -106,7 +118,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile our run")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
     ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (> 1)")
+    add_background_load_arg(ap)
     args = ap.parse_args(argv)
+    levels = load_levels(args.background_load)
 
     import torch
 
@@ -130,24 +144,32 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         run_beam_bench(model_dir, enc, out_lens, beams=args.beams, hf_batch=args.hf_batch,
                        skip_hf=args.skip_hf)
         return
-    ratios = []
+    ratios: dict[int, list[float]] = {busy: [] for busy in levels}
+    speeds: dict[int, list[float]] = {busy: [] for busy in levels}
     for rep in range(args.repeats):
-        # Alternate the two sides so slow drifts of a shared host hit both.
-        with OtherCPUMonitor() as mon:
-            useful, t_ours = run_ours(model_dir, enc, out_lens, args.profile and rep == 0)
-        ours = useful / t_ours
-        print(f"[{rep}] encdec: {useful} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; {mon.summary()}")
-        if args.skip_hf:
-            continue
-        with OtherCPUMonitor() as mon:
-            useful_hf, t_hf = run_hf(model_dir, enc, out_lens, args.hf_batch)
-        hf = useful_hf / t_hf
-        print(f"[{rep}] HF generate (batches of {args.hf_batch}): {useful_hf} tokens in {t_hf:.1f} s = "
-              f"{hf:.1f} tok/s; {mon.summary()}")
-        ratios.append(ours / hf)
-    if ratios:
-        print(f"ratio encdec / HF: {statistics.median(ratios):.2f}x (median of {len(ratios)}; "
-              f"all: {', '.join(f'{r:.2f}' for r in ratios)})")
+        for busy in levels:
+            # Alternate the two sides so slow drifts of a shared host hit both.
+            label = f"[{rep}] {load_label(busy)}"
+            with background_load(busy), OtherCPUMonitor() as mon:
+                useful, t_ours = run_ours(model_dir, enc, out_lens, args.profile and rep == 0 and not busy)
+            ours = useful / t_ours
+            speeds[busy].append(ours)
+            print(f"{label} encdec: {useful} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; {mon.summary()}")
+            if args.skip_hf:
+                continue
+            with background_load(busy), OtherCPUMonitor() as mon:
+                useful_hf, t_hf = run_hf(model_dir, enc, out_lens, args.hf_batch)
+            hf = useful_hf / t_hf
+            print(f"{label} HF generate (batches of {args.hf_batch}): {useful_hf} tokens in {t_hf:.1f} s = "
+                  f"{hf:.1f} tok/s; {mon.summary()}")
+            ratios[busy].append(ours / hf)
+    for busy in levels:
+        if busy:
+            slowdown = statistics.median(speeds[0]) / statistics.median(speeds[busy])
+            print(f"{load_label(busy)}: encdec {slowdown:.2f}x slower than idle (median tok/s)")
+        if ratios[busy]:
+            print(f"{load_label(busy)}: ratio encdec / HF: {statistics.median(ratios[busy]):.2f}x (median of "
+                  f"{len(ratios[busy])}; all: {', '.join(f'{r:.2f}' for r in ratios[busy])})")
 
 
 if __name__ == "__main__":

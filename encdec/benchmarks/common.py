@@ -1,10 +1,16 @@
-"""Shared benchmark plumbing: thread and allocator settings applied to both sides, and a
-monitor of other processes' CPU use (this machine is shared)."""
+"""Shared benchmark plumbing: thread and allocator settings applied to both sides, a
+monitor of other processes' CPU use (this machine is shared), and busy processes
+to time every side under the same competing load (``--background-load N``)."""
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 # Both sides run in this process, so these apply to our engine and HF alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -47,7 +53,8 @@ def allocator_for_both_sides() -> str:
 
 
 class OtherCPUMonitor:
-    """Samples the CPU use of every process but this one while a block runs."""
+    """Samples the CPU use of every process but this one and its children (the
+    ``background_load`` it started) while a block runs."""
 
     def __init__(self, interval: float = 0.5):
         self.interval = interval
@@ -61,8 +68,9 @@ class OtherCPUMonitor:
         procs = {}
         while not self._stop.is_set():
             total = 0.0
+            ours = {me, *(c.pid for c in psutil.Process(me).children(recursive=True))}
             for p in psutil.process_iter(["pid"]):
-                if p.pid == me:
+                if p.pid in ours:
                     continue
                 proc = procs.setdefault(p.pid, p)
                 try:
@@ -96,9 +104,43 @@ def timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
-def timed_with_load(fn):
-    """``(fn(), wall seconds, other processes' mean CPU % meanwhile)``."""
-    with OtherCPUMonitor() as cpu:
+def add_background_load_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="also time every side with N busy processes running (python -c 'while True: "
+                         "pass', one core each), beside the idle figures")
+
+
+def load_levels(busy: int) -> list[int]:
+    """The background loads to time each side under: idle, then ``busy`` processes if any."""
+    if busy < 0:
+        raise ValueError(f"--background-load must be >= 0, got {busy}")
+    return [0, busy] if busy else [0]
+
+
+def load_label(busy: int) -> str:
+    return "idle" if not busy else f"+{busy} busy"
+
+
+@contextlib.contextmanager
+def background_load(n: int) -> Iterator[list[int]]:
+    """``n`` busy processes (one core's worth each) for the block's duration; they
+    are killed by pid when it ends, however it ends. Yields their pids."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        time.sleep(0.2 if n else 0)  # running before the timed block starts
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def timed_with_load(fn, busy: int = 0):
+    """``(fn(), wall seconds, other processes' mean CPU % meanwhile)``, with ``busy``
+    busy processes of our own running meanwhile (not counted as others)."""
+    with background_load(busy), OtherCPUMonitor() as cpu:
         t = time.perf_counter()
         result = fn()
         dt = time.perf_counter() - t

@@ -2,10 +2,13 @@
 on the same clips, same weights, same threads, in one process.
 
     python -m benchmarks.whisper_bench [--model DIR] [--clips 32] [--threads 2] [--batch 16]
+        [--background-load N]
 
 Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
+With ``--background-load N`` every engine also runs with N busy processes taking
+cores, printed beside the idle figures.
 Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads)
 and with glibc keeping freed memory (``encdec.benchmarks.common.allocator_for_both_sides``).
 """
@@ -20,13 +23,20 @@ import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
-from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
+from .common import (  # noqa: E402
+    add_background_load_arg,
+    allocator_for_both_sides,
+    isa_header,
+    load_label,
+    load_levels,
+    timed_with_load,
+)
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
 
 
-def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
+def run_encdec(model_dir: str, wavs, threads: int, max_new: int, busy: int = 0):
     from encdec import LLM, SamplingParams, TextPrompt
 
     llm = LLM(model=model_dir, num_threads=threads, kv_cache_memory=1 << 30, swap_space=0.5)
@@ -40,14 +50,14 @@ def run_encdec(model_dir: str, wavs, threads: int, max_new: int):
             for p, w in zip(prompts[:2], wavs[:2])]
     llm.generate(warm, params, use_tqdm=False)
     hits = llm.llm_engine.get_stats().encoder_cache_hits
-    outs, dt, other = timed_with_load(lambda: llm.generate(prompts, params, use_tqdm=False))
+    outs, dt, other = timed_with_load(lambda: llm.generate(prompts, params, use_tqdm=False), busy)
     hits = llm.llm_engine.get_stats().encoder_cache_hits - hits
     if hits:
         print(f"note: {hits} of {len(prompts)} timed requests reused a cached encoder output")
     return [o.outputs[0].token_ids for o in outs], dt, other
 
 
-def run_hf(hf_dir: str, wavs, batch: int, max_new: int):
+def run_hf(hf_dir: str, wavs, batch: int, max_new: int, busy: int = 0):
     import torch
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
@@ -67,10 +77,10 @@ def run_hf(hf_dir: str, wavs, batch: int, max_new: int):
         return out
 
     go(wavs[:2])  # warm-up
-    return timed_with_load(go)
+    return timed_with_load(go, busy)
 
 
-def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
+def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int, busy: int = 0):
     try:
         from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
@@ -83,7 +93,7 @@ def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int):
                                                          without_timestamps=True, vad_filter=False)[0])
                 for w in wavs]
 
-    return timed_with_load(go)
+    return timed_with_load(go, busy)
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
@@ -95,7 +105,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="alternate HF/encdec this many times")
+    add_background_load_arg(ap)
     args = ap.parse_args(argv)
+    levels = load_levels(args.background_load)
 
     import soundfile as sf
     import torch
@@ -120,32 +132,44 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
 
     from encdec.models.ct2_writer import save_as_hf
 
-    rows = []
-    hf_times, our_times, ours, hf_tokens = [], [], None, None
+    hf_times: dict[int, list[float]] = {busy: [] for busy in levels}
+    our_times: dict[int, list[float]] = {busy: [] for busy in levels}
+    others: dict[tuple[str, int], float] = {}
+    ours, hf_tokens = None, None
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = save_as_hf(model_dir, tmp)
         for rep in range(args.repeats):
-            # Alternate the sides so slow drifts of a shared host hit both.
-            hf_tokens, hf_dt, hf_other = run_hf(hf_dir, wavs, args.batch, args.max_new)
-            hf_times.append(hf_dt)
-            ours, dt, other = run_encdec(model_dir, wavs, args.threads, args.max_new)
-            our_times.append(dt)
-            print(f"[{rep}] HF {hf_dt:.2f} s (others' CPU {hf_other:.0f}%), encdec {dt:.2f} s "
-                  f"(others' CPU {other:.0f}%): {hf_dt / dt:.2f}x", flush=True)
-    hf_dt, dt = statistics.median(hf_times), statistics.median(our_times)
-    rows.append(("hf generate (batch %d)" % args.batch, hf_dt, hf_other))
-    rows.append(("encdec", dt, other))
+            for busy in levels:
+                # Alternate the sides so slow drifts of a shared host hit both.
+                hf_tokens, hf_dt, others["hf", busy] = run_hf(hf_dir, wavs, args.batch, args.max_new, busy)
+                hf_times[busy].append(hf_dt)
+                ours, dt, others["encdec", busy] = run_encdec(model_dir, wavs, args.threads, args.max_new, busy)
+                our_times[busy].append(dt)
+                print(f"[{rep}] {load_label(busy)}: HF {hf_dt:.2f} s (others' CPU {others['hf', busy]:.0f}%), "
+                      f"encdec {dt:.2f} s (others' CPU {others['encdec', busy]:.0f}%): {hf_dt / dt:.2f}x",
+                      flush=True)
     if args.repeats > 1:
-        print("per run: HF " + ", ".join(f"{t:.2f}" for t in hf_times) + " s; encdec "
-              + ", ".join(f"{t:.2f}" for t in our_times) + " s; ratios "
-              + ", ".join(f"{h / o:.2f}" for h, o in zip(hf_times, our_times)) + " (medians below)")
+        for busy in levels:
+            print(f"per run, {load_label(busy)}: HF " + ", ".join(f"{t:.2f}" for t in hf_times[busy])
+                  + " s; encdec " + ", ".join(f"{t:.2f}" for t in our_times[busy]) + " s; ratios "
+                  + ", ".join(f"{h / o:.2f}" for h, o in zip(hf_times[busy], our_times[busy])) + " (medians below)")
     same = sum(a[:-1] == b for a, b in zip(ours, hf_tokens))
-    fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch)
-    if fw is not None:
-        rows.append(("faster-whisper (batch %d)" % args.batch, fw[1], fw[2]))
-    print(f"{'engine':28s} {'wall s':>8s} {'audio s/s':>10s} {'vs HF':>7s} {'others CPU %':>13s}")
-    for name, wall, other_cpu in rows:
-        print(f"{name:28s} {wall:8.2f} {audio_s / wall:10.1f} {hf_dt / wall:6.2f}x {other_cpu:13.0f}")
+    rows = []  # (engine, load, wall s, others' CPU %)
+    for busy in levels:
+        hf_name = "hf generate (batch %d)" % args.batch
+        rows.append((hf_name, busy, statistics.median(hf_times[busy]), others["hf", busy]))
+        rows.append(("encdec", busy, statistics.median(our_times[busy]), others["encdec", busy]))
+        fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch, busy)
+        if fw is not None:
+            rows.append(("faster-whisper (batch %d)" % args.batch, busy, fw[1], fw[2]))
+    idle = {name: wall for name, busy, wall, _ in rows if not busy}
+    print(f"{'engine':28s} {'load':>8s} {'wall s':>8s} {'audio s/s':>10s} {'vs HF':>7s} {'vs idle':>8s} "
+          f"{'others CPU %':>13s}")
+    for name, busy, wall, other_cpu in rows:
+        hf_dt = statistics.median(hf_times[busy])
+        vs_idle = f"{wall / idle[name]:7.2f}x" if busy else ""
+        print(f"{name:28s} {load_label(busy):>8s} {wall:8.2f} {audio_s / wall:10.1f} {hf_dt / wall:6.2f}x "
+              f"{vs_idle:>8s} {other_cpu:13.0f}")
     print(f"greedy tokens equal to HF: {same}/{len(wavs)}")
 
 

