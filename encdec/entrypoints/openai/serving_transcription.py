@@ -145,8 +145,8 @@ class TranscriptionServer:
         if req.temperature > 0:  # 0: the default ladder, Whisper's automatic fallback
             kwargs["temperature"] = (req.temperature,)
         try:
+            # the sequential mode: segments always carry times, whatever the format
             return TranscribeOptions(language=req.language, task=task, initial_prompt=req.prompt,
-                                     timestamps=req.response_format in ("srt", "vtt", "verbose_json"),
                                      word_timestamps="word" in req.timestamp_granularities, **kwargs)
         except (ValueError, TypeError) as e:
             name = next((f for f in ("language", "prompt", "temperature") if f in str(e)), None)
