@@ -218,6 +218,63 @@ def make_random_mbart(out_dir: str, *, seed: int = 0, vocab_size: int = 1000, d_
     return out_dir
 
 
+T5_STYLES = {  # style -> T5Config options
+    "t5": dict(feed_forward_proj="relu"),  # t5-small: tied head, output rescaled
+    "t5-v1.1": dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False),  # also Flan-T5 and mT5
+}
+
+
+def make_random_t5(out_dir: str, *, style: str = "t5", seed: int = 0, vocab_size: int = 1000, d_model: int = 64,
+                   d_kv: int = 12, layers: int = 2, heads: int = 4, ffn: int = 128, init_factor: float = 5.0,
+                   bias_std: float = 10.0, generation: dict | None = None, **overrides) -> str:
+    """Random T5 (<pad>=0 the decoder start, </s>=1, <unk>=2; ``heads * d_kv``
+    need not be ``d_model``, as in flan-t5-small). ``style``: "t5" (relu, tied
+    head with the ``d_model ** -0.5`` rescale) or "t5-v1.1" (gated GELU, its own
+    ``lm_head.weight`` and no rescale: T5 v1.1, Flan-T5, mT5). Weights at
+    ``init_factor`` times T5's init and a strong relative position bias
+    (``bias_std``) keep greedy outputs varied (T5 has no other position signal;
+    at T5's own scale they repeat one token). ``generation`` defaults to 4 beams, ``max_length`` 40."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    if style not in T5_STYLES:
+        raise ValueError(f"style must be one of {sorted(T5_STYLES)}, got {style!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = _save_tokenizer(_bpe_tokenizer(vocab_size, ["<pad>", "</s>", "<unk>"], []), out_dir, "$A </s>",
+                            eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    options = {**T5_STYLES[style], **overrides}
+    untied = options.get("tie_word_embeddings") is False
+    cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=ffn, num_layers=layers, num_heads=heads,
+                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=init_factor,
+                   architectures=["T5ForConditionalGeneration"], **options)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for stack in (model.encoder, model.decoder):
+            stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight.normal_(0, bias_std)
+    model.save_pretrained(out_dir)
+    if untied:  # HF saves the head tied; a v1.1 checkpoint has its own, and says so in its config
+        path = os.path.join(out_dir, "model.safetensors")
+        weights = load_file(path)
+        weights["lm_head.weight"] = torch.randn(vocab, d_model) * d_model**-0.5
+        save_file(weights, path, metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "config.json")) as f:
+            config = json.load(f)
+        config["tie_word_embeddings"] = False
+        config.pop("scale_decoder_outputs", None)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    from transformers import GenerationConfig
+
+    GenerationConfig(**(generation if generation is not None else dict(
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, max_length=40, num_beams=4))
+    ).save_pretrained(out_dir)
+    return out_dir
+
+
 def word_error_rate(reference: str, hypothesis: str) -> float:
     """jiwer WER after lower-casing, "-" -> space, and dropping punctuation (how
     tests and benchmarks score transcripts against the clips' sentences)."""

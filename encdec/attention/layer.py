@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, AttentionType, PositionBias
 
 
 class Attention(nn.Module):
@@ -30,5 +30,16 @@ class Attention(nn.Module):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
+        position_bias: PositionBias | None = None,
     ) -> torch.Tensor:
-        return self.impl.forward(query, key, value, kv_cache, attn_metadata, self.attn_type)
+        """``position_bias``: T5's relative position bias for self-attention (see
+        ``PositionBias``); cross-attention takes none."""
+        if position_bias is None:
+            return self.impl.forward(query, key, value, kv_cache, attn_metadata, self.attn_type)
+        if self.attn_type == AttentionType.ENCODER_DECODER:
+            raise ValueError("cross-attention takes no position bias")
+        if not self.impl.supports_position_bias:
+            raise ValueError(f"the {type(self.impl).__name__} attention backend takes no position bias "
+                             f"(T5); use attention_backend='torch_sdpa' or 'xformers'")
+        return self.impl.forward(query, key, value, kv_cache, attn_metadata, self.attn_type,
+                                 position_bias=position_bias)

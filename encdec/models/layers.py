@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
+from encdec.attention.backends.abstract import PositionBias
 from encdec.kernels.cpu import small_linear_cpu
 from encdec.kernels.cpu.build import cpu_isa
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
@@ -136,32 +137,39 @@ class MultiHeadAttention(nn.Module):
     the decoder); ``forward_encoder`` runs unpacked self-attention over a fixed-length
     batch ``(B, T, d)`` (Whisper's 30 s encoder), on the dense C kernel where it can.
     ``backend=None`` builds a block that runs only ``forward_encoder``.
+
+    T5's options: ``inner_dim`` (heads x head size, when not ``d_model``),
+    ``bias=False`` (no projection biases), ``scale=1.0`` (no query scaling), and
+    ``forward(..., position_bias=...)`` for its relative position bias.
     """
 
     def __init__(self, d_model: int, num_heads: int, attn_type: AttentionType,
-                 backend: type[AttentionBackend] | None):
+                 backend: type[AttentionBackend] | None, *, inner_dim: int | None = None,
+                 bias: bool = True, scale: float | None = None):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.scale = self.head_dim**-0.5
+        inner = inner_dim or d_model
+        self.num_heads, self.head_dim = num_heads, inner // num_heads
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         self.attn_type = attn_type
         if attn_type == AttentionType.ENCODER_DECODER:
-            self.q_proj = Linear(d_model, d_model)
-            self.kv_proj = Linear(d_model, 2 * d_model)  # fused k_proj, v_proj
+            self.q_proj = Linear(d_model, inner, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * inner, bias=bias)  # fused k_proj, v_proj
         else:
-            self.qkv_proj = Linear(d_model, 3 * d_model)  # fused q_proj, k_proj, v_proj
-        self.out_proj = Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * inner, bias=bias)  # fused q_proj, k_proj, v_proj
+        self.out_proj = Linear(inner, d_model, bias=bias)
         self.attn = None if backend is None else Attention(
             num_heads, self.head_dim, self.scale, backend=backend, attn_type=attn_type)
 
     def forward(self, h: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata,
-                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:  # (num_tokens, d)
+                encoder_hidden: torch.Tensor | None = None,
+                position_bias: PositionBias | None = None) -> torch.Tensor:  # (num_tokens, d)
         if self.attn_type == AttentionType.ENCODER_DECODER:
             q, k, v = self.q_proj(h), None, None  # k/v only at prefill: decode steps read the cache
             if encoder_hidden is not None and encoder_hidden.shape[0]:
-                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)  # (num_encoder_tokens, d) each
+                k, v = self.kv_proj(encoder_hidden).chunk(2, dim=-1)  # (num_encoder_tokens, inner) each
         else:
-            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, d) each
-        return self.out_proj(self.attn(q, k, v, kv_cache, md))
+            q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, inner) each
+        return self.out_proj(self.attn(q, k, v, kv_cache, md, position_bias))
 
     def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
         B, T, d = h.shape

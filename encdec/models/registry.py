@@ -24,6 +24,7 @@ _MODELS = {
     "M2M100ForConditionalGeneration": "encdec.models.m2m100",
     "MarianMTModel": "encdec.models.marian",
     "MBartForConditionalGeneration": "encdec.models.mbart",
+    "T5ForConditionalGeneration": "encdec.models.t5",
     "WhisperForConditionalGeneration": "encdec.models.whisper",
 }
 

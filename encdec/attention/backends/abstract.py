@@ -112,6 +112,84 @@ class AttentionMetadata:
         )
 
 
+class PositionBias(ABC):
+    """An additive attention bias that depends only on a query's and a key's
+    positions in their sequence (T5's relative position bias): the one hook
+    through which a model gives a bias to self-attention.
+
+    A model builds one per layer stack and step and passes it to each layer's
+    ``Attention.forward(..., position_bias=...)``; the matrices below are memoized
+    on it, so each is computed once per stack, not once per layer. Positions count
+    from a sequence's first token (a decoder's from its decoder prompt). Backends
+    that take a bias set ``AttentionImpl.supports_position_bias``; their C-kernel
+    paths decline when one is given (a C bias is future work), and cross-attention
+    never takes one. A GPU backend gets the same object: ``compute`` for any
+    positions, or the packed forms below.
+    """
+
+    num_heads: int
+
+    @abstractmethod
+    def compute(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """(H, Lq, Lk) float32 bias of queries at ``query_positions`` (Lq,) over
+        keys at ``key_positions`` (Lk,), both int64 on the bias's device."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    def _memo(self, key: tuple, make) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_memo_cache", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def prefill(self, n: int, *, causal: bool = False) -> torch.Tensor:
+        """(H, n, n): one sequence's n tokens over each other; ``causal`` adds -inf
+        above the diagonal (a decoder prefill)."""
+        def make() -> torch.Tensor:
+            pos = torch.arange(n, device=self.device)
+            bias = self.compute(pos, pos)
+            if causal:
+                bias = bias.masked_fill(torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1), float("-inf"))
+            return bias
+        return self._memo(("prefill", n, causal), make)
+
+    def decode(self, seq_lens: list[int], num_keys: int) -> torch.Tensor:
+        """(B, H, num_keys): each decode query (position ``seq_len - 1``) over keys
+        at positions 0..num_keys-1 (past a row's length: values to be masked)."""
+        def make() -> torch.Tensor:
+            q = torch.tensor(seq_lens, dtype=torch.long, device=self.device) - 1
+            return self.compute(q, torch.arange(num_keys, device=self.device)).transpose(0, 1)
+        return self._memo(("decode", tuple(seq_lens), num_keys), make)
+
+    def packed_prefill(self, lens: list[int]) -> torch.Tensor:
+        """(H, M, M), M = sum(lens): ``prefill`` blocks of packed sequences on the
+        diagonal, 0 elsewhere (the caller's block-diagonal mask hides those)."""
+        def make() -> torch.Tensor:
+            total = sum(lens)
+            out = torch.zeros(self.num_heads, total, total, device=self.device)
+            start = 0
+            for n in lens:
+                out[:, start:start + n, start:start + n] = self.prefill(n)
+                start += n
+            return out
+        return self._memo(("packed_prefill", tuple(lens)), make)
+
+    def packed_decode(self, seq_lens: list[int]) -> torch.Tensor:
+        """(H, B, sum(seq_lens)): decode query i over the packed keys, its own
+        sequence's keys at their offset, 0 elsewhere (masked by the caller)."""
+        def make() -> torch.Tensor:
+            rows = self.decode(seq_lens, max(seq_lens))  # (B, H, max_len)
+            out = torch.zeros(self.num_heads, len(seq_lens), sum(seq_lens), device=self.device)
+            start = 0
+            for i, n in enumerate(seq_lens):
+                out[:, i, start:start + n] = rows[i, :, :n]
+                start += n
+            return out
+        return self._memo(("packed_decode", tuple(seq_lens)), make)
+
+
 class AttentionImpl(ABC):
     """One layer's attention computation over packed tokens."""
 
@@ -130,6 +208,10 @@ class AttentionImpl(ABC):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.attn_type = attn_type
+
+    # True where ``forward`` takes ``position_bias`` (a ``PositionBias`` for
+    # ENCODER and DECODER self-attention); ``Attention`` refuses a bias otherwise.
+    supports_position_bias = False
 
     @abstractmethod
     def forward(

@@ -9,6 +9,9 @@ padded tensor with one index op per layer and one masked SDPA call; cross-
 attention reads each request's encoder keys as a zero-copy slice of the cache
 when its cross blocks form one ascending run (the block manager allocates them
 that way), and gathers them otherwise.
+A ``PositionBias`` (T5) enters self-attention as SDPA's additive mask: per
+prefill sequence ``bias.prefill(n)``, and ``bias.decode(seq_lens, max_len)``
+under the padding mask at decode; the C kernels are not used then.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from encdec.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionType,
+    PositionBias,
     cache_slots,
     write_to_cache,
 )
@@ -127,13 +131,17 @@ def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
 
 
 class TorchSDPAImpl(AttentionImpl):
+    supports_position_bias = True
+
     def _decode_c(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                   lens: torch.Tensor) -> torch.Tensor:
         """Paged decode without copying KV (see encdec/kernels/cpu)."""
         return paged_attention_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale)
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None,
+                position_bias: PositionBias | None = None):
         attn_type = attn_type or self.attn_type
+        pb = position_bias
         md = attn_metadata
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
         q = query.view(-1, H, D)  # (num_tokens, H, D)
@@ -146,16 +154,21 @@ class TorchSDPAImpl(AttentionImpl):
             # (none for a prefill whose cross KV is cached).
             for _, _, s, e in md.prefill_bounds:
                 if e > s:
-                    out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale)
+                    mask = None if pb is None else pb.prefill(e - s).to(q.dtype)
+                    out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale, mask=mask)
             return out.view(-1, H * D)
 
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
                 write_to_cache(k, v, kv_cache, md.slot_mapping)
             for qs, qe, _, _ in md.prefill_bounds:
-                out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
+                if pb is None:
+                    out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
+                else:
+                    mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
+                    out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
             dmd = md.decode_metadata
-            if dmd is not None and _use_c_kernel(kv_cache):
+            if dmd is not None and _use_c_kernel(kv_cache) and pb is None:
                 out[md.num_prefill_tokens:] = self._decode_c(
                     q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor)
             elif dmd is not None:
@@ -163,6 +176,9 @@ class TorchSDPAImpl(AttentionImpl):
                 flat = kv_cache.view(2, -1, Hk, D)
                 kd, vd = flat[0][slots], flat[1][slots]  # (B, L, Hk, D)
                 qd = q[md.num_prefill_tokens:, None]  # (B, 1, H, D)
+                if pb is not None:  # (B, H, 1, L): the rows' bias where real, -inf on padding
+                    rows = pb.decode(dmd.seq_lens, kd.shape[1]).to(q.dtype)[:, :, None, :]
+                    mask = torch.where(mask, rows, torch.full_like(rows, float("-inf")))
                 out[md.num_prefill_tokens:] = _sdpa(qd, kd, vd, self.scale, mask=mask)[:, 0]
             return out.view(-1, H * D)
 

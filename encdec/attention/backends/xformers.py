@@ -32,6 +32,12 @@ On CUDA the biases go to ``xformers.ops.memory_efficient_attention``. Elsewhere
 the same bias objects are materialised (``bias.materialize``, once per step and
 dtype) and applied as an additive mask with torch SDPA: a reference path, exact
 in float32, that exercises all the metadata and mask logic without a GPU.
+
+A ``PositionBias`` (T5) is added to that mask in its packed forms
+(``packed_prefill`` for encoder and decoder prefill, ``packed_decode`` at
+decode). xFormers' kernels take no block-diagonal mask plus a per-head tensor
+bias, so with a bias the reference path runs on CUDA too: correct, not fast
+(a fused GPU path is the GPU backend's work).
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ from encdec.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionType,
+    PositionBias,
     packed_slots,
     write_to_cache,
 )
@@ -136,12 +143,16 @@ def _use_kernel(device: torch.device) -> bool:
 
 
 class XFormersImpl(AttentionImpl):
+    supports_position_bias = True
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                bias: AttentionBias, md: XFormersMetadata) -> torch.Tensor:
-        """q: (Mq, H, D), k/v: (Mk, Hk, D), packed; bias over (Mq, Mk) -> (Mq, H, D)."""
+                bias: AttentionBias, md: XFormersMetadata,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (Mq, H, D), k/v: (Mk, Hk, D), packed; bias over (Mq, Mk) -> (Mq, H, D);
+        ``position_bias``: (H, Mq, Mk) added to it (reference path)."""
         Mq, H, D = q.shape
         Mk, Hk = k.shape[0], k.shape[1]
-        if _use_kernel(q.device):
+        if _use_kernel(q.device) and position_bias is None:
             if H == Hk:
                 return xops.memory_efficient_attention(
                     q[None], k[None], v[None], attn_bias=bias, scale=self.scale)[0]
@@ -153,19 +164,24 @@ class XFormersImpl(AttentionImpl):
             out = xops.memory_efficient_attention(q5, k5, v5, attn_bias=bias, scale=self.scale)
             return out.reshape(Mq, H, D)
         mask = md.materialized(bias, (Mq, Mk), q.dtype, q.device)  # (Mq, Mk), 0 or -inf
+        if position_bias is not None:
+            mask = mask + position_bias.to(q.dtype)  # (H, Mq, Mk)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (H, M, D)
             attn_mask=mask, scale=self.scale, enable_gqa=H != Hk)
         return out.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                gathered: tuple[torch.Tensor, BlockDiagonalMask], md: XFormersMetadata) -> torch.Tensor:
+                gathered: tuple[torch.Tensor, BlockDiagonalMask], md: XFormersMetadata,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor:
         slots, bias = gathered
         flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)  # (2, num_slots, Hk, D)
-        return self._attend(q, flat[0][slots], flat[1][slots], bias, md)
+        return self._attend(q, flat[0][slots], flat[1][slots], bias, md, position_bias)
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None,
+                position_bias: PositionBias | None = None):
         attn_type = attn_type or self.attn_type
+        pb = position_bias
         md = attn_metadata
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
         q = query.view(-1, H, D)  # (num_tokens, H, D)
@@ -176,7 +192,8 @@ class XFormersImpl(AttentionImpl):
             if md.num_encoder_tokens == 0:
                 return query.new_empty(0, H * D)
             pmd = md.prefill_metadata
-            return self._attend(q, k, v, pmd.encoder_bias, pmd).reshape(-1, H * D)
+            extra = None if pb is None else pb.packed_prefill(pmd.prefill_encoder_lens)
+            return self._attend(q, k, v, pmd.encoder_bias, pmd, extra).reshape(-1, H * D)
 
         if kv_cache is not None:
             assert kv_cache.shape[2] == md.block_size, (
@@ -189,9 +206,11 @@ class XFormersImpl(AttentionImpl):
             if kv_cache is not None:
                 write_to_cache(k, v, kv_cache, md.slot_mapping)
             if pmd is not None:
-                out[:P] = self._attend(q[:P], k[:P], v[:P], pmd.causal_prefill_bias, pmd)
+                extra = None if pb is None else pb.packed_prefill(pmd.prefill_q_lens)
+                out[:P] = self._attend(q[:P], k[:P], v[:P], pmd.causal_prefill_bias, pmd, extra)
             if dmd is not None:
-                out[P:] = self._decode(q[P:], kv_cache, dmd.decode_self, dmd)
+                extra = None if pb is None else pb.packed_decode(dmd.seq_lens)
+                out[P:] = self._decode(q[P:], kv_cache, dmd.decode_self, dmd, extra)
             return out.view(-1, H * D)
 
         # ENCODER_DECODER: prefill queries see their request's encoder tokens (given as
