@@ -168,6 +168,14 @@ def test_a_nul_byte_in_the_filename_is_no_500(whisper_server, filename, data, st
     good_transcription(whisper_server)
 
 
+def test_an_undecodable_upload_says_why(whisper_server):
+    resp = httpx.post(whisper_server.v1 + "/audio/transcriptions",
+                      files={"file": ("junk.wav", b"\0\1garbage" * 40, "audio/wav")}, timeout=60)
+    assert_error(resp, 400, "could not decode the audio file 'junk.wav'", "libsndfile: Format not recognised",
+                 param="file")
+    good_transcription(whisper_server)
+
+
 def test_a_chunked_upload_over_the_limit_is_refused_while_it_streams(whisper_server):
     """No Content-Length: the 2 MiB cap (--max-audio-mb 2) is counted as the body
     arrives. The body is never finished, so a 413 proves the server refused it
