@@ -164,13 +164,17 @@ BAD_AUDIO = [
 ]
 
 
+@pytest.fixture(scope="module")
+def strict_whisper_predictor(ct2_dir):
+    return LLMPredictor(ct2_dir, task="transcribe", num_threads=1, on_error="raise", kv_cache_memory=64 << 20,
+                        swap_space=0.05)
+
+
 @pytest.mark.parametrize("cell, error, match", BAD_AUDIO)
-def test_bad_audio_rows_are_named(ct2_dir, whisper_predictor, cell, error, match):
+def test_bad_audio_rows_are_named(strict_whisper_predictor, whisper_predictor, cell, error, match):
     good = os.path.join(SPEECH, "s00.wav")
-    strict = LLMPredictor(ct2_dir, task="transcribe", num_threads=1, on_error="raise", kv_cache_memory=64 << 20,
-                          swap_space=0.05)
     with pytest.raises(error, match="row 1: " + match):
-        strict({"audio": np.array([good, cell], dtype=object)})
+        strict_whisper_predictor({"audio": np.array([good, cell], dtype=object)})
     out = whisper_predictor({"audio": np.array([good, cell, good], dtype=object)})
     assert out["error"][0] is None and out["error"][2] is None and "lazy dog" in out["text"][2]
     assert out["text"][1] is None and out["language"][1] is None
