@@ -1,9 +1,14 @@
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels (encdec/kernels/triton) run on CPU tensors in the interpreter,
+    # which must be on before triton is first imported (xformers.ops imports it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

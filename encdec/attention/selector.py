@@ -10,6 +10,7 @@ logger = logging.getLogger(__name__)
 
 _BACKENDS = {
     "torch_sdpa": "encdec.attention.backends.torch_sdpa:TorchSDPABackend",
+    "torch_native": "encdec.attention.backends.torch_native:TorchNativeBackend",
     "xformers": "encdec.attention.backends.xformers:XFormersBackend",
 }
 

@@ -1,0 +1,273 @@
+"""Torch-native backend: the CUDA default, needing nothing beyond torch and triton.
+
+One attention call per layer and attention type for the whole batch (STYLE 18)::
+
+    ENCODER          flex_attention, block-diagonal mask over the packed encoder tokens
+    DECODER prefill  flex_attention, block-diagonal causal mask over the packed prompts
+    ENCODER_DECODER  flex_attention, rectangular blocks (prompt i x encoder i); when a
+      prefill        prefill reads a cached cross table (encoder cache), the Triton
+                     paged kernel over every prefill's cross table instead
+    decode (self     one Triton paged-attention launch reading the cache in place by
+      and cross)     block table (encdec/kernels/triton/paged_attention.py); decode rows
+                     sharing a cross table form one group, whose keys are read once
+
+A mixed step runs its prefill call and its decode launch. Every mask and group
+table is built once per step by ``make_metadata`` from the runner's host lists
+(no device sync) and shared by all layers; no forward loops over sequences.
+
+The block masks are built directly from the sequence boundaries (each query
+tile's range of key tiles), never by evaluating the mask over all
+(query, key) pairs: a batch of 64 Whisper windows is 96,000 encoder tokens.
+
+Where the Triton kernel declines (a CPU tensor without ``TRITON_INTERPRET=1``,
+cache blocks not a power of two of 16+ keys) decode gathers each group's keys
+with one index op and one masked SDPA call: the same math, for tests and CPU.
+On CPU flex_attention runs eagerly; on CUDA it is compiled once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from encdec.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionType,
+    cache_slots,
+    write_to_cache,
+)
+from encdec.kernels.triton.paged_attention import paged_attention
+
+logger = logging.getLogger(__name__)
+
+FLEX_BLOCK = 128  # flex_attention's query/key tile
+MAX_GROUP_ROWS = 16  # decode rows per shared-cross-table group: one query tile of the kernel
+
+
+class PagedGroups(NamedTuple):
+    """Query groups of one paged-attention launch (see kernels/triton/paged_attention)."""
+
+    tables: torch.Tensor  # (num_groups, max_blocks) int32, each group's block table
+    q_start_loc: torch.Tensor  # (num_groups + 1,) int32, prefix sum of the groups' query rows
+    kv_lens: torch.Tensor  # (num_groups,) int32, keys each group reads
+    max_q_len: int  # host copy: the longest group
+    max_kv_len: int  # host copy: the longest kv_lens
+
+
+def _i32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def shared_table_groups(tables: list[list[int]], lens: list[int],
+                        max_rows: int = MAX_GROUP_ROWS) -> list[int]:
+    """Start rows of the runs of consecutive rows with the same table and length
+    (at most ``max_rows`` each), then the row count: the groups' prefix sum."""
+    starts = []
+    for i, (t, n) in enumerate(zip(tables, lens)):
+        if not starts or t != tables[i - 1] or n != lens[i - 1] or i - starts[-1] >= max_rows:
+            starts.append(i)
+    return starts + [len(tables)]
+
+
+def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
+                   device: torch.device) -> BlockMask:
+    """flex_attention's mask for packed sequences: query token of sequence i sees
+    the key tokens of sequence i (and, causal, only those at or before it).
+    Each query tile's key tiles are the span of the sequences it touches."""
+    Q, KV = sum(q_lens), sum(kv_lens)
+    q_doc = torch.repeat_interleave(torch.arange(len(q_lens), device=device),
+                                    torch.tensor(q_lens, device=device), output_size=Q)  # (Q,)
+    kv_doc = torch.repeat_interleave(torch.arange(len(kv_lens), device=device),
+                                     torch.tensor(kv_lens, device=device), output_size=KV)  # (KV,)
+    kv_start = torch.tensor([0] + kv_lens, device=device).cumsum(0)  # (num_seqs + 1,)
+    nq, nkv = -(-Q // FLEX_BLOCK), -(-KV // FLEX_BLOCK)
+    tile_first = torch.arange(nq, device=device) * FLEX_BLOCK  # first query of each tile
+    tile_last = (tile_first + FLEX_BLOCK - 1).clamp(max=Q - 1)
+    lo = kv_start[q_doc[tile_first]] // FLEX_BLOCK  # (nq,) first key tile
+    end = kv_start[q_doc[tile_last] + 1]  # one past the last key the tile's sequences own
+    if causal:  # a query sees keys up to itself (packed positions align: no cached context)
+        end = torch.minimum(end, tile_last + 1)
+    hi = -(-end // FLEX_BLOCK)  # (nq,) one past the last key tile
+    counts = (hi - lo).to(torch.int32)
+    indices = (lo[:, None] + torch.arange(nkv, device=device)[None, :]).clamp(max=nkv - 1).to(torch.int32)
+
+    if causal:
+        def mask_mod(b, h, q, kv):
+            return (q_doc[q] == kv_doc[kv]) & (q >= kv)
+    else:
+        def mask_mod(b, h, q, kv):
+            return q_doc[q] == kv_doc[kv]
+    return BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=mask_mod, seq_lengths=(Q, KV))
+
+
+@dataclass
+class TorchNativeMetadata(AttentionMetadata):
+    """Adds the step's flex masks and paged groups, built once by ``make_metadata``."""
+
+    encoder_mask: BlockMask | None = None  # ENCODER prefill over the computed encoder tokens
+    causal_mask: BlockMask | None = None  # DECODER prefill
+    cross_mask: BlockMask | None = None  # ENCODER_DECODER prefill when no prefill's cross KV is cached
+    prefill_cross: PagedGroups | None = None  # ENCODER_DECODER prefill when one is (reads the cache)
+    decode_self: PagedGroups | None = None
+    decode_cross: PagedGroups | None = None
+
+    def build(self) -> None:
+        """Fill the fields above from the runner's fields (host lists, no sync)."""
+        dev, n = self.seq_lens_tensor.device, self.num_prefills
+        if n:
+            q_lens = self.seq_lens[:n]
+            if sum(q_lens) != self.num_prefill_tokens:
+                raise NotImplementedError(
+                    f"torch_native backend: prefill seq_lens {q_lens} do not add up to "
+                    f"num_prefill_tokens {self.num_prefill_tokens} (prefills with cached context)")
+            cached = self.prefill_cross_cached or [False] * n
+            enc_lens = [e for e, c in zip(self.encoder_seq_lens[:n], cached) if not c]
+            if self.num_encoder_tokens:
+                self.encoder_mask = doc_block_mask(enc_lens, enc_lens, causal=False, device=dev)
+            self.causal_mask = doc_block_mask(q_lens, q_lens, causal=True, device=dev)
+            if any(cached):
+                self.prefill_cross = PagedGroups(
+                    self.cross_block_tables[:n], self.query_start_loc, self.encoder_seq_lens_tensor[:n],
+                    max(q_lens), max(self.encoder_seq_lens[:n]))
+            else:
+                self.cross_mask = doc_block_mask(q_lens, self.encoder_seq_lens[:n], causal=False, device=dev)
+        if self.num_decode_tokens:
+            num = self.num_decode_tokens
+            self.decode_self = PagedGroups(
+                self.block_tables[n:], torch.arange(num + 1, dtype=torch.int32, device=dev),
+                self.seq_lens_tensor[n:], 1, self.max_decode_seq_len)
+            tables = self.cross_block_tables_list
+            tables = tables[n:] if tables is not None else self.cross_block_tables[n:].tolist()
+            enc = self.encoder_seq_lens[n:]
+            starts = shared_table_groups(tables, enc)
+            first = torch.tensor(starts[:-1], dtype=torch.long, device=dev)
+            self.decode_cross = PagedGroups(
+                self.cross_block_tables[n:][first], _i32(starts, dev), self.encoder_seq_lens_tensor[n:][first],
+                max(b - a for a, b in zip(starts, starts[1:])), max(enc))
+
+
+@functools.cache
+def _compiled_flex():
+    # dynamic: a step's token counts change every step; one compilation serves them.
+    return torch.compile(flex_attention, dynamic=True, fullgraph=True)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
+    """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call."""
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # (1, H, N, D)
+    kwargs = dict(block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if q.is_cuda:
+        out = _compiled_flex()(*args, **kwargs)
+    else:
+        with warnings.catch_warnings():  # eager on CPU is the intent (the reference path)
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+            out = flex_attention(*args, **kwargs)
+    return out[0].transpose(0, 1)
+
+
+def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
+                causal: bool) -> torch.Tensor:
+    """``paged_attention``'s math in torch where the kernel declines: each group's
+    keys gathered by one index op (padded to the longest), one masked SDPA call."""
+    _, _, bs, Hk, D = kv_cache.shape
+    dev, G = q.device, groups.kv_lens.shape[0]
+    M, L = groups.max_q_len, groups.max_kv_len
+    q_start = groups.q_start_loc.to(torch.long)
+    q_len = q_start[1:] - q_start[:-1]  # (G,)
+    rows = torch.arange(M, device=dev)
+    q_valid = rows[None, :] < q_len[:, None]  # (G, M)
+    q_idx = torch.where(q_valid, q_start[:-1, None] + rows[None, :], 0)
+    pos = torch.arange(L, device=dev).clamp(max=groups.tables.shape[1] * bs - 1)
+    slots = cache_slots(groups.tables.to(torch.long), torch.arange(G, device=dev)[:, None], pos[None, :], bs)
+    kv_len = groups.kv_lens.to(torch.long)
+    keep = torch.arange(L, device=dev)[None, None, :] < kv_len[:, None, None]  # (G, 1, L)
+    if causal:
+        q_pos = kv_len[:, None] - q_len[:, None] + rows[None, :]  # (G, M)
+        keep = keep & (torch.arange(L, device=dev)[None, None, :] <= q_pos[:, :, None])
+    flat = kv_cache.view(2, -1, Hk, D)
+    k, v = flat[0][slots], flat[1][slots]  # (G, L, Hk, D)
+    out = F.scaled_dot_product_attention(
+        q[q_idx].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (G, H, M|L, D)
+        attn_mask=keep[:, None], scale=scale, enable_gqa=q.shape[1] != Hk)
+    out = out.transpose(1, 2)  # (G, M, H, D)
+    return out[q_valid]  # groups are consecutive: back in packed order
+
+
+class TorchNativeImpl(AttentionImpl):
+    def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, *,
+               causal: bool, out: torch.Tensor) -> None:
+        """One launch: write the groups' outputs into ``out`` (a view)."""
+        done = paged_attention(q, kv_cache[0], kv_cache[1], groups.tables, groups.q_start_loc,
+                               groups.kv_lens, scale=self.scale, causal=causal,
+                               max_q_len=groups.max_q_len, out=out)
+        if done is None:
+            out.copy_(paged_torch(q, kv_cache, groups, self.scale, causal=causal))
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
+        attn_type = attn_type or self.attn_type
+        md = attn_metadata
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.view(-1, H, D)  # (num_tokens, H, D)
+        k = key.view(-1, Hk, D) if key is not None else None
+        v = value.view(-1, Hk, D) if value is not None else None
+
+        if attn_type == AttentionType.ENCODER:
+            if md.num_encoder_tokens == 0:
+                return query.new_empty(0, H * D)
+            return flex(q, k, v, md.encoder_mask, self.scale).reshape(-1, H * D)
+
+        P = md.num_prefill_tokens
+        out = torch.empty_like(q)
+        if attn_type == AttentionType.DECODER:
+            write_to_cache(k, v, kv_cache, md.slot_mapping)
+            if md.causal_mask is not None:
+                out[:P] = flex(q[:P], k[:P], v[:P], md.causal_mask, self.scale)
+            if md.decode_self is not None:
+                # q_len 1 per group: every cached key is visible, no causal test needed.
+                self._paged(q[P:], kv_cache, md.decode_self, causal=False, out=out[P:])
+            return out.view(-1, H * D)
+
+        # ENCODER_DECODER: this step's encoder K/V go to the cache once; prefill
+        # queries see them (or, with the encoder cache, read every prefill's
+        # cross table after those writes); decode queries read the cache.
+        if md.num_prefills:
+            if k is None and md.prefill_cross is None:
+                raise ValueError("cross-attention prefill needs the encoder's key/value")
+            if k is not None and md.num_encoder_tokens:
+                write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
+            if md.prefill_cross is not None:
+                self._paged(q[:P], kv_cache, md.prefill_cross, causal=False, out=out[:P])
+            else:
+                out[:P] = flex(q[:P], k, v, md.cross_mask, self.scale)
+        if md.decode_cross is not None:
+            self._paged(q[P:], kv_cache, md.decode_cross, causal=False, out=out[P:])
+        return out.view(-1, H * D)
+
+
+class TorchNativeBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "torch_native"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchNativeImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        return TorchNativeMetadata
+
+    @classmethod
+    def make_metadata(cls, **fields_: Any) -> AttentionMetadata:
+        md = TorchNativeMetadata(**fields_)
+        md.build()
+        return md
