@@ -74,8 +74,11 @@ def test_unknown_paths_and_methods(bart_server, method, path, status, words):
 
 
 @pytest.mark.parametrize("content, ctype, words, param", [
-    (b'{"prompt": "x", }', "application/json", ("not valid JSON", "at character 16"), None),
-    (b'{"prompt": "x"', "application/json", ("not valid JSON",), None),
+    (b'{"prompt": "x", "max_tokens": }', "application/json",
+     ("not valid JSON: Expecting value", "after 'max_tokens', at character 30"), "max_tokens"),
+    (b'{"prompt": "x", }', "application/json", ("not valid JSON", "at character 16"), "prompt"),
+    (b'{"prompt": "x"', "application/json", ("not valid JSON",), "prompt"),
+    (b'{', "application/json", ("not valid JSON", "at character 1"), None),
     (b"prompt=x", "application/x-www-form-urlencoded", ("body",), None),
     (b'["x"]', "application/json", ("body",), None),
 ])

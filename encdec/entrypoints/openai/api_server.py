@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import signal
 import time
 
@@ -45,14 +46,13 @@ def _error(e: APIError) -> JSONResponse:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """Pydantic's errors -> one 400 sentence that names the fields. A body that
-    is not JSON at all names no field (pydantic's location is a character offset)."""
+    """Pydantic's errors -> one 400 sentence that names the fields. For a body
+    that is not JSON, the field is the last key before the break, if any (FastAPI
+    gives the character offset where the field goes)."""
     parts, first = [], None
     for err in exc.errors():
         if err.get("type") == "json_invalid":
-            where = err.get("loc", ("body", "?"))[-1]
-            reason = (err.get("ctx") or {}).get("error", "JSON decode error")
-            return APIError(400, f"the body is not valid JSON: {reason} (at character {where})")
+            return _json_error(err, exc.body if isinstance(exc.body, str) else "")
         loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "form")]
         name = ".".join(loc) or "body"
         first = first or (loc[0] if loc else None)
@@ -61,6 +61,15 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         else:
             parts.append(f"{name}: {err.get('msg')}")
     return APIError(400, "; ".join(parts) or "invalid request", param=first)
+
+
+def _json_error(err: dict, body: str) -> APIError:
+    where = err.get("loc", ("body", 0))[-1]
+    reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+    keys = re.findall(r'"((?:[^"\\]|\\.)*)"\s*:', body[:where] if isinstance(where, int) else "")
+    field = keys[-1] if keys else None
+    after = f"after {field!r}, " if field else ""
+    return APIError(400, f"the body is not valid JSON: {reason} ({after}at character {where})", param=field)
 
 
 def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
