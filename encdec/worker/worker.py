@@ -122,7 +122,7 @@ class Worker:
         self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
         self.model_config = _model_config(args, self.checkpoint, self.dtype)
-        self.backend = get_attn_backend(args.attention_backend, self.device.type)
+        self.backend = get_attn_backend(args.attention_backend, self.device.type, dtype=self.dtype)
         self.model = self._load_model()
         self.vocab_size: int = self.model.vocab_size
 
