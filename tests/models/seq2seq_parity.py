@@ -88,6 +88,23 @@ def check_greedy(llm, hf, prompts: list, *, seed: int = 0) -> list:
     return outs
 
 
+def _decoder_prompt_lens(llm, hf, prompts: list) -> list[int]:
+    """Tokens of each prompt's decoder prompt as the engine runs it: an explicit
+    ``TokensPrompt`` with the decoder start prepended unless it has it, else the
+    model's default decoder prompt (read off a one-token request)."""
+    from encdec import SamplingParams
+
+    probe = llm.generate(TokensPrompt(prompt_token_ids=[5]), SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)[0]
+    start = hf.generation_config.decoder_start_token_id
+    lens = []
+    for prompt in prompts:
+        dec = prompt.get("decoder_prompt") if isinstance(prompt, dict) else None
+        ids = None if dec is None else dec["prompt_token_ids"]
+        lens.append(len(probe.prompt_token_ids) if ids is None else len(ids) + (ids[:1] != [start]))
+    return lens
+
+
 def check_beams(llm, hf, prompts: list) -> list:
     """Beam search with the checkpoint's defaults (beams, lengths, forced tokens),
     each length limit shifted by the request's decoder prompt as HF counts it."""
@@ -95,17 +112,15 @@ def check_beams(llm, hf, prompts: list) -> list:
     assert isinstance(defaults, BeamSearchParams) and defaults.beam_width > 1
     gen = hf.generation_config
     bos, pad = defaults.forced_bos_token_id, gen.pad_token_id
-    processed = [llm.llm_engine.process_request(p, defaults)[0] for p in prompts]
-    params = []
-    for inputs in processed:
-        n = len(inputs["prompt_token_ids"])
-        params.append(dataclasses.replace(defaults, max_tokens=gen.max_length - n,
-                                          min_tokens=max(0, (gen.min_length or 0) - n)))
+    lens = _decoder_prompt_lens(llm, hf, prompts)
+    params = [dataclasses.replace(defaults, max_tokens=gen.max_length - n,
+                                  min_tokens=max(0, (gen.min_length or 0) - n)) for n in lens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     k = defaults.beam_width
     ties = 0
-    for out in outs:
+    for out, n in zip(outs, lens):
         dec = list(out.prompt_token_ids)
+        assert len(dec) == n, (dec, n)
         # A forced first token in the prompt is one HF forces itself from the start token.
         hf_dec = dec[:1] if bos is not None and len(dec) == 2 and dec[1] == bos else dec
         g = _hf_generate(hf, out.encoder_prompt_token_ids, hf_dec, num_return_sequences=k)
