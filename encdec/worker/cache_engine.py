@@ -45,10 +45,36 @@ def cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_
     return 2 * num_layers * block_size * num_kv_heads * head_size * elem
 
 
-def default_gpu_kv_cache_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
-    """The configured fraction of the device's memory, less what is already in use."""
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, int(free - total * (1 - gpu_memory_utilization)))
+def profiled_kv_cache_bytes(*, total: int, gpu_memory_utilization: float, weights: int,
+                            peak_activations: int, non_torch: int = 0, profiled: str = "") -> int:
+    """vLLM's rule: this engine's share of the device (``gpu_memory_utilization``
+    x ``total``) less its weights, the peak activations of a profiled forward at
+    the step budget, and memory outside torch's allocator (CUDA context, NCCL).
+    Not "free memory at start": a second engine in the process gets its own
+    share, not what the first left. A ValueError when nothing is left."""
+    share = int(total * gpu_memory_utilization)
+    left = share - weights - peak_activations - non_torch
+    if left <= 0:
+        gib = lambda n: f"{n / _GiB:.2f} GiB"  # noqa: E731
+        raise ValueError(
+            f"no memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} of "
+            f"{gib(total)} is {gib(share)}, of which the weights take {gib(weights)}, the peak "
+            f"activations of a profiled forward{' (' + profiled + ')' if profiled else ''} "
+            f"{gib(peak_activations)} and memory outside torch {gib(non_torch)}; raise "
+            f"gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, or set kv_cache_memory")
+    return left
+
+
+def profile_batch(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                  max_encoder_len: int) -> tuple[list[int], list[int]]:
+    """(decoder lengths, encoder lengths) of the largest prefill step the scheduler
+    admits: as many longest encoder inputs as the step budget (decoder + encoder
+    tokens) holds, within ``max_num_seqs``, the rest of the budget as decoder
+    tokens (at most ``max_model_len`` each)."""
+    n = max(1, min(max_num_seqs, max_num_batched_tokens // (max_encoder_len + 1)))
+    dec_total = max(n, min(max_num_batched_tokens - n * max_encoder_len, n * max_model_len))
+    dec = [dec_total // n + (i < dec_total % n) for i in range(n)]
+    return dec, [max_encoder_len] * n
 
 
 def typical_decoder_len(max_model_len: int) -> int:

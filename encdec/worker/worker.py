@@ -34,7 +34,8 @@ from encdec.worker.cache_engine import (
     CacheEngine,
     cache_block_bytes,
     default_cpu_kv_cache_bytes,
-    default_gpu_kv_cache_bytes,
+    profile_batch,
+    profiled_kv_cache_bytes,
     typical_decoder_len,
 )
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
@@ -187,7 +188,7 @@ class Worker:
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory, MAX_PREFAULT_BYTES
         if self.device.type == "cuda":
-            return default_gpu_kv_cache_bytes(self.device, cfg.gpu_memory_utilization), MAX_PREFAULT_BYTES
+            return self._profiled_cuda_kv_bytes(cfg, max_num_seqs), MAX_PREFAULT_BYTES
         dec_blocks, cross_blocks, _ = longest_request_blocks(mc.max_model_len, mc.max_encoder_len,
                                                              cfg.block_size, 0)
         typical_request = (-(-typical_decoder_len(mc.max_model_len) // cfg.block_size)
@@ -195,6 +196,66 @@ class Worker:
         kv_bytes = default_cpu_kv_cache_bytes(max_num_seqs * typical_request,
                                               minimum=(dec_blocks + cross_blocks) * block_bytes)
         return kv_bytes, 16 * typical_request
+
+    def _profiled_cuda_kv_bytes(self, cfg: CacheConfig, max_num_seqs: int) -> int:
+        """Profile the largest prefill step, then size the cache as vLLM does
+        (``profiled_kv_cache_bytes``)."""
+        mc, dev = self.model_config, self.device
+        budget = self.args.max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len)
+        dec, enc = profile_batch(budget, max_num_seqs, mc.max_model_len, mc.max_encoder_len)
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)  # weights, and any other engine's cache in this process
+        self.profile_forward(dec, enc, cfg.block_size)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
+        kv = profiled_kv_cache_bytes(
+            total=total, gpu_memory_utilization=cfg.gpu_memory_utilization, weights=weights,
+            peak_activations=peak, non_torch=non_torch,
+            profiled=f"{len(dec)} prefills, {sum(dec)} decoder and {sum(enc)} encoder tokens")
+        logger.info("KV sizing: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB, "
+                    "outside torch %.2f GiB -> KV cache %.2f GiB", total / _GiB, weights / _GiB,
+                    peak / _GiB, non_torch / _GiB, kv / _GiB)
+        return kv
+
+    def profile_forward(self, dec_lens: list[int], enc_lens: list[int], block_size: int) -> torch.Tensor:
+        """One prefill forward of sequences of ``dec_lens`` decoder and ``enc_lens``
+        encoder tokens (zeros; Whisper: silent features) over a one-block cache
+        that every write lands in: the activations of that step, nothing else.
+        Returns the LM head's logits of each sequence's last token."""
+        model, dev, n = self.model, self.device, len(dec_lens)
+        shape = self.backend.get_kv_cache_shape(1, block_size, model.num_kv_heads, model.head_size)
+        caches = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(model.num_cache_layers)]
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+        q_start, e_start = [0], [0]
+        for d, e in zip(dec_lens, enc_lens):
+            q_start.append(q_start[-1] + d)
+            e_start.append(e_start[-1] + e)
+        tables = torch.zeros(n, 1, dtype=torch.int32, device=dev)
+        md = self.backend.make_metadata(
+            num_prefills=n, num_prefill_tokens=q_start[-1], num_decode_tokens=0,
+            slot_mapping=torch.arange(q_start[-1], device=dev) % block_size,
+            seq_lens=list(dec_lens), seq_lens_tensor=i32(dec_lens), max_prefill_seq_len=max(dec_lens),
+            max_decode_seq_len=0, max_query_len=max(dec_lens), query_start_loc=i32(q_start),
+            seq_start_loc=i32(q_start), context_lens_tensor=i32([0] * n), block_tables=tables,
+            encoder_seq_lens=list(enc_lens), encoder_seq_lens_tensor=i32(enc_lens),
+            encoder_seq_start_loc=i32(e_start), max_encoder_seq_len=max(enc_lens),
+            num_encoder_tokens=e_start[-1], cross_slot_mapping=torch.arange(e_start[-1], device=dev) % block_size,
+            cross_block_tables=tables, block_size=block_size,
+            block_tables_list=[[0]] * n, cross_block_tables_list=[[0]] * n)
+        mels = getattr(model, "num_mel_bins", None)
+        features = ([torch.zeros(mels, model.n_frames)] * n if mels else [None] * n)
+        enc_kwargs = model.build_encoder_inputs([[0] * e for e in enc_lens], features, dev)
+        positions = torch.cat([torch.arange(d, device=dev) for d in dec_lens])
+        with torch.inference_mode():
+            hidden = model(torch.zeros(q_start[-1], dtype=torch.long, device=dev), positions, caches, md,
+                           **enc_kwargs)
+            return model.compute_logits(hidden[torch.tensor(q_start[1:], device=dev) - 1])
 
     # -- persistent batch and runner ---------------------------------------------------
     def init_batch(self, scheduler_config: SchedulerConfig, logits_processors: list[Any] | None,
