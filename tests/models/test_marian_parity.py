@@ -76,3 +76,21 @@ def test_default_prompt_and_logits_match_hf(marian_dir, hf_marian):
     ref_lp = ref.log_softmax(-1)  # raw log-probs: before the bad-word mask
     for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
         assert lp[tok].logprob == pytest.approx(ref_lp[step, tok].item(), abs=1e-4)
+
+
+def test_separate_source_and_target_vocabularies(tmp_path):
+    """``share_encoder_decoder_embeddings: false`` (some OPUS-MT pairs): the encoder
+    and decoder embeddings differ, the LM head is tied to the decoder's."""
+    from transformers import MarianMTModel
+
+    from encdec.testing import make_random_marian
+
+    path = make_random_marian(str(tmp_path), seed=5, share_encoder_decoder_embeddings=False,
+                              decoder_vocab_size=1000)
+    hf = MarianMTModel.from_pretrained(path).eval()
+    assert not torch.equal(hf.model.encoder.embed_tokens.weight, hf.model.decoder.embed_tokens.weight)
+    llm = make_llm(path, "torch_sdpa")
+    model = llm.llm_engine.model
+    assert model.lm_head.weight is model.decoder.embed_tokens.weight
+    assert model.encoder.embed_tokens is not model.decoder.embed_tokens
+    check_greedy(llm, hf, _prompts(llm, seed=2))
