@@ -197,6 +197,7 @@ class EncoderDecoderModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
+        self.graphs: Any = None  # DecodeGraphs (worker/cuda_graphs.py) on CUDA: decode steps replayed
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata]) -> ModelInput:
@@ -285,9 +286,13 @@ class EncoderDecoderModelRunner:
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
         small = (self.device.type == "cpu" and inp.attn_metadata.num_prefill_tokens == 0
                  and len(rows) <= SMALL_STEP_ROWS)
-        with single_thread(small):
-            hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
-                                **inp.encoder_inputs)
+        bucket = self.graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if self.graphs else None
+        if bucket is not None:
+            hidden = self.graphs.replay(inp.input_ids, inp.positions, inp.attn_metadata, bucket)
+        else:
+            with single_thread(small):
+                hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
+                                    **inp.encoder_inputs)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call

@@ -38,6 +38,7 @@ from encdec.worker.cache_engine import (
     profiled_kv_cache_bytes,
     typical_decoder_len,
 )
+from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
 from encdec.worker.input_batch import InputBatch
 
@@ -144,7 +145,8 @@ class Worker:
         return model
 
     # -- KV cache ------------------------------------------------------------------
-    def init_cache(self, cfg: CacheConfig, max_num_seqs: int) -> CacheConfig:
+    def init_cache(self, cfg: CacheConfig, max_num_seqs: int, *,
+                   max_num_batched_tokens: int | None = None) -> CacheConfig:
         """Size the KV cache (device and swap blocks) and allocate it. Refuses a
         cache that cannot hold one request of the longest kind: a ``max_model_len``
         decoder sequence, a cross table for the longest encoder input and the
@@ -152,7 +154,7 @@ class Worker:
         model, mc = self.model, self.model_config
         block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
                                         model.num_kv_heads, model.head_size, self.dtype)
-        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes)
+        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens)
         cfg.num_gpu_blocks = kv_bytes // block_bytes
         if cfg.num_gpu_blocks < 1:
             raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
@@ -169,17 +171,22 @@ class Worker:
                 f"{mc.max_encoder_len} encoder tokens and {watermark} kept free by admission (1% watermark); "
                 f"raise kv_cache_memory or lower max_model_len")
         cfg.num_cpu_blocks = int(cfg.swap_space * _GiB) // block_bytes
+        # CUDA graphs: padded rows of a replayed decode step write to one block
+        # past the block manager's (cuda_graphs.py).
+        self.use_cuda_graphs = graphs_wanted(self.device, self.backend.get_name(), self.load_config.enforce_eager)
+        pad_blocks = 1 if self.use_cuda_graphs else 0
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.1f MiB each)",
                     cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size, block_bytes / 2**20)
         self.cache_engine = CacheEngine(
             num_layers=model.num_cache_layers, num_kv_heads=model.num_kv_heads,
             head_size=model.head_size, block_size=cfg.block_size,
-            num_gpu_blocks=cfg.num_gpu_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
+            num_gpu_blocks=cfg.num_gpu_blocks + pad_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
             dtype=self.dtype, device=self.device, backend=self.backend, prefault_bytes=prefault_bytes)
-        cfg.num_warm_gpu_blocks = self.cache_engine.num_warm_blocks
+        cfg.num_warm_gpu_blocks = min(self.cache_engine.num_warm_blocks, cfg.num_gpu_blocks)
         return cfg
 
-    def _kv_bytes(self, cfg: CacheConfig, max_num_seqs: int, block_bytes: int) -> tuple[int, int]:
+    def _kv_bytes(self, cfg: CacheConfig, max_num_seqs: int, block_bytes: int,
+                  max_num_batched_tokens: int | None) -> tuple[int, int]:
         """(cache bytes, bytes to prefault). CPU commits at start what the first
         requests write (see CacheEngine._prefault): all of an explicitly sized
         cache up to 1 GiB, the first 16 typical requests' worth of a default one,
@@ -188,7 +195,7 @@ class Worker:
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory, MAX_PREFAULT_BYTES
         if self.device.type == "cuda":
-            return self._profiled_cuda_kv_bytes(cfg, max_num_seqs), MAX_PREFAULT_BYTES
+            return self._profiled_cuda_kv_bytes(cfg, max_num_seqs, max_num_batched_tokens), MAX_PREFAULT_BYTES
         dec_blocks, cross_blocks, _ = longest_request_blocks(mc.max_model_len, mc.max_encoder_len,
                                                              cfg.block_size, 0)
         typical_request = (-(-typical_decoder_len(mc.max_model_len) // cfg.block_size)
@@ -197,11 +204,13 @@ class Worker:
                                               minimum=(dec_blocks + cross_blocks) * block_bytes)
         return kv_bytes, 16 * typical_request
 
-    def _profiled_cuda_kv_bytes(self, cfg: CacheConfig, max_num_seqs: int) -> int:
-        """Profile the largest prefill step, then size the cache as vLLM does
+    def _profiled_cuda_kv_bytes(self, cfg: CacheConfig, max_num_seqs: int,
+                                max_num_batched_tokens: int | None) -> int:
+        """Profile the largest prefill step (``max_num_batched_tokens``; None: the
+        scheduler's default budget), then size the cache as vLLM does
         (``profiled_kv_cache_bytes``)."""
         mc, dev = self.model_config, self.device
-        budget = self.args.max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len)
+        budget = max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len)
         dec, enc = profile_batch(budget, max_num_seqs, mc.max_model_len, mc.max_encoder_len)
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         torch.cuda.synchronize(dev)
@@ -280,6 +289,12 @@ class Worker:
         self.model_runner = EncoderDecoderModelRunner(self.model, self.backend, self.cache_engine,
                                                       self.input_batch, self.device,
                                                       generator=self.generator)
+        if self.use_cuda_graphs:
+            mc, bs = self.model_config, self.cache_engine.block_size
+            self.model_runner.graphs = DecodeGraphs(
+                self.model, self.cache_engine.gpu_cache, max_num_seqs=scheduler_config.max_num_seqs,
+                max_model_len=mc.max_model_len, max_encoder_len=mc.max_encoder_len, block_size=bs,
+                pad_slot=(self.cache_engine.gpu_cache[0].shape[1] - 1) * bs, device=self.device).capture()
 
     def validate_params(self, params: SamplingParams) -> None:
         """The logits processors' own checks of a request's params (ValueError)."""

@@ -63,3 +63,29 @@ def test_profile_forward_runs_the_step_on_cpu(tiny_bart, backend, monkeypatch):
     dec, enc = profile_batch(600, 4, mc.max_model_len, mc.max_encoder_len)
     logits = worker.profile_forward(dec, enc, 16)
     assert logits.shape == (len(dec), worker.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_cuda_sizing_wiring_with_fake_device_numbers(tiny_bart, monkeypatch):
+    """The worker's CUDA branch end to end on CPU: torch.cuda's memory figures
+    replaced by fake ones, the profile forward run for real."""
+    from encdec import LLM
+
+    llm = LLM(tiny_bart, device="cpu", kv_cache_memory=16 << 20)
+    worker = llm.llm_engine.worker
+    fake = {"allocated": 3 * GiB, "peak": 5 * GiB, "reserved": 6 * GiB}
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: fake["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: fake["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: fake["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * GiB, 80 * GiB))  # 10 GiB in use
+    profiled = []
+    real = worker.profile_forward
+    monkeypatch.setattr(worker, "profile_forward", lambda d, e, bs: profiled.append((d, e)) or real(d, e, bs))
+    cfg = llm.llm_engine.cache_config
+    weights = sum(t.numel() * t.element_size() for t in (*worker.model.parameters(), *worker.model.buffers()))
+    mc = worker.model_config
+    kv = worker._profiled_cuda_kv_bytes(cfg, 4, 2000)
+    assert profiled == [profile_batch(2000, 4, mc.max_model_len, mc.max_encoder_len)]
+    # 0.9 x 80 GiB - weights - (5 - 3) GiB peak - (10 - 6) GiB outside torch
+    assert kv == int(80 * GiB * cfg.gpu_memory_utilization) - weights - 2 * GiB - 4 * GiB

@@ -175,9 +175,10 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sca
 
 
 def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
-                causal: bool) -> torch.Tensor:
+                causal: bool, out: torch.Tensor) -> None:
     """``paged_attention``'s math in torch where the kernel declines: each group's
-    keys gathered by one index op (padded to the longest), one masked SDPA call."""
+    keys gathered by one index op (padded to the longest), one masked SDPA call,
+    the groups' rows written to ``out`` (rows in no group are left alone)."""
     _, _, bs, Hk, D = kv_cache.shape
     dev, G = q.device, groups.kv_lens.shape[0]
     M, L = groups.max_q_len, groups.max_kv_len
@@ -195,11 +196,10 @@ def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, sc
         keep = keep & (torch.arange(L, device=dev)[None, None, :] <= q_pos[:, :, None])
     flat = kv_cache.view(2, -1, Hk, D)
     k, v = flat[0][slots], flat[1][slots]  # (G, L, Hk, D)
-    out = F.scaled_dot_product_attention(
+    res = F.scaled_dot_product_attention(
         q[q_idx].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (G, H, M|L, D)
         attn_mask=keep[:, None], scale=scale, enable_gqa=q.shape[1] != Hk)
-    out = out.transpose(1, 2)  # (G, M, H, D)
-    return out[q_valid]  # groups are consecutive: back in packed order
+    out[q_idx[q_valid]] = res.transpose(1, 2)[q_valid]  # (G, M, H, D) -> the groups' rows
 
 
 class TorchNativeImpl(AttentionImpl):
@@ -210,7 +210,7 @@ class TorchNativeImpl(AttentionImpl):
                                groups.kv_lens, scale=self.scale, causal=causal,
                                max_q_len=groups.max_q_len, out=out)
         if done is None:
-            out.copy_(paged_torch(q, kv_cache, groups, self.scale, causal=causal))
+            paged_torch(q, kv_cache, groups, self.scale, causal=causal, out=out)
 
     def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
         attn_type = attn_type or self.attn_type
