@@ -154,7 +154,7 @@ def test_flags_parse_to_the_option_values():
     assert values["initial_prompt"] == "Names." and values["temperature"] == (0.0, 0.5)
     assert values["compression_ratio_threshold"] is None and values["condition_on_previous_text"] is False
     assert values["clip_timestamps"] == (0.0, 10.5) and values["mode"] == "independent"
-    assert values["log_prob_threshold"] == -1.0 and values["timestamps"] is False
+    assert values["log_prob_threshold"] == -1.0 and values["timestamps"] is None
     assert TranscribeOptions(**values).temperature == (0.0, 0.5)
 
 

@@ -75,7 +75,7 @@ def run_transcribe(args: argparse.Namespace) -> int:
     from encdec.models.whisper import default_whisper_model
 
     values = dataclass_values(args, TranscribeOptions)
-    values["timestamps"] = args.timestamps or args.format in ("srt", "vtt")
+    values["timestamps"] = True if args.format in ("srt", "vtt") else args.timestamps
     try:
         options = TranscribeOptions(**values)
         configure_cpu_runtime(args.num_threads)  # a program owns its process: full CPU speed

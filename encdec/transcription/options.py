@@ -32,7 +32,9 @@ class TranscribeOptions:
 
     language: str | None = None  # code or name ("de", "german"); None: detect per file (multilingual)
     task: str = field(default="transcribe", metadata={"choices": TASKS})  # transcribe, or translate to English
-    timestamps: bool = False  # segments from timestamp tokens; False: <|notimestamps|> decoding
+    # independent mode: True decodes timestamp tokens (segments by them), None/False <|notimestamps|>;
+    # the sequential mode always decodes them (it seeks by them): False is refused there
+    timestamps: bool | None = None
     beam_size: int = 1  # > 1: beam search of this width at temperature 0 (transcription.decoding)
     best_of: int = 5  # samples per fallback attempt (temperature > 0); the most likely is kept
     temperature: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # tried in order on fallback (CLI: 0,0.2,0.4)
@@ -64,10 +66,14 @@ class TranscribeOptions:
         if not isinstance(self.task, str):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
         for name in ("timestamps", "condition_on_previous_text", "word_timestamps", "vad_filter"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)) and not (name == "timestamps" and value is None):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "sequential" and self.timestamps is not None and not self.timestamps:
+            raise ValueError("timestamps=False applies to mode='independent': the sequential mode always "
+                             "decodes timestamp tokens (it seeks by them); leave timestamps unset (None)")
         for name in ("beam_size", "best_of"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
