@@ -20,13 +20,17 @@ import encdec.attention.backends.xformers as xf
 from encdec.attention import AttentionBackend, AttentionType, get_attn_backend
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec.attention.backends.xformers import XFormersBackend
+from encdec.attention.selector import xformers_problem
 
 from .conftest import BlockPool, SeqSpec, make_attn_metadata
 
 TOL = 1e-5
 BACKENDS = (XFormersBackend, TorchSDPABackend)
 TYPES = (AttentionType.ENCODER, AttentionType.DECODER, AttentionType.ENCODER_DECODER)
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# xFormers' CUDA kernels: the PyTorch-index wheels have them, the PyPI wheel does not.
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or xformers_problem("cuda", torch.float16) is not None,
+    reason="needs CUDA and an xFormers with CUDA kernels")
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:

@@ -130,8 +130,9 @@ def test_llm_on_cuda_runs_whatever_xformers_is_installed(tiny_bart, caplog):
     selector._warned.clear()
     problem = selector.xformers_problem("cuda", torch.float16)
     with caplog.at_level(logging.WARNING, logger=selector.__name__):
-        llm = LLM(tiny_bart, device="cuda", dtype="float16")
-        LLM(tiny_bart, device="cuda", dtype="float16", gpu_memory_utilization=0.5)
+        # Two engines sized by profiling (0.2 of the GPU each): the second gets its own share.
+        llm = LLM(tiny_bart, device="cuda", dtype="float16", gpu_memory_utilization=0.2)
+        LLM(tiny_bart, device="cuda", dtype="float16", gpu_memory_utilization=0.2)
     name = llm.llm_engine.worker.backend.get_name()
     assert name == ("xformers" if problem is None else "torch_native")
     warned = [r for r in caplog.records if "torch_native" in r.getMessage()]

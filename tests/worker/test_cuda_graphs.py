@@ -128,9 +128,9 @@ def test_graphs_replay_and_match_eager_on_cuda(tiny_bart, monkeypatch):
     prompts = [f"prompt {i} " * (1 + i % 7) for i in range(24)]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     eager = LLM(tiny_bart, device="cuda", dtype="float32", attention_backend="torch_native",
-                enforce_eager=True, gpu_memory_utilization=0.3)
+                enforce_eager=True, kv_cache_memory=512 << 20)
     assert eager.llm_engine.worker.model_runner.graphs is None
-    graphed = LLM(tiny_bart, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    graphed = LLM(tiny_bart, device="cuda", dtype="float32", kv_cache_memory=512 << 20)
     graphs = graphed.llm_engine.worker.model_runner.graphs
     assert graphed.llm_engine.worker.backend.get_name() in ("torch_native", "xformers")
     if graphed.llm_engine.worker.backend.get_name() == "xformers":

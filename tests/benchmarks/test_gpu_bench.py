@@ -1,0 +1,24 @@
+"""benchmarks.gpu_bench without a GPU: found by name, and refuses clearly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encdec import benchmarks
+from encdec.benchmarks import gpu_bench
+
+
+def test_found_by_name():
+    assert "gpu" in benchmarks.names()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs it")
+def test_refuses_without_cuda():
+    with pytest.raises(SystemExit, match="gpu_bench needs a CUDA GPU"):
+        gpu_bench.main(["--quick"], prog="encdec bench gpu")
+
+
+def test_unknown_part_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_bench.main(["--parts", "bart,nope"])
+    assert "unknown parts ['nope']" in capsys.readouterr().err
