@@ -149,6 +149,19 @@ def test_compiled_flex_matches_dense_attention(causal):
     torch.testing.assert_close(compiled(q, k, v, block_mask=bm, scale=0.25), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["rectangular", "causal"])
+def test_per_sequence_fallback_equals_flex(causal):
+    """Where compiled flex_attention fails on CUDA, prefill loops over sequences: same result."""
+    g = torch.Generator().manual_seed(2)
+    q_lens = [5, 130, 1, 17]
+    kv_lens = q_lens if causal else [9, 2, 140, 33]
+    mask = tn.flex_mask(q_lens, kv_lens, causal=causal, device=torch.device("cpu"))
+    q = torch.randn(sum(q_lens), 4, 16, generator=g)
+    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=g) for _ in range(2))
+    torch.testing.assert_close(tn.per_sequence(q, k, v, mask, 0.25), tn.flex(q, k, v, mask, 0.25),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_shared_table_groups():
     a, b = [4, 5, 6], [7, 8]
     tables = [a, list(a), a, b, a, b, b]

@@ -178,6 +178,19 @@ def test_declines_where_it_cannot_run(monkeypatch):
     assert pa.paged_attention(**{**inputs, "q": inputs["q"].double()}, **kw) is None
 
 
+def test_interpreter_failures_surface(interpreter, monkeypatch):
+    """On CUDA a failing kernel is logged once and declined (the backend gathers);
+    under the interpreter a failure is a kernel bug and is raised."""
+    def broken(*a, **k):
+        raise RuntimeError("kernel bug")
+
+    monkeypatch.setattr(pa, "_launch", broken)
+    inputs, _ = make_inputs(LEAN[0])
+    with pytest.raises(RuntimeError, match="kernel bug"):
+        pa.paged_attention(**inputs, scale=1.0, causal=True, max_q_len=1)
+    assert not pa._failure
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", LEAN + SLOW, ids=lambda c: f"cuda-{c.id}")

@@ -77,6 +77,19 @@ def shared_table_groups(tables: list[list[int]], lens: list[int],
     return starts + [len(tables)]
 
 
+class FlexMask(NamedTuple):
+    """A prefill call's block mask and the sequence lengths it was built from."""
+
+    block_mask: BlockMask
+    q_lens: list[int]  # query tokens per sequence, packed in this order
+    kv_lens: list[int]  # key tokens per sequence
+    causal: bool
+
+
+def flex_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool, device: torch.device) -> FlexMask:
+    return FlexMask(doc_block_mask(q_lens, kv_lens, causal=causal, device=device), q_lens, kv_lens, causal)
+
+
 def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
                    device: torch.device) -> BlockMask:
     """flex_attention's mask for packed sequences: query token of sequence i sees
@@ -113,9 +126,9 @@ def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
 class TorchNativeMetadata(AttentionMetadata):
     """Adds the step's flex masks and paged groups, built once by ``make_metadata``."""
 
-    encoder_mask: BlockMask | None = None  # ENCODER prefill over the computed encoder tokens
-    causal_mask: BlockMask | None = None  # DECODER prefill
-    cross_mask: BlockMask | None = None  # ENCODER_DECODER prefill when no prefill's cross KV is cached
+    encoder_mask: FlexMask | None = None  # ENCODER prefill over the computed encoder tokens
+    causal_mask: FlexMask | None = None  # DECODER prefill
+    cross_mask: FlexMask | None = None  # ENCODER_DECODER prefill when no prefill's cross KV is cached
     prefill_cross: PagedGroups | None = None  # ENCODER_DECODER prefill when one is (reads the cache)
     decode_self: PagedGroups | None = None
     decode_cross: PagedGroups | None = None
@@ -132,14 +145,14 @@ class TorchNativeMetadata(AttentionMetadata):
             cached = self.prefill_cross_cached or [False] * n
             enc_lens = [e for e, c in zip(self.encoder_seq_lens[:n], cached) if not c]
             if self.num_encoder_tokens:
-                self.encoder_mask = doc_block_mask(enc_lens, enc_lens, causal=False, device=dev)
-            self.causal_mask = doc_block_mask(q_lens, q_lens, causal=True, device=dev)
+                self.encoder_mask = flex_mask(enc_lens, enc_lens, causal=False, device=dev)
+            self.causal_mask = flex_mask(q_lens, q_lens, causal=True, device=dev)
             if any(cached):
                 self.prefill_cross = PagedGroups(
                     self.cross_block_tables[:n], self.query_start_loc, self.encoder_seq_lens_tensor[:n],
                     max(q_lens), max(self.encoder_seq_lens[:n]))
             else:
-                self.cross_mask = doc_block_mask(q_lens, self.encoder_seq_lens[:n], causal=False, device=dev)
+                self.cross_mask = flex_mask(q_lens, self.encoder_seq_lens[:n], causal=False, device=dev)
         if self.num_decode_tokens:
             num = self.num_decode_tokens
             self.decode_self = PagedGroups(
@@ -161,17 +174,44 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True, fullgraph=True)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
-    """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call."""
-    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # (1, H, N, D)
-    kwargs = dict(block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    if q.is_cuda:
-        out = _compiled_flex()(*args, **kwargs)
-    else:
-        with warnings.catch_warnings():  # eager on CPU is the intent (the reference path)
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-            out = flex_attention(*args, **kwargs)
+_flex_failure: list[str] = []  # why compiled flex_attention failed on CUDA, once it has
+
+
+def _run_flex(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, H, N, D)
+             block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
+
+
+def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+    """``flex``'s result by one SDPA call per sequence: the fallback where compiled
+    flex_attention fails on CUDA (one launch per sequence: slower, still exact)."""
+    out = torch.empty_like(q)
+    qs = ks = 0
+    for nq, nk in zip(mask.q_lens, mask.kv_lens):
+        out[qs: qs + nq] = F.scaled_dot_product_attention(
+            q[qs: qs + nq].transpose(0, 1), k[ks: ks + nk].transpose(0, 1), v[ks: ks + nk].transpose(0, 1),
+            is_causal=mask.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+        qs, ks = qs + nq, ks + nk
+    return out
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+    """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call.
+    CUDA: compiled (a compile failure is logged once and the step falls back to
+    ``per_sequence``); CPU: eager, the reference path."""
+    if q.is_cuda and not _flex_failure:
+        try:
+            return _run_flex(_compiled_flex(), q, k, v, mask, scale)
+        except Exception as e:  # inductor/triton compile errors; the fallback below is exact
+            _flex_failure.append(f"{type(e).__name__}: {str(e)[:300]}")
+            logger.warning("compiled flex_attention failed (%s); prefill attention runs one SDPA call "
+                           "per sequence instead (slower)", _flex_failure[0])
+    if q.is_cuda:
+        return per_sequence(q, k, v, mask, scale)
+    with warnings.catch_warnings():  # eager on CPU is the intent (the reference path)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        return _run_flex(flex_attention, q, k, v, mask, scale)
 
 
 def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
