@@ -3,14 +3,15 @@
 The default (``attention_backend=None``):
 
     CPU   torch_sdpa (the per-sequence loop and the C kernels; fastest there)
-    CUDA  xformers when its CUDA kernels run the calls the backend makes (its
-          BlockDiagonalMask and BlockDiagonalCausalMask biases, the model's dtype);
-          else torch_native (flex_attention + the Triton paged kernel, no extra
-          package), with one warning when xFormers imports but cannot run
+    CUDA  torch_native (flex_attention + the Triton paged kernel, no extra package);
+          one warning when xFormers is installed without CUDA kernels, saying how
+          to get the ones ``attention_backend="xformers"`` needs
 
-The PyPI xFormers wheel is built without CUDA (its ``memory_efficient_attention``
-raises "No operator found" on every call): the PyTorch-index wheels carry the
-kernels.
+``attention_backend="xformers"`` on CUDA is checked first: its kernels must run
+the calls the backend makes (BlockDiagonalMask and BlockDiagonalCausalMask, the
+model's dtype), else a ValueError. The PyPI xFormers wheel is built without CUDA
+(its ``memory_efficient_attention`` raises "No operator found" on every call):
+the PyTorch-index wheels carry the kernels. On CPU it runs its reference path.
 """
 from __future__ import annotations
 
@@ -86,10 +87,9 @@ def get_attn_backend(name: str | None, device: str, *,
         if not on_cuda:
             return _load("torch_sdpa")
         problem = xformers_problem(device, dtype)
-        if problem is None:
-            return _load("xformers")
-        if not problem.startswith("xformers does not import"):
-            _warn_once(f"{problem}; using the torch_native attention backend. {CUDA_XFORMERS_HINT}")
+        if problem is not None and not problem.startswith("xformers does not import"):
+            _warn_once(f"{problem}; using the torch_native attention backend (the CUDA default). "
+                       f"For attention_backend='xformers': {CUDA_XFORMERS_HINT}")
         return _load("torch_native")
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(_BACKENDS)}, got {name!r}")

@@ -1,7 +1,8 @@
-"""Which backend the selector picks, and why: CPU keeps torch_sdpa; on CUDA xFormers
-only when its kernels run the backend's real calls (BlockDiagonalMask,
-BlockDiagonalCausalMask, the model's dtype), else torch_native with one warning
-that says how to get a CUDA xFormers. A fake ``xformers`` module stands in for
+"""Which backend the selector picks, and why: CPU keeps torch_sdpa; CUDA takes
+torch_native, with one warning where xFormers is installed without CUDA kernels
+that says how to get them; ``attention_backend="xformers"`` on CUDA only when its
+kernels run the backend's real calls (BlockDiagonalMask, BlockDiagonalCausalMask,
+the model's dtype), else a ValueError. A fake ``xformers`` module stands in for
 "imports but has no CUDA kernels" (the PyPI wheel) and for a working one; the
 probe's tensors go to the CPU through the selector's ``_probe_device`` seam."""
 from __future__ import annotations
@@ -88,14 +89,15 @@ def test_asking_for_xformers_that_cannot_run_is_a_value_error(monkeypatch):
     assert "attention_backend='torch_native'" in str(e.value)
 
 
-def test_xformers_with_cuda_kernels_is_chosen_after_every_bias_runs(monkeypatch, caplog):
+def test_xformers_with_cuda_kernels_runs_by_name_after_every_bias_runs(monkeypatch, caplog):
     calls = fake_xformers(monkeypatch, has_cuda_kernels=True)
     monkeypatch.delitem(sys.modules, "encdec.attention.backends.xformers", raising=False)
     with caplog.at_level(logging.WARNING, logger=selector.__name__):
-        assert get_attn_backend(None, "cuda", dtype=torch.float32).get_name() == "xformers"
+        assert get_attn_backend(None, "cuda", dtype=torch.float32).get_name() == "torch_native"
+        assert get_attn_backend("xformers", "cuda", dtype=torch.float32).get_name() == "xformers"
     assert {c[0] for c in calls} == {"BlockDiagonalMask", "BlockDiagonalCausalMask"}
     assert {c[1] for c in calls} == {torch.float32}
-    assert not caplog.records
+    assert not caplog.records  # kernels that run: nothing to warn about
 
 
 def test_no_xformers_gives_torch_native_silently(monkeypatch, caplog):
@@ -123,8 +125,8 @@ def test_the_pypi_wheel_itself_is_refused(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_llm_on_cuda_runs_whatever_xformers_is_installed(tiny_bart, caplog):
-    """LLM(model) on a CUDA host: xFormers when its kernels run, else torch_native
-    and (xFormers importing without kernels) exactly one warning."""
+    """LLM(model) on a CUDA host: torch_native, and exactly one warning where
+    xFormers imports without CUDA kernels (the PyPI wheel)."""
     from encdec import LLM, SamplingParams
 
     selector._warned.clear()
@@ -133,8 +135,7 @@ def test_llm_on_cuda_runs_whatever_xformers_is_installed(tiny_bart, caplog):
         # Two engines sized by profiling (0.2 of the GPU each): the second gets its own share.
         llm = LLM(tiny_bart, device="cuda", dtype="float16", gpu_memory_utilization=0.2)
         LLM(tiny_bart, device="cuda", dtype="float16", gpu_memory_utilization=0.2)
-    name = llm.llm_engine.worker.backend.get_name()
-    assert name == ("xformers" if problem is None else "torch_native")
+    assert llm.llm_engine.worker.backend.get_name() == "torch_native"
     warned = [r for r in caplog.records if "torch_native" in r.getMessage()]
     imports = problem is not None and not problem.startswith("xformers does not import")
     assert len(warned) == (1 if imports else 0)
