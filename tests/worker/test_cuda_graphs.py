@@ -132,9 +132,7 @@ def test_graphs_replay_and_match_eager_on_cuda(tiny_bart, monkeypatch):
     assert eager.llm_engine.worker.model_runner.graphs is None
     graphed = LLM(tiny_bart, device="cuda", dtype="float32", kv_cache_memory=512 << 20)
     graphs = graphed.llm_engine.worker.model_runner.graphs
-    assert graphed.llm_engine.worker.backend.get_name() in ("torch_native", "xformers")
-    if graphed.llm_engine.worker.backend.get_name() == "xformers":
-        pytest.skip("xFormers chosen here: its decode steps run eagerly")
+    assert graphed.llm_engine.worker.backend.get_name() == "torch_native"  # the CUDA default
     assert graphs is not None and set(graphs.graphs) == set(graphs.sizes)
     replays = []
     real = graphs.replay
