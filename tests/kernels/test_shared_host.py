@@ -116,3 +116,30 @@ def test_lm_head_matmul_oversubscribed_under_load_matches_one_thread(monkeypatch
         out, loaded = run(OVERSUBSCRIBED)
     assert torch.equal(out, ref)
     assert loaded < SLOWDOWN * idle + SLACK_S, (loaded, idle)
+
+
+@pytest.mark.skipif(not small_linear_cpu.available(), reason="no C compiler here")
+def test_a_forked_child_runs_kernels_on_its_own_pool():
+    """A kernel library's pool threads are not copied by fork(): a child (Ray's or
+    multiprocessing's workers) starts its own and gets the same values."""
+    import os
+
+    g = torch.Generator().manual_seed(3)
+    panels = small_linear_cpu.pack(torch.randn(300, 64, generator=g))
+    x = torch.randn(8, 64, generator=g)
+    ref = small_linear_cpu.small_linear(x, panels, 300, None, threads=1).numpy().tobytes()
+    assert small_linear_cpu.small_linear(x, panels, 300, None, threads=2).numpy().tobytes() == ref  # pool up
+    pid = os.fork()
+    if pid == 0:  # the child: no torch op that could start an OpenMP pool, only the kernel
+        threads_before = len(os.listdir("/proc/self/task"))
+        same = small_linear_cpu.small_linear(x, panels, 300, None, threads=2).numpy().tobytes() == ref
+        started = len(os.listdir("/proc/self/task")) > threads_before or available_cores() < 2
+        os._exit(0 if same and started else 1 if not same else 2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's kernel call did not return within 60 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "1: other values, 2: no pool thread started in the child"

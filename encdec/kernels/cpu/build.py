@@ -33,9 +33,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(__file__)
-# -fopenmp links libgomp.so.1; in a process where torch already loaded its own
-# libgomp.so.1 the loader reuses that one, so both share one thread pool.
-_FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu99", "-fopenmp", "-lm"]
+# No OpenMP: each kernel library shares its work through its own small pool of
+# threads (team.h), whose waits spin briefly and then sleep, and whose caller
+# never waits for a thread that has not started.
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu99", "-pthread", "-lm"]
 # Best first. "none" builds for the compiler's baseline target (any CPU of this
 # architecture); kernels without a portable vector path decline there.
 ISA_FLAGS: dict[str, list[str]] = {

@@ -1,5 +1,5 @@
 /* A whole decode step of a pre-LayerNorm decoder (Whisper's) on CPU, float32,
- * in one call and one parallel region: every layer of
+ * in one call whose threads share the work of every layer (team.h):
  *
  *     h += out1(self_attn(qkv(LN1(h))))      new K/V written to the paged cache first
  *     h += out2(cross_attn(q(LN2(h))))       cross K/V read from the paged cache
@@ -10,7 +10,7 @@
  * at ~32 GB/s here and one at ~26; the op-by-op path runs dozens of parallel
  * regions a step, and under OMP_WAIT_POLICY=PASSIVE each wakes the sleeping
  * worker (~55 us here) and each OpenMP barrier puts one to sleep (~22 us).
- * So the old fused layer kept its matmuls on one thread. Here one region
+ * So the old fused layer kept its matmuls on one thread. Here one call
  * runs the step as a list of phases (team.h): matmuls in items of column
  * panels (small_linear_cpu.c), attention in items of CHUNK slots of a row
  * (paged_attention_cpu.c), LayerNorm and joins by rows; each item is taken by
@@ -31,7 +31,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <omp.h>
 
 #include "small_linear_cpu.c"
 #include "paged_attention_cpu.c"
@@ -171,72 +170,96 @@ static int32_t max_len(const int32_t *lens, int64_t M) {
 /* The phases of one layer, in order (TEAM_PHASE numbers them l * PHASES + k). */
 enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, FC2, PHASES };
 
+/* A step's arguments and scratch, shared by its threads (step_job). */
+typedef struct {
+    float *h, *x, *qkv, *q, *a, *f, *part, *scores_all;
+    const layer_t *layers;
+    const int64_t *slots, *self_items, *cross_items, *leader;
+    const int32_t *self_tables, *self_lens, *cross_tables, *cross_lens;
+    int64_t M, d, H, ffn, num_layers, block_size, self_stride, cross_stride, C, scores_size, n_self, n_cross;
+    float eps, scale;
+    team_t team;
+} step_t;
+
+/* Every layer's phases, in order; tid picks this thread's scores scratch. */
+static void step_job(void *arg, int tid) {
+    step_t *s = arg;
+    float *h = s->h, *x = s->x, *qkv = s->qkv, *q = s->q, *a = s->a, *f = s->f, *part = s->part;
+    float *scores = s->scores_all + tid * s->scores_size;
+    const int64_t M = s->M, d = s->d, H = s->H, D = d / H, ffn = s->ffn, block_size = s->block_size, C = s->C;
+    const int64_t rows_items = (M + ROWS_ITEM - 1) / ROWS_ITEM;
+    const float eps = s->eps, scale = s->scale;
+    team_t *team = &s->team;
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const layer_t *w = s->layers + l;
+        const int p = (int)(l * PHASES);
+#define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
+        TEAM_PHASE(team, p + LN1, rows_items, layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps));
+        TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
+                   matmul_item(i, qkv, 3 * d, x, d, w->qkv_w, w->qkv_b, M, d, 3 * d, POST_NONE));
+        TEAM_PHASE(team, p + KV_COPY, M, {
+            memcpy(w->k_cache + s->slots[i] * d, qkv + i * 3 * d + d, sizeof(float) * d);
+            memcpy(w->v_cache + s->slots[i] * d, qkv + i * 3 * d + 2 * d, sizeof(float) * d);
+        });
+        TEAM_PHASE(team, p + SELF_ATT, s->n_self,
+                   attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
+                               s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
+        TEAM_PHASE(team, p + SELF_JOIN, M, join_row(a + i * d, part, i, s->self_lens[i], H, D, C));
+        TEAM_PHASE(team, p + O1, matmul_items(d), matmul_item(i, h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD));
+        TEAM_PHASE(team, p + LN2, rows_items, layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps));
+        TEAM_PHASE(team, p + Q, matmul_items(d), matmul_item(i, q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE));
+        TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
+                   attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
+                               s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C));
+        TEAM_PHASE(team, p + CROSS_JOIN, M, join_row(a + i * d, part, i, s->cross_lens[i], H, D, C));
+        TEAM_PHASE(team, p + O2, matmul_items(d), matmul_item(i, h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD));
+        TEAM_PHASE(team, p + LN3, rows_items, layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps));
+        TEAM_PHASE(team, p + FC1, matmul_items(ffn),
+                   matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU));
+        TEAM_PHASE(team, p + FC2, matmul_items(d),
+                   matmul_item(i, h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD));
+#undef ROWS
+    }
+}
+
 /* h: (M, d) residual stream, updated in place. work: at least M * (6 d + ffn)
  * floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
- * new K/V goes; self tables/lens include the new token. Returns 0, or -1 where
- * the scratch could not be allocated (then nothing was done). */
+ * new K/V goes; self tables/lens include the new token. Runs on up to
+ * num_threads threads (team.h). Returns 0, or -1 where the scratch could not
+ * be allocated (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads)
 {
-    const int64_t D = d / H;
-    float *x = work, *qkv = x + M * d, *q = qkv + M * 3 * d, *a = q + M * d, *f = a + M * d;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
     const int64_t C = num_chunks(self_longest > cross_longest ? self_longest : cross_longest);
     const int64_t P = PHASES * num_layers, nt = num_threads > 1 ? num_threads : 1;
-    const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX, rows_items = (M + ROWS_ITEM - 1) / ROWS_ITEM;
+    const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX;
     /* One block: the parts (M * C of H D + 2 H), each thread's scores, both
      * attentions' item lists, the phase counters. */
-    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (H * D + 2 * H) + nt * scores_size);
+    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size);
     char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + sizeof(atomic_int) * 2 * (P + 1));
     if (!block) return -1;
-    float *part = (float *)block, *scores_all = part + M * C * (H * D + 2 * H);
+    float *part = (float *)block;
     int64_t *self_items = (int64_t *)(block + part_bytes), *cross_items = self_items + M * C;
     atomic_int *counters = (atomic_int *)(cross_items + M * C);
     memset(counters, 0, sizeof(atomic_int) * 2 * (P + 1));
     int64_t leader[M];  /* rows sharing a cross table (find_groups) */
     find_groups(leader, cross_tables, cross_stride, cross_lens, M, block_size);
-    const int64_t n_self = list_items(self_items, self_lens, NULL, M, C);
-    const int64_t n_cross = list_items(cross_items, cross_lens, leader, M, C);
-    team_t team = {0, 0, counters, counters + P + 1};
-#pragma omp parallel num_threads(nt)
-    {
-        float *scores = scores_all + omp_get_thread_num() * scores_size;
-        for (int64_t l = 0; l < num_layers; l++) {
-            const layer_t *w = layers + l;
-            const int p = (int)(l * PHASES);
-#define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
-            TEAM_PHASE(&team, p + LN1, rows_items, layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps));
-            TEAM_PHASE(&team, p + QKV, matmul_items(3 * d),
-                       matmul_item(i, qkv, 3 * d, x, d, w->qkv_w, w->qkv_b, M, d, 3 * d, POST_NONE));
-            TEAM_PHASE(&team, p + KV_COPY, M, {
-                memcpy(w->k_cache + slots[i] * d, qkv + i * 3 * d + d, sizeof(float) * d);
-                memcpy(w->v_cache + slots[i] * d, qkv + i * 3 * d + 2 * d, sizeof(float) * d);
-            });
-            TEAM_PHASE(&team, p + SELF_ATT, n_self,
-                       attend_item(self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, self_tables, self_stride,
-                                   self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
-            TEAM_PHASE(&team, p + SELF_JOIN, M, join_row(a + i * d, part, i, self_lens[i], H, D, C));
-            TEAM_PHASE(&team, p + O1, matmul_items(d),
-                       matmul_item(i, h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD));
-            TEAM_PHASE(&team, p + LN2, rows_items, layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps));
-            TEAM_PHASE(&team, p + Q, matmul_items(d), matmul_item(i, q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE));
-            TEAM_PHASE(&team, p + CROSS_ATT, n_cross,
-                       attend_item(cross_items[i], q, d, w->k_cache, w->v_cache, cross_tables, cross_stride,
-                                   cross_lens, leader, M, H, D, block_size, scale, scores, part, C));
-            TEAM_PHASE(&team, p + CROSS_JOIN, M, join_row(a + i * d, part, i, cross_lens[i], H, D, C));
-            TEAM_PHASE(&team, p + O2, matmul_items(d),
-                       matmul_item(i, h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD));
-            TEAM_PHASE(&team, p + LN3, rows_items, layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps));
-            TEAM_PHASE(&team, p + FC1, matmul_items(ffn),
-                       matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU));
-            TEAM_PHASE(&team, p + FC2, matmul_items(d),
-                       matmul_item(i, h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD));
-#undef ROWS
-        }
-    }
+    step_t step = {
+        .h = h, .x = work, .qkv = work + M * d, .q = work + 4 * M * d, .a = work + 5 * M * d, .f = work + 6 * M * d,
+        .part = part, .scores_all = part + M * C * (d + 2 * H), .layers = layers, .slots = slots,
+        .self_items = self_items, .cross_items = cross_items, .leader = leader, .self_tables = self_tables,
+        .self_lens = self_lens, .cross_tables = cross_tables, .cross_lens = cross_lens, .M = M, .d = d, .H = H,
+        .ffn = ffn, .num_layers = num_layers, .block_size = block_size, .self_stride = self_stride,
+        .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
+        .n_self = list_items(self_items, self_lens, NULL, M, C),
+        .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
+        .team = {0, 0, counters, counters + P + 1},
+    };
+    team_run(step_job, &step, (int)nt);
     free(block);
     return 0;
 }

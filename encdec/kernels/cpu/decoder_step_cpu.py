@@ -1,5 +1,5 @@
 """Builds and calls ``decoder_step_cpu.c``: every pre-LayerNorm decoder layer
-(Whisper's) of a decode-only step, in one call and one parallel region.
+(Whisper's) of a decode-only step, in one call whose threads share each phase (team.h).
 
 The C file includes the panel matmul and paged attention kernels, so its
 vector path is theirs (``path(isa)``: "avx512", "avx2" or "none"), built by

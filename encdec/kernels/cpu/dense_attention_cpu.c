@@ -45,6 +45,7 @@
  * encoder's output drift past HF's own float32 error on a 30 s clip. */
 #define KC 128
 
+#include "team.h"
 #include "vector_math.h" /* vm_exp */
 
 /* What this build runs; the "none" build declines every call (returns -1). */
@@ -262,6 +263,55 @@ static inline float softmax_numerator(float *s, int64_t n) {
 }
 #endif
 
+#ifdef HAVE_VECTOR_PATH
+typedef struct {
+    float *out;
+    const float *q, *k, *v;
+    int64_t B, H, tq, tk, q_sb, q_st, k_sb, k_st, v_sb, v_st, ldk;
+    float scale;
+    float *buffers;      /* each thread's K^T, V and score rows, per_thread floats apart */
+    int64_t per_thread;
+    team_t team;
+} dense_job_t;
+
+/* Job (b, h): pack its K^T and V, then every block of R query rows. */
+static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, float *s) {
+    const float *q = j->q, *k = j->k, *v = j->v;
+    float *out = j->out;
+    const int64_t H = j->H, tq = j->tq, tk = j->tk, ldk = j->ldk, q_sb = j->q_sb, q_st = j->q_st;
+    const int64_t k_sb = j->k_sb, k_st = j->k_st, v_sb = j->v_sb, v_st = j->v_st;
+    const float scale = j->scale;
+    float qs[R * D] __attribute__((aligned(64)));
+    const int64_t b = job / H, h = job % H;
+    const float *kb = k + b * k_sb + h * D, *vb = v + b * v_sb + h * D;
+    for (int64_t t = 0; t < tk; t++) {
+        const float *kr = kb + t * k_st;
+        for (int d = 0; d < D; d++) kt[kt_at(t, d)] = kr[d];
+        pack_v_row(vp, vb + t * v_st, t, tk);
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t t = tk; t < ldk; t++) kt[kt_at(t, d)] = 0.f;
+    for (int64_t r0 = 0; r0 < tq; r0 += R) {
+        const int rows = tq - r0 < R ? (int)(tq - r0) : R;
+        for (int i = 0; i < R; i++)
+            for (int d = 0; d < D; d++)
+                qs[i * D + d] = i < rows ? scale * q[b * q_sb + (r0 + i) * q_st + h * D + d] : 0.f;
+        qk_rows(qs, kt, ldk, s);
+        float inv[R];
+        for (int i = 0; i < R; i++) inv[i] = 1.0f / softmax_numerator(s + i * ldk, tk);
+        pv_rows(s, ldk, vp, tk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
+    }
+}
+
+/* Jobs are taken one at a time by whichever thread is free (team.h): a thread
+ * that lost its core to another process leaves its jobs to the others. */
+static void dense_job(void *arg, int tid) {
+    dense_job_t *j = arg;
+    float *kt = j->buffers + tid * j->per_thread, *vp = kt + D * j->ldk, *s = vp + j->tk * D;
+    TEAM_PHASE(&j->team, 0, j->B * j->H, dense_one(j, i, kt, vp, s));
+}
+#endif
+
 int dense_attention_f32(float *out, const float *q, const float *k, const float *v,
                         int64_t B, int64_t H, int64_t tq, int64_t tk,
                         int64_t q_sb, int64_t q_st, int64_t k_sb, int64_t k_st,
@@ -272,45 +322,16 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
     (void)q_st; (void)k_sb; (void)k_st; (void)v_sb; (void)v_st; (void)scale; (void)num_threads;
     return -1;
 #else
+    const int nt = num_threads > 1 ? num_threads : 1;
     const int64_t ldk = (tk + 15) / 16 * 16; /* keys, zero padded to whole panels */
-    /* Jobs are taken one at a time by whichever thread is free (a counter, no
-     * barrier): a thread that lost its core to another process, or could not
-     * allocate its buffers, leaves its jobs to the others. */
-    atomic_llong next = 0, done = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *kt = alloc_floats(D * ldk);
-        float *vp = alloc_floats(tk * D);
-        float *s = alloc_floats(R * ldk);
-        float qs[R * D] __attribute__((aligned(64)));
-        if (kt && vp && s) {
-            for (int64_t job; (job = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed)) < B * H;) {
-                const int64_t b = job / H, h = job % H;
-                const float *kb = k + b * k_sb + h * D, *vb = v + b * v_sb + h * D;
-                for (int64_t t = 0; t < tk; t++) {
-                    const float *kr = kb + t * k_st;
-                    for (int d = 0; d < D; d++) kt[kt_at(t, d)] = kr[d];
-                    pack_v_row(vp, vb + t * v_st, t, tk);
-                }
-                for (int d = 0; d < D; d++)
-                    for (int64_t t = tk; t < ldk; t++) kt[kt_at(t, d)] = 0.f;
-                for (int64_t r0 = 0; r0 < tq; r0 += R) {
-                    const int rows = tq - r0 < R ? (int)(tq - r0) : R;
-                    for (int i = 0; i < R; i++)
-                        for (int d = 0; d < D; d++)
-                            qs[i * D + d] = i < rows ? scale * q[b * q_sb + (r0 + i) * q_st + h * D + d] : 0.f;
-                    qk_rows(qs, kt, ldk, s);
-                    float inv[R];
-                    for (int i = 0; i < R; i++) inv[i] = 1.0f / softmax_numerator(s + i * ldk, tk);
-                    pv_rows(s, ldk, vp, tk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
-                }
-                atomic_fetch_add_explicit(&done, 1, memory_order_relaxed);
-            }
-        }
-        free(kt);
-        free(vp);
-        free(s);
-    }
-    return done == B * H ? 0 : -2;  /* jobs left: no thread could allocate its buffers */
+    const int64_t per_thread = D * ldk + tk * D + R * ldk;  /* multiples of 16 floats: each part stays aligned */
+    float *buffers = alloc_floats(nt * per_thread);
+    if (!buffers) return -2;
+    atomic_int counters[2] = {0, 0};
+    dense_job_t job = {out, q, k, v, B, H, tq, tk, q_sb, q_st, k_sb, k_st, v_sb, v_st, ldk, scale, buffers,
+                       per_thread, {0, 0, counters, counters + 1}};
+    team_run(dense_job, &job, nt);
+    free(buffers);
+    return 0;
 #endif
 }

@@ -21,55 +21,74 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "team.h"
 #include "vector_math.h"
 
 const char *greedy_path(void) { return VM_PATH; }
 
-/* x: (R, V), rows ``stride`` floats apart; tok, rank: (R,) int64; lp: (R,). */
+typedef struct {
+    const float *x;
+    int64_t R, V, stride;
+    int64_t *tok, *rank;
+    float *lp;
+    atomic_int bad;
+    team_t team;
+} greedy_job_t;
+
+/* Row r's token, log-prob and rank; 1 where the row holds a NaN or no finite value. */
+static int greedy_row(greedy_job_t *j, int64_t r) {
+    const float *x = j->x;
+    const int64_t V = j->V, stride = j->stride;
+    int64_t *tok = j->tok, *rank = j->rank;
+    float *lp = j->lp;
+    const float *row = x + r * stride;
+    const float mx = vm_max_of(row, V);
+    if (!isfinite(mx)) return 1;
+    int64_t first = -1, ties = 0, t = 0;
+    unsigned nan = 0;
+    double sum = 0.0;
+#if defined(VM_VL)
+    const vm_vec mv = VM_SET1(mx);
+    vm_dsum acc = vm_dsum_zero();
+    for (; t + VM_VL <= V; t += VM_VL) {
+        const vm_vec v = VM_LOAD(row + t);
+        vm_dsum_add(&acc, vm_exp(VM_SUB(v, mv)));
+        const unsigned eq = VM_EQ_BITS(v, mv);
+        nan |= VM_NAN_BITS(v);
+        if (eq) {
+            if (first < 0) first = t + __builtin_ctz(eq);
+            ties += __builtin_popcount(eq);
+        }
+    }
+    sum = vm_dsum_total(acc);
+#endif
+    for (; t < V; t++) {
+        nan |= isnan(row[t]);
+        sum += (double)expf(row[t] - mx);
+        if (row[t] == mx) {
+            if (first < 0) first = t;
+            ties++;
+        }
+    }
+    if (nan) return 1;
+    tok[r] = first;
+    lp[r] = (float)-log(sum);
+    rank[r] = ties;
+    return 0;
+}
+
+static void greedy_job(void *arg, int tid) {
+    greedy_job_t *j = arg;
+    (void)tid;
+    TEAM_PHASE(&j->team, 0, j->R, if (greedy_row(j, i)) atomic_store(&j->bad, 1));
+}
+
+/* x: (R, V), rows ``stride`` floats apart; tok, rank: (R,) int64; lp: (R,).
+ * Rows are taken one at a time by whichever thread is free (team.h). */
 int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int64_t *tok, float *lp,
                        int64_t *rank, int threads) {
-    int bad = 0;
-#pragma omp parallel for if (threads > 1) num_threads(threads) schedule(dynamic) reduction(| : bad)
-    for (int64_t r = 0; r < R; r++) {
-        const float *row = x + r * stride;
-        const float mx = vm_max_of(row, V);
-        if (!isfinite(mx)) {
-            bad = 1;
-            continue;
-        }
-        int64_t first = -1, ties = 0, t = 0;
-        unsigned nan = 0;
-        double sum = 0.0;
-#if defined(VM_VL)
-        const vm_vec mv = VM_SET1(mx);
-        vm_dsum acc = vm_dsum_zero();
-        for (; t + VM_VL <= V; t += VM_VL) {
-            const vm_vec v = VM_LOAD(row + t);
-            vm_dsum_add(&acc, vm_exp(VM_SUB(v, mv)));
-            const unsigned eq = VM_EQ_BITS(v, mv);
-            nan |= VM_NAN_BITS(v);
-            if (eq) {
-                if (first < 0) first = t + __builtin_ctz(eq);
-                ties += __builtin_popcount(eq);
-            }
-        }
-        sum = vm_dsum_total(acc);
-#endif
-        for (; t < V; t++) {
-            nan |= isnan(row[t]);
-            sum += (double)expf(row[t] - mx);
-            if (row[t] == mx) {
-                if (first < 0) first = t;
-                ties++;
-            }
-        }
-        if (nan) {
-            bad = 1;
-            continue;
-        }
-        tok[r] = first;
-        lp[r] = (float)-log(sum);
-        rank[r] = ties;
-    }
-    return bad;
+    atomic_int counters[2] = {0, 0};
+    greedy_job_t job = {x, R, V, stride, tok, rank, lp, 0, {0, 0, counters, counters + 1}};
+    team_run(greedy_job, &job, threads);
+    return atomic_load(&job.bad);
 }

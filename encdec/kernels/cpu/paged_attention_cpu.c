@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
+
 #define LANES 8
 
 static float dot(const float *a, const float *b, int n) {
@@ -156,6 +158,31 @@ static void attend(float *os, const float *qs, const float *k_cache, const float
     }
 }
 
+typedef struct {
+    float *out;
+    const float *q, *k_cache, *v_cache;
+    const int32_t *tables, *lens;
+    int64_t num_seqs, table_stride, num_heads, group, head_size, slot_stride, block_size;
+    float scale;
+    team_t team;
+} paged_job_t;
+
+static void paged_one(const paged_job_t *j, int64_t s) {
+    const int32_t len = j->lens[s];
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * j->num_heads);  /* [h][t] */
+    const int64_t row = s * j->num_heads * j->head_size;
+    attend(j->out + row, j->q + row, j->k_cache, j->v_cache, j->tables + s * j->table_stride, len, j->num_heads,
+           j->group, j->head_size, j->slot_stride, j->block_size, j->scale, scores);
+    free(scores);
+}
+
+/* Sequences are taken one at a time by whichever thread is free (team.h). */
+static void paged_job(void *arg, int tid) {
+    paged_job_t *j = arg;
+    (void)tid;
+    TEAM_PHASE(&j->team, 0, j->num_seqs, paged_one(j, i));
+}
+
 /* out, q: (num_seqs, num_heads, head_size); tables: (num_seqs, table_stride) int32;
  * lens: (num_seqs,) int32. One job per sequence (the header). */
 void paged_attention_decode_f32(
@@ -164,14 +191,9 @@ void paged_attention_decode_f32(
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
     int64_t block_size, float scale, int num_threads)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = num_kv_heads * head_size;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int32_t len = lens[s];
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * num_heads);  /* [h][t] */
-        attend(out + s * num_heads * head_size, q + s * num_heads * head_size, k_cache, v_cache,
-               tables + s * table_stride, len, num_heads, group, head_size, slot_stride, block_size, scale, scores);
-        free(scores);
-    }
+    atomic_int counters[2] = {0, 0};
+    paged_job_t job = {out, q, k_cache, v_cache, tables, lens, num_seqs, table_stride, num_heads,
+                       num_heads / num_kv_heads, head_size, num_kv_heads * head_size, block_size, scale,
+                       {0, 0, counters, counters + 1}};
+    team_run(paged_job, &job, num_threads);
 }

@@ -37,7 +37,7 @@
 #include <stddef.h>
 #include <string.h>
 #include <math.h>
-#include <omp.h>
+#include "team.h"
 #include "vector_math.h"
 
 #define PW 32   /* columns per panel */
@@ -198,13 +198,26 @@ static void matmul_item(int64_t i, float *y, int64_t ldy, const float *x, int64_
     panel_range(y, ldy, x, ldx, wp, b, M, K, N, p0, p0 + per < P ? p0 + per : P, post);
 }
 
-/* Entry point: y (M, N) = post(x (M, K) W^T + b) on num_threads threads, each
- * taking the next item while any is left. */
+typedef struct {
+    float *y;
+    const float *x, *wp, *b;
+    int64_t M, K, N;
+    int post;
+    team_t team;
+} linear_job_t;
+
+static void linear_job(void *arg, int tid) {
+    linear_job_t *j = arg;
+    (void)tid;
+    TEAM_PHASE(&j->team, 0, matmul_items(j->N), matmul_item(i, j->y, j->N, j->x, j->K, j->wp, j->b, j->M, j->K, j->N,
+                                                           j->post));
+}
+
+/* Entry point: y (M, N) = post(x (M, K) W^T + b) on up to num_threads threads
+ * (team.h), each taking the next item while any is left. */
 void small_linear_f32(float *y, const float *x, const float *wp, const float *b,
                       int64_t M, int64_t K, int64_t N, int post, int num_threads) {
-    const int64_t n = matmul_items(N);
-    atomic_llong next = 0;
-#pragma omp parallel num_threads(num_threads)
-    for (int64_t i; (i = atomic_fetch_add_explicit(&next, 1, memory_order_relaxed)) < n;)
-        matmul_item(i, y, N, x, K, wp, b, M, K, N, post);
+    atomic_int counters[2] = {0, 0};
+    linear_job_t job = {y, x, wp, b, M, K, N, post, {0, 0, counters, counters + 1}};
+    team_run(linear_job, &job, num_threads);
 }

@@ -17,6 +17,13 @@
  * at the barrier through that slice, and tiny.en's long-form transcription
  * went 3.7 s -> 8.4-23.2 s (CTranslate2 1.25-1.5x).
  *
+ * The threads (team_run): the caller and up to nt - 1 threads of a pool this
+ * library starts once. The caller starts on the work at once and never waits
+ * for a pool thread to arrive, only for items taken and not finished: a pool
+ * thread whose core is taken joins when it gets one, or finds the job done.
+ * (An OpenMP region ends at a barrier every thread must reach: a worker that
+ * had not even started yet held the caller there until the scheduler ran it.)
+ *
  * Waiting (team_wait): spin about TEAM_SPIN_NS, then sleep on a futex. The
  * spin covers the usual case, a partner a few microseconds from the end of
  * its last item, at no syscall cost (a futex sleep and wake-up take 5-50 us).
@@ -29,6 +36,7 @@
 
 #include <limits.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/syscall.h>
@@ -64,13 +72,28 @@ static inline int64_t team_take(team_t *t, int p, int64_t n) {
     return i < n ? i : -1;
 }
 
-/* After phase was moved on (seq_cst): wakes the sleepers. A waiter counts
- * itself in sleepers (seq_cst) before its last look at phase, so either it
- * sees the new phase or it is counted here and woken. */
-static void team_wake(team_t *t) {
-    if (atomic_load_explicit(&t->sleepers, memory_order_seq_cst))
-        syscall(SYS_futex, &t->phase, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+/* Sleeps while *word reads value, counted in *sleepers. A waker changes
+ * *word, then looks at *sleepers (both seq_cst): either it sees this thread
+ * counted and wakes it, or this thread's last look sees the change. */
+static void team_sleep(atomic_int *word, int value, atomic_int *sleepers) {
+    atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(word, memory_order_seq_cst) == value)  /* the kernel sleeps only while it still is */
+        syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+    atomic_fetch_sub_explicit(sleepers, 1, memory_order_seq_cst);
 }
+
+/* After *word changed (seq_cst): wakes those asleep on it. */
+static void team_wake_word(atomic_int *word, atomic_int *sleepers) {
+    if (atomic_load_explicit(sleepers, memory_order_seq_cst))
+        syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Whether a spinning wait that began at start should sleep now (every 64 spins it looks at the clock). */
+static inline int team_spun_enough(int spins, int64_t start) {
+    return (spins & 63) == 63 && team_now_ns() - start >= TEAM_SPIN_NS;
+}
+
+static void team_wake(team_t *t) { team_wake_word(&t->phase, &t->sleepers); }
 
 static void team_open(team_t *t, int p) {
     atomic_store_explicit(&t->phase, p, memory_order_seq_cst);
@@ -84,22 +107,16 @@ static inline void team_done(team_t *t, int p, int64_t n) {
 }
 
 /* Returns when phase p (of n items) is over: spins, then sleeps (the header). */
-static void team_wait(team_t *t, int p, int64_t n) {
+static inline void team_wait(team_t *t, int p, int64_t n) {
     if (n == 0) {  /* no item: the first thread here opens the next phase */
         int expected = p;
         if (atomic_compare_exchange_strong(&t->phase, &expected, p + 1)) team_wake(t);
     }
     const int64_t start = team_now_ns();
-    for (int spins = 0; atomic_load_explicit(&t->phase, memory_order_acquire) <= p; spins++) {
-        if ((spins & 63) != 63 || team_now_ns() - start < TEAM_SPIN_NS) {
-            team_relax();
-            continue;
-        }
-        atomic_fetch_add_explicit(&t->sleepers, 1, memory_order_seq_cst);
-        const int seen = atomic_load_explicit(&t->phase, memory_order_seq_cst);
-        if (seen <= p)  /* the kernel sleeps only while phase still reads `seen` */
-            syscall(SYS_futex, &t->phase, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-        atomic_fetch_sub_explicit(&t->sleepers, 1, memory_order_seq_cst);
+    int seen;
+    for (int spins = 0; (seen = atomic_load_explicit(&t->phase, memory_order_acquire)) <= p; spins++) {
+        if (team_spun_enough(spins, start)) team_sleep(&t->phase, seen, &t->sleepers);
+        else team_relax();
     }
 }
 
@@ -114,5 +131,105 @@ static void team_wait(team_t *t, int p, int64_t n) {
         }                                                           \
         team_wait((t), (p), team_n_);                               \
     } while (0)
+
+typedef void (*team_job)(void *ctx, int tid);
+
+/* This library's pool: threads started on first use, asleep between jobs. */
+#define TEAM_MAX_THREADS 64
+static struct {
+    pthread_mutex_t lock;   /* one job at a time: a second caller meanwhile runs alone */
+    int started;            /* pool threads running */
+    atomic_int generation;  /* bumped for each job; idle pool threads sleep on it */
+    atomic_int idle_sleepers;
+    atomic_int open;        /* the job takes pool threads still */
+    atomic_int active;      /* pool threads inside the job; the caller waits for 0 at its end */
+    atomic_int active_sleepers;
+    atomic_int next_tid;
+    int want;               /* the job takes tids 1 .. want */
+    team_job job;
+    void *ctx;
+} team_pool = {PTHREAD_MUTEX_INITIALIZER};
+
+static void *team_pool_thread(void *arg) {
+    int seen = (int)(intptr_t)arg;
+    for (;;) {
+        /* Idle: spin a little (jobs often come back to back: a decode step, then
+         * its LM head), then sleep until the next job. */
+        const int64_t start = team_now_ns();
+        int g;
+        for (int spins = 0; (g = atomic_load_explicit(&team_pool.generation, memory_order_acquire)) == seen; spins++) {
+            if (team_spun_enough(spins, start)) team_sleep(&team_pool.generation, seen, &team_pool.idle_sleepers);
+            else team_relax();
+        }
+        seen = g;
+        /* Counted in active before looking at open (both seq_cst), as the caller
+         * closes open before looking at active: either this thread sees the job
+         * closed or the caller waits for it. */
+        atomic_fetch_add_explicit(&team_pool.active, 1, memory_order_seq_cst);
+        if (atomic_load_explicit(&team_pool.open, memory_order_seq_cst)
+                && atomic_load_explicit(&team_pool.generation, memory_order_seq_cst) == g) {
+            const int tid = atomic_fetch_add_explicit(&team_pool.next_tid, 1, memory_order_relaxed);
+            if (tid <= team_pool.want) team_pool.job(team_pool.ctx, tid);
+        }
+        if (atomic_fetch_sub_explicit(&team_pool.active, 1, memory_order_seq_cst) == 1)
+            team_wake_word(&team_pool.active, &team_pool.active_sleepers);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's pool threads: it starts its own. */
+static void team_pool_after_fork(void) {
+    pthread_mutex_init(&team_pool.lock, NULL);
+    team_pool.started = 0;
+    atomic_store(&team_pool.idle_sleepers, 0);
+    atomic_store(&team_pool.active, 0);
+    atomic_store(&team_pool.active_sleepers, 0);
+    atomic_store(&team_pool.open, 0);
+}
+
+static void team_pool_register_fork(void) { pthread_atfork(NULL, NULL, team_pool_after_fork); }
+
+/* Runs job(ctx, tid) on this thread (tid 0) and on the pool threads that join
+ * while it runs (tids 1 .. nt - 1, each at most once; some may never come).
+ * The job hands out its work as items (TEAM_PHASE), so it is done when this
+ * thread's call returns; team_run then waits for the pool threads still inside
+ * it to leave. With nt <= 1, another job running, or no pool thread to be
+ * had, this thread runs it alone. */
+static inline void team_run(team_job job, void *ctx, int nt) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (nt > TEAM_MAX_THREADS) nt = TEAM_MAX_THREADS;
+    if (nt <= 1 || pthread_mutex_trylock(&team_pool.lock) != 0) {
+        job(ctx, 0);
+        return;
+    }
+    pthread_once(&once, team_pool_register_fork);
+    const int gen = atomic_load_explicit(&team_pool.generation, memory_order_relaxed);
+    while (team_pool.started < nt - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&thread, &attr, team_pool_thread, (void *)(intptr_t)gen) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        team_pool.started++;
+    }
+    team_pool.job = job;
+    team_pool.ctx = ctx;
+    team_pool.want = nt - 1 < team_pool.started ? nt - 1 : team_pool.started;
+    atomic_store_explicit(&team_pool.next_tid, 1, memory_order_relaxed);
+    atomic_store_explicit(&team_pool.open, 1, memory_order_seq_cst);
+    atomic_store_explicit(&team_pool.generation, gen + 1, memory_order_seq_cst);
+    team_wake_word(&team_pool.generation, &team_pool.idle_sleepers);
+    job(ctx, 0);
+    atomic_store_explicit(&team_pool.open, 0, memory_order_seq_cst);
+    const int64_t start = team_now_ns();
+    int inside;
+    for (int spins = 0; (inside = atomic_load_explicit(&team_pool.active, memory_order_seq_cst)) != 0; spins++) {
+        if (team_spun_enough(spins, start)) team_sleep(&team_pool.active, inside, &team_pool.active_sleepers);
+        else team_relax();
+    }
+    pthread_mutex_unlock(&team_pool.lock);
+}
 
 #endif /* ENCDEC_TEAM_H */
