@@ -34,6 +34,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("encdec generate: give prompts as arguments or --input-file", file=sys.stderr)
         return 2
+    translating = args.src_lang is not None or args.tgt_lang is not None
+    if translating and args.decoder_prompt is not None:
+        print("encdec generate: give --decoder-prompt or --src-lang/--tgt-lang, not both "
+              "(the languages choose the decoder prompt)", file=sys.stderr)
+        return 2
     if args.decoder_prompt is not None:
         prompts = [ExplicitEncoderDecoderPrompt(encoder_prompt=p, decoder_prompt=args.decoder_prompt)
                    for p in prompts]
@@ -45,7 +50,16 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, n=args.n,
         ignore_eos=args.ignore_eos or None, beam_width=args.beam_width, length_penalty=args.length_penalty,
         no_repeat_ngram_size=args.no_repeat_ngram_size)
-    for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
+    if translating:
+        try:
+            outs = llm.translate(prompts, params, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
+                                 use_tqdm=not args.quiet)
+        except ValueError as e:
+            print(f"encdec generate: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    for out in outs:
         if args.json:
             print(json.dumps({"prompt": out.encoder_prompt, "outputs": [
                 {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -82,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="*", help="encoder prompts (text)")
     g.add_argument("--input-file", default=None, help="one encoder prompt per line")
     g.add_argument("--decoder-prompt", default=None, help="decoder prompt text for every request")
+    g.add_argument("--src-lang", default=None,
+                   help="translate from this language (NLLB eng_Latn, M2M100 en, mBART en_XX, T5 English)")
+    g.add_argument("--tgt-lang", default=None,
+                   help="translate into this language (LLM.translate: the family's control-token prompts)")
     # Unset options keep the checkpoint's generation defaults (LLM.get_default_sampling_params).
     g.add_argument("--max-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)

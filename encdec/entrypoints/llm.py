@@ -154,6 +154,32 @@ class LLM:
                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for c in out.outputs]) for out in outs]
 
+    # -- translation (issue 31) ----------------------------------------------------
+    def translate(self, texts: str | Sequence[str],
+                  sampling_params: SamplingParams | BeamSearchParams
+                  | Sequence[SamplingParams | BeamSearchParams] | None = None, *,
+                  src_lang: str | None = None, tgt_lang: str | None = None,
+                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """``generate`` with the control-token prompts of this checkpoint's family
+        (``encdec.translation``): NLLB/M2M100 and mBART-50 ``<src> text </s>`` with
+        the decoder prompt ``[</s>, <tgt>]`` and the target forced as HF's
+        ``forced_bos_token_id`` (beam scores as HF's), mBART cc25's trailing codes,
+        Marian's ``>>tgt<<``, T5's ``translate X to Y:`` prefix. ``sampling_params=None``:
+        the checkpoint's defaults. A family without languages is a ValueError."""
+        from encdec.translation import translation_prompts, with_forced_bos
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        engine = self.llm_engine
+        plan = translation_prompts(texts, hf_config=engine.hf_config, tokenizer=engine.tokenizer,
+                                   src_lang=src_lang, tgt_lang=tgt_lang)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
+            params = with_forced_bos(sampling_params, plan.forced_bos_token_id)
+        else:
+            params = [with_forced_bos(p, plan.forced_bos_token_id) for p in sampling_params]
+        return self.generate(plan.prompts, params, use_tqdm=use_tqdm)
+
     def transcribe(self, audio, options: TranscribeOptions | None = None, *, use_tqdm: bool = True,
                    **option_kwargs: Any):
         """Speech to text, one ``Transcription`` per input of ``audio`` (one input or a
