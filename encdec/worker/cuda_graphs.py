@@ -46,9 +46,12 @@ def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[i
     return [s for s in candidates if s < top] + [next(s for s in candidates if s >= top)]
 
 
-def graphs_wanted(device: torch.device, backend_name: str, enforce_eager: bool) -> bool:
-    """On by default on CUDA with the torch_native backend; never on CPU."""
-    return device.type == "cuda" and backend_name == "torch_native" and not enforce_eager
+def graphs_wanted(device: torch.device, backend_name: str, enforce_eager: bool, *,
+                  position_bias: bool = False) -> bool:
+    """On by default on CUDA with the torch_native backend; never on CPU. Not for
+    models with a position bias (T5): theirs is built in the forward from the
+    step's host-side lengths, which a replay would not see change."""
+    return device.type == "cuda" and backend_name == "torch_native" and not enforce_eager and not position_bias
 
 
 def bucket_for(num_rows: int, sizes: list[int]) -> int | None:

@@ -173,7 +173,9 @@ class Worker:
         cfg.num_cpu_blocks = int(cfg.swap_space * _GiB) // block_bytes
         # CUDA graphs: padded rows of a replayed decode step write to one block
         # past the block manager's (cuda_graphs.py).
-        self.use_cuda_graphs = graphs_wanted(self.device, self.backend.get_name(), self.load_config.enforce_eager)
+        self.use_cuda_graphs = graphs_wanted(
+            self.device, self.backend.get_name(), self.load_config.enforce_eager,
+            position_bias=getattr(mc.hf_config, "relative_attention_num_buckets", None) is not None)
         pad_blocks = 1 if self.use_cuda_graphs else 0
         logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.1f MiB each)",
                     cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size, block_bytes / 2**20)

@@ -187,6 +187,27 @@ def test_decode_groups_share_cross_tables_and_read_them_once():
     assert md.decode_self.q_start_loc.tolist() == list(range(6))
 
 
+@pytest.mark.parametrize("decode_path", ["torch-fallback", "triton-interpreter"])
+def test_t5_position_bias_matches_torch_sdpa(tmp_path, decode_path, monkeypatch):
+    """T5's relative position bias reaches this backend: a flex score_mod in the
+    encoder and decoder prefills, the kernel's bias operand (or the fallback's
+    mask) in decode; greedy tokens equal torch_sdpa's."""
+    from encdec import LLM, SamplingParams
+    from encdec.testing import make_random_t5
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if decode_path == "triton-interpreter" else "0")
+    path = make_random_t5(str(tmp_path / "t5"), seed=0, d_kv=16)  # head size 16: one tl.dot tile
+    rng = random.Random(4)
+    prompts = [" ".join(str(rng.randint(0, 99)) for _ in range(rng.randint(1, 30))) for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = {}
+    for name in ("torch_sdpa", "torch_native"):
+        llm = LLM(path, device="cpu", attention_backend=name, kv_cache_memory=32 << 20)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["torch_native"] == outs["torch_sdpa"]
+    assert sum(map(len, outs["torch_sdpa"])) > 12
+
+
 # -- launches per step, through a real model --------------------------------------------
 
 

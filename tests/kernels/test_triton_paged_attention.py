@@ -151,6 +151,24 @@ def test_long_lengths_match_float64_reference(interpreter, case):
     check(case, *run(case))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["interpreter-bias-fp32", "interpreter-bias-fp16"])
+def test_position_bias_is_added_to_the_scores(interpreter, dtype):
+    """T5's decode: a (rows, heads, keys) bias added to each row's scaled scores."""
+    case = Case("self-decode", (1, 1, 1), (17, 1, 40), causal=True, heads=(3, 3), dtype=dtype)
+    inputs, tables = make_inputs(case)
+    bias = torch.randn(3, 3, 48, generator=torch.Generator().manual_seed(5)) * 3  # wider than the longest row
+    got = pa.paged_attention(**inputs, scale=case.head_size ** -0.5, causal=True, max_q_len=1, bias=bias)
+    H, D, bs = 3, case.head_size, case.block_size
+    kf = inputs["k_cache"].double().reshape(-1, H, D)
+    vf = inputs["v_cache"].double().reshape(-1, H, D)
+    want = torch.empty(3, H, D, dtype=torch.float64)
+    for r, (n, table) in enumerate(zip(case.kv_lens, tables)):
+        slots = [table[j // bs] * bs + j % bs for j in range(n)]
+        s = torch.einsum("hd,khd->hk", inputs["q"][r].double(), kf[slots]) * D ** -0.5 + bias[r, :, :n].double()
+        want[r] = torch.einsum("hk,khd->hd", s.softmax(-1), vf[slots])
+    check(case, got, want)
+
+
 def test_writes_into_an_out_view(interpreter):
     """The backend passes a slice of the step's output: rows outside it stay put."""
     case = LEAN[0]

@@ -36,6 +36,7 @@ def test_graphs_only_on_cuda_with_torch_native_unless_eager():
     assert not graphs_wanted(cuda, "torch_native", enforce_eager=True)
     assert not graphs_wanted(cuda, "xformers", enforce_eager=False)
     assert not graphs_wanted(cpu, "torch_native", enforce_eager=False)
+    assert not graphs_wanted(cuda, "torch_native", enforce_eager=False, position_bias=True)  # T5
 
 
 def _decode_step(tiny_bart, monkeypatch):

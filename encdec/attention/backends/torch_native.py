@@ -41,6 +41,7 @@ from encdec.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadata,
     AttentionType,
+    PositionBias,
     cache_slots,
     write_to_cache,
 )
@@ -84,10 +85,19 @@ class FlexMask(NamedTuple):
     q_lens: list[int]  # query tokens per sequence, packed in this order
     kv_lens: list[int]  # key tokens per sequence
     causal: bool
+    q_pos: torch.Tensor  # (sum(q_lens),) int64, each query's position in its sequence
+    kv_pos: torch.Tensor  # (sum(kv_lens),) int64, each key's
+
+
+def _positions(lens: list[int], device: torch.device) -> torch.Tensor:
+    n = torch.tensor(lens, device=device)
+    starts = torch.cumsum(n, 0) - n
+    return torch.arange(sum(lens), device=device) - torch.repeat_interleave(starts, n, output_size=sum(lens))
 
 
 def flex_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool, device: torch.device) -> FlexMask:
-    return FlexMask(doc_block_mask(q_lens, kv_lens, causal=causal, device=device), q_lens, kv_lens, causal)
+    return FlexMask(doc_block_mask(q_lens, kv_lens, causal=causal, device=device), q_lens, kv_lens, causal,
+                    _positions(q_lens, device), _positions(kv_lens, device))
 
 
 def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
@@ -177,45 +187,65 @@ def _compiled_flex():
 _flex_failure: list[str] = []  # why compiled flex_attention failed on CUDA, once it has
 
 
-def _run_flex(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+def _score_mod(mask: FlexMask, bias: PositionBias):
+    """T5's position bias as a flex score_mod: one (H, Lq, Lk) table over the
+    step's longest sequences (memoized on the bias, shared by the stack's layers),
+    read at each query's and key's position in its sequence."""
+    lq, lk = max(mask.q_lens), max(mask.kv_lens)
+    table = bias._memo(("flex_table", lq, lk), lambda: bias.compute(
+        torch.arange(lq, device=bias.device), torch.arange(lk, device=bias.device)).float())
+    q_pos, kv_pos = mask.q_pos, mask.kv_pos
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_pos[q_idx], kv_pos[kv_idx]]
+    return score_mod
+
+
+def _run_flex(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
+              bias: PositionBias | None) -> torch.Tensor:
     out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, H, N, D)
+             score_mod=None if bias is None else _score_mod(mask, bias),
              block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
 
 
-def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
+                 bias: PositionBias | None = None) -> torch.Tensor:
     """``flex``'s result by one SDPA call per sequence: the fallback where compiled
     flex_attention fails on CUDA (one launch per sequence: slower, still exact)."""
     out = torch.empty_like(q)
     qs = ks = 0
     for nq, nk in zip(mask.q_lens, mask.kv_lens):
+        add = None if bias is None else bias.prefill(nq, causal=mask.causal).to(q.dtype)  # self-attention: nq == nk
         out[qs: qs + nq] = F.scaled_dot_product_attention(
             q[qs: qs + nq].transpose(0, 1), k[ks: ks + nk].transpose(0, 1), v[ks: ks + nk].transpose(0, 1),
-            is_causal=mask.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+            attn_mask=add, is_causal=mask.causal and add is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
         qs, ks = qs + nq, ks + nk
     return out
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float) -> torch.Tensor:
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
+         bias: PositionBias | None = None) -> torch.Tensor:
     """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call.
     CUDA: compiled (a compile failure is logged once and the step falls back to
     ``per_sequence``); CPU: eager, the reference path."""
     if q.is_cuda and not _flex_failure:
         try:
-            return _run_flex(_compiled_flex(), q, k, v, mask, scale)
+            return _run_flex(_compiled_flex(), q, k, v, mask, scale, bias)
         except Exception as e:  # inductor/triton compile errors; the fallback below is exact
             _flex_failure.append(f"{type(e).__name__}: {str(e)[:300]}")
             logger.warning("compiled flex_attention failed (%s); prefill attention runs one SDPA call "
                            "per sequence instead (slower)", _flex_failure[0])
     if q.is_cuda:
-        return per_sequence(q, k, v, mask, scale)
+        return per_sequence(q, k, v, mask, scale, bias)
     with warnings.catch_warnings():  # eager on CPU is the intent (the reference path)
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return _run_flex(flex_attention, q, k, v, mask, scale)
+        return _run_flex(flex_attention, q, k, v, mask, scale, bias)
 
 
 def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
-                causal: bool, out: torch.Tensor) -> None:
+                causal: bool, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """``paged_attention``'s math in torch where the kernel declines: each group's
     keys gathered by one index op (padded to the longest), one masked SDPA call,
     the groups' rows written to ``out`` (rows in no group are left alone)."""
@@ -236,23 +266,31 @@ def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, sc
         keep = keep & (torch.arange(L, device=dev)[None, None, :] <= q_pos[:, :, None])
     flat = kv_cache.view(2, -1, Hk, D)
     k, v = flat[0][slots], flat[1][slots]  # (G, L, Hk, D)
+    mask = keep[:, None]  # (G, 1, M|1, L)
+    if bias is not None:  # (num_q, H, >= L) per query row -> (G, H, M, L), -inf where not kept
+        rows = bias[q_idx][..., :L].transpose(1, 2).to(q.dtype)
+        mask = rows.masked_fill(~mask, float("-inf"))
     res = F.scaled_dot_product_attention(
         q[q_idx].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (G, H, M|L, D)
-        attn_mask=keep[:, None], scale=scale, enable_gqa=q.shape[1] != Hk)
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != Hk)
     out[q_idx[q_valid]] = res.transpose(1, 2)[q_valid]  # (G, M, H, D) -> the groups' rows
 
 
 class TorchNativeImpl(AttentionImpl):
+    supports_position_bias = True  # T5: a flex score_mod in prefill, a bias operand in decode
+
     def _paged(self, q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, *,
-               causal: bool, out: torch.Tensor) -> None:
+               causal: bool, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """One launch: write the groups' outputs into ``out`` (a view)."""
         done = paged_attention(q, kv_cache[0], kv_cache[1], groups.tables, groups.q_start_loc,
                                groups.kv_lens, scale=self.scale, causal=causal,
-                               max_q_len=groups.max_q_len, out=out)
+                               max_q_len=groups.max_q_len, out=out, bias=bias)
         if done is None:
-            paged_torch(q, kv_cache, groups, self.scale, causal=causal, out=out)
+            paged_torch(q, kv_cache, groups, self.scale, causal=causal, out=out, bias=bias)
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None,
+                position_bias: PositionBias | None = None):
+        pb = position_bias
         attn_type = attn_type or self.attn_type
         md = attn_metadata
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
@@ -263,17 +301,19 @@ class TorchNativeImpl(AttentionImpl):
         if attn_type == AttentionType.ENCODER:
             if md.num_encoder_tokens == 0:
                 return query.new_empty(0, H * D)
-            return flex(q, k, v, md.encoder_mask, self.scale).reshape(-1, H * D)
+            return flex(q, k, v, md.encoder_mask, self.scale, pb).reshape(-1, H * D)
 
         P = md.num_prefill_tokens
         out = torch.empty_like(q)
         if attn_type == AttentionType.DECODER:
             write_to_cache(k, v, kv_cache, md.slot_mapping)
             if md.causal_mask is not None:
-                out[:P] = flex(q[:P], k[:P], v[:P], md.causal_mask, self.scale)
+                out[:P] = flex(q[:P], k[:P], v[:P], md.causal_mask, self.scale, pb)
             if md.decode_self is not None:
                 # q_len 1 per group: every cached key is visible, no causal test needed.
-                self._paged(q[P:], kv_cache, md.decode_self, causal=False, out=out[P:])
+                rows = None if pb is None else pb.decode(md.seq_lens[md.num_prefills:],
+                                                         md.decode_self.max_kv_len).float()  # (B, H, L)
+                self._paged(q[P:], kv_cache, md.decode_self, causal=False, out=out[P:], bias=rows)
             return out.view(-1, H * D)
 
         # ENCODER_DECODER: this step's encoder K/V go to the cache once; prefill

@@ -61,12 +61,13 @@ def available(device: torch.device | str = "cuda") -> bool:
 
 
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, kv_lens_ptr, bias_ptr,
     scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tg,
+    stride_bt, stride_bh,
     HEADS_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     g = tl.program_id(0)
     h = tl.program_id(1)
@@ -111,6 +112,9 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale  # (BLOCK_M, BLOCK_SIZE) float32
+        if HAS_BIAS:  # T5's position bias: bias[query row, head, key position]
+            s = s + tl.load(bias_ptr + (q0 + offs_m)[:, None] * stride_bt + h * stride_bh + offs_n[None, :],
+                         mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
         keep = n_mask[None, :]
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= q_pos[:, None])
@@ -162,6 +166,7 @@ def paged_attention(
     causal: bool,
     max_q_len: int,  # longest group (host int: sets the grid without a device sync)
     out: torch.Tensor | None = None,  # (num_q, num_heads, head_size), may be a view
+    bias: torch.Tensor | None = None,  # (num_q, num_heads, >= longest kv_lens), added to the scaled scores
 ) -> torch.Tensor | None:
     """Attention of each group's queries over its paged keys; None (nothing
     done) where it cannot run: see ``path``, or a dtype other than fp16, bf16, fp32."""
@@ -177,7 +182,7 @@ def paged_attention(
     bm = tile_rows(max_q_len)
     grid = (kv_lens.shape[0], q.shape[1], triton.cdiv(max_q_len, bm))
     try:
-        _launch(grid, q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, scale, causal, bm)
+        _launch(grid, q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, bias, scale, causal, bm)
     except Exception as e:  # a compile failure on a new GPU/triton: decline from now on, once logged
         if q.device.type != "cuda":
             raise  # under the interpreter a failure is a bug in the kernel: let the tests see it
@@ -191,16 +196,20 @@ def paged_attention(
 _failure: list[str] = []  # why the kernel failed on CUDA, once it has
 
 
-def _launch(grid, q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, scale, causal, bm) -> None:
+def _launch(grid, q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, bias, scale, causal, bm) -> None:
     num_heads, head_size = q.shape[1], q.shape[2]
+    if bias is not None:
+        assert bias.shape[:2] == q.shape[:2], (bias.shape, q.shape)
+        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     _jit(_interpreting())[grid](
-        q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, scale,
+        q, k_cache, v_cache, out, block_tables, q_start_loc, kv_lens, q if bias is None else bias, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
+        0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1),
         HEADS_PER_KV=num_heads // k_cache.shape[2], HEAD_SIZE=head_size,
         BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
         CAUSAL=causal, IEEE=q.dtype == torch.float32,
         # bf16 runs its dots on fp32 copies (tf32 holds bf16 values exactly; the
         # interpreter's bf16 dot reads raw bits); fp16 stays fp16 with fp32 sums.
-        UPCAST=q.dtype == torch.bfloat16,
+        UPCAST=q.dtype == torch.bfloat16, HAS_BIAS=bias is not None,
     )
