@@ -74,7 +74,7 @@ class ModelConfig:
     hf_config: Any = field(repr=False, default=None)
     max_model_len: int = 1024
     max_encoder_len: int = 1024
-    # Reserved for CUDA graphs of decode steps on GPU; no effect on CPU.
+    # CUDA: decode steps run eagerly, not replayed from CUDA graphs; no effect on CPU.
     enforce_eager: bool = False
     generation_config: Any = field(repr=False, default=None)  # transformers GenerationConfig
     checkpoint_path: str | None = None  # the local directory ``model`` resolved to
@@ -91,4 +91,4 @@ class LoadConfig:
     seed: int
     max_model_len: int | None  # None: the model's decoder positions
     attention_backend: str | None  # None: the selector's choice for the device
-    enforce_eager: bool  # reserved for CUDA graphs of decode steps (no effect on CPU)
+    enforce_eager: bool  # CUDA: decode steps without CUDA graphs (no effect on CPU)

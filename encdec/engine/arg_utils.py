@@ -42,9 +42,10 @@ class EngineArgs:
     # Admission order: fcfs, or priority (generate(..., priority=[...]), smallest number first).
     scheduling_policy: str = field(default="fcfs", metadata={"choices": ("fcfs", "priority")})
     logits_processors: list[Any] | None = None  # custom logits processors: pkg.module:Class (or classes)
-    # Attention implementation; default: xformers on CUDA where its kernels run, else torch_sdpa.
-    attention_backend: str | None = field(default=None, metadata={"choices": ("torch_sdpa", "xformers")})
-    enforce_eager: bool = False  # reserved for CUDA graphs on GPU (no effect on CPU)
+    # Attention implementation; default: torch_native on CUDA, torch_sdpa on CPU.
+    attention_backend: str | None = field(default=None,
+                                          metadata={"choices": ("torch_sdpa", "torch_native", "xformers")})
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)
     # Requests with the same encoder input share one encoder pass and cross-attention table.
     enable_encoder_cache: bool = True
     # CPU threads for torch, set process-wide by LLM (configure_cpu_runtime; LLMEngine

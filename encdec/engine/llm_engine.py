@@ -71,7 +71,9 @@ class LLMEngine:
         self.worker = Worker(args.load_config())
         mc = self.model_config = self.worker.model_config
         self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len)
-        self.cache_config = self.worker.init_cache(args.cache_config(), args.max_num_seqs)
+        self.cache_config = self.worker.init_cache(
+            args.cache_config(), args.max_num_seqs,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
         self.worker.init_batch(self.scheduler_config, args.logits_processors, args.seed)
         self.processor = Processor(mc, self.scheduler_config, self.cache_config,
                                    vocab_size=self.worker.vocab_size,
