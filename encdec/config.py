@@ -92,3 +92,4 @@ class LoadConfig:
     max_model_len: int | None  # None: the model's decoder positions
     attention_backend: str | None  # None: the selector's choice for the device
     enforce_eager: bool  # CUDA: decode steps without CUDA graphs (no effect on CPU)
+    quantization: str | None = None  # None, or "int8": int8 linears on CPU (worker.quantization)

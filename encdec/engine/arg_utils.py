@@ -14,6 +14,23 @@ from typing import Any
 from encdec.config import CacheConfig, LoadConfig, PreemptionMode
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
+# faster-whisper's / CTranslate2's compute_type -> our engine options (CPU)
+COMPUTE_TYPES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+                 "int8": {"quantization": "int8"}}
+
+
+def compute_type_options(compute_type: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``options`` (engine options; default none) with faster-whisper's
+    ``compute_type`` applied; ValueError for an unknown one or one that
+    contradicts ``dtype``/``quantization`` already set there."""
+    if compute_type not in COMPUTE_TYPES:
+        raise ValueError(f"compute_type must be one of {tuple(COMPUTE_TYPES)}, got {compute_type!r}")
+    out = dict(options or {})
+    for key, value in COMPUTE_TYPES[compute_type].items():
+        if out.get(key) not in (None, "auto", value):
+            raise ValueError(f"compute_type={compute_type!r} contradicts {key}={out[key]!r}")
+        out[key] = value
+    return out
 
 
 @dataclass
@@ -26,6 +43,11 @@ class EngineArgs:
     # Weights and activations; auto: float32 on CPU; on CUDA bfloat16 for a bfloat16
     # checkpoint, else float16.
     dtype: str = field(default="auto", metadata={"choices": _DTYPES})
+    # CPU, opt-in: int8 linears (weights per output channel, activations quantized on the
+    # fly; encoder, decoder and LM head); default None: the weights as dtype says.
+    quantization: str | None = field(default=None, metadata={"choices": ("int8",)})
+    # KV cache type; auto: the model's dtype (the only one the attention backends take).
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
     device: str = "auto"  # auto | cpu | cuda[:N]
     seed: int = 0  # seeds the engine's generator: unseeded random sampling follows from it
     block_size: int = 16  # token slots per KV block
@@ -61,6 +83,10 @@ class EngineArgs:
             raise ValueError(f"model must be a hub id or a local directory, got {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.preemption_mode not in (None, "swap", "recompute"):
@@ -82,6 +108,7 @@ class EngineArgs:
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space=self.swap_space,
+            cache_dtype=self.kv_cache_dtype,
             kv_cache_memory=self.kv_cache_memory,
             enable_encoder_cache=self.enable_encoder_cache,
         )
@@ -91,6 +118,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
             seed=self.seed, max_model_len=self.max_model_len,
             attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
         )
 
     def preemption(self) -> PreemptionMode | None:

@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 
+from encdec.engine.arg_utils import compute_type_options
 from encdec.entrypoints.cli_options import add_dataclass_args, add_engine_args, dataclass_values, engine_options
 from encdec.transcribe import FORMATS, format_transcription
 from encdec.transcription.options import TranscribeOptions
@@ -42,7 +43,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_dataclass_args(p.add_argument_group("transcription options (as LLM.transcribe takes them)"),
                        TranscribeOptions, no_flag=TRANSCRIBE_NO_FLAG)
-    add_engine_args(p.add_argument_group("engine options (as LLM takes them)"))
+    engine = p.add_argument_group("engine options (as LLM takes them)")
+    engine.add_argument("--compute-type", choices=("float32", "bfloat16", "int8"), default=None,
+                        help="faster-whisper's name for the precision: int8 is --quantization int8, "
+                             "bfloat16 is --dtype bfloat16 (default: float32, exact)")
+    add_engine_args(engine)
 
 
 def _usable_output_dir(path: str) -> str | None:
@@ -80,7 +85,10 @@ def run_transcribe(args: argparse.Namespace) -> int:
         options = TranscribeOptions(**values)
         configure_cpu_runtime(args.num_threads)  # a program owns its process: full CPU speed
         args.model = args.model or default_whisper_model()
-        llm = LLM(**engine_options(args))
+        engine = engine_options(args)
+        if args.compute_type is not None:
+            engine = compute_type_options(args.compute_type, engine)
+        llm = LLM(**engine)
         results = llm.transcribe(list(args.files), options, use_tqdm=not args.no_progress)
     except (ValueError, TypeError, NotImplementedError) as e:
         print(f"encdec transcribe: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ from encdec.models.registry import get_model_cls, get_model_hooks
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
-from encdec.worker import huge_pages
+from encdec.worker import huge_pages, quantization
 from encdec.worker.cache_engine import (
     MAX_PREFAULT_BYTES,
     CacheEngine,
@@ -123,6 +123,8 @@ class Worker:
         self.device = resolve_device(args.device)
         self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
+        quantization.check_bfloat16(self.device, self.dtype)
+        quantization.check_quantization(args.quantization, self.device, self.dtype)
         self.model_config = _model_config(args, self.checkpoint, self.dtype)
         self.backend = get_attn_backend(args.attention_backend, self.device.type, dtype=self.dtype)
         self.model = self._load_model()
@@ -139,8 +141,9 @@ class Worker:
             buf.zero_()
         model.load_weights(iterate_weights(ckpt))
         model = model.to(device=self.device, dtype=self.dtype).eval()
+        quantization.quantize(model, self.load_config.quantization)  # opt-in int8 linears (CPU)
         huge_pages.move_parameters(model)  # CPU: decode steps stream the weights; see huge_pages
-        num_packed = pack_linears(model)  # CPU float32: oneDNN, see encdec/models/layers.py
+        num_packed = pack_linears(model)  # CPU float32/bfloat16: oneDNN, see encdec/models/layers.py
         logger.info("prepacked %d linear layers for oneDNN", num_packed)
         return model
 
@@ -152,6 +155,7 @@ class Worker:
         decoder sequence, a cross table for the longest encoder input and the
         block manager's admission watermark."""
         model, mc = self.model, self.model_config
+        quantization.check_kv_cache_dtype(cfg.cache_dtype, self.dtype)
         block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
                                         model.num_kv_heads, model.head_size, self.dtype)
         kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens)

@@ -1,0 +1,100 @@
+"""Reduced precision on CPU, opt-in: ``quantization="int8"`` and ``dtype="bfloat16"``.
+
+int8 (vLLM's ``quantization`` name; faster-whisper's ``compute_type="int8"``):
+every ``Linear`` of the encoder, decoder and LM head gets int8 weights per output
+channel with float32 scales, quantized at load from the float32 weights
+(``Linear.quantize_int8``); activations are quantized on the fly per call
+(dynamic, as CTranslate2's int8) by fbgemm's ``quantized::linear_dynamic``,
+accumulating in int32 and dequantizing to float32. Everything else (embeddings,
+convolutions, layer norms, attention, softmax, the KV cache) stays float32.
+
+Why fbgemm's op, not ``torch._weight_int8pack_mm`` or a C kernel of ours:
+measured on this project's 2-core AVX-512 (VNNI) host, 2 threads, per call,
+oneDNN float32 prepacked -> fbgemm int8 dynamic:
+384x1536 at 1 row 0.113 -> 0.032 ms, 16 rows 0.212 -> 0.065, 1500 rows (an
+encoder window) 11.6 -> 3.8; 512x2048 at 1500 rows 20.4 -> 6.3; the tiny.en LM
+head (384x51865) at 1 row 2.95 -> 0.86 ms, 16 rows 10.6 -> 1.8.
+``_weight_int8pack_mm`` (int8 weights, float activations) took 0.46 / 9.9 / 903 ms
+on the same shapes: it is a weight-only kernel for a few rows, not a GEMM.
+
+fbgemm's ``reduce_range``: on a CPU without VNNI its u8 x s8 pairwise products
+can saturate 16 bits, so activations use 7 bits there (``reduce_range()``).
+
+bfloat16 (``dtype="bfloat16"``): bf16 weights and activations, oneDNN's bf16
+matmuls (float32 accumulation), torch's bf16 CPU softmax and layer norms (both
+compute in float32 internally); the float32 C kernels decline bf16 tensors and
+their callers take torch's path. Refused (``check_bfloat16``) on a CPU without
+AVX512-BF16, where oneDNN emulates it and it runs slower than float32.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from encdec.kernels.cpu.build import cpu_flags, cpu_isa
+from encdec.models.layers import Linear
+
+logger = logging.getLogger("encdec")
+
+QUANTIZATIONS = ("int8",)
+
+
+def reduce_range() -> bool:
+    """fbgemm's 7-bit activations, where the CPU lacks VNNI (AVX512-VNNI, or AVX-VNNI
+    under ``ENCDEC_CPU_ISA=avx2``/``none``: an emulated AVX2 host)."""
+    vnni = {"avx512_vnni", "avx_vnni"} if cpu_isa() == "avx512" else {"avx_vnni"}
+    return not (vnni & cpu_flags())
+
+
+def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError for a ``quantization`` this engine cannot run."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only (fbgemm), not on {device.type}")
+    if dtype != torch.float32:
+        raise ValueError(f"quantization={quantization!r} takes float32 activations; "
+                         f"dtype must be 'auto' or 'float32', got {str(dtype).removeprefix('torch.')}")
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"quantization={quantization!r} needs torch's fbgemm engine, "
+                         "which this torch build lacks")
+
+
+def check_bfloat16(device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError for bfloat16 on a CPU that would run it slower than float32: one
+    without AVX512-BF16 or AMX-BF16, or kernels capped below AVX-512
+    (``ENCDEC_CPU_ISA=avx2``), where oneDNN converts bf16 in software."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return
+    if cpu_isa() != "avx512" or not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
+        raise ValueError(f"dtype='bfloat16' on this CPU (kernels' ISA {cpu_isa()}, no AVX512-BF16 or AMX-BF16) "
+                         "runs slower than float32: oneDNN emulates bf16 there. Use dtype='float32' "
+                         "(exact) or quantization='int8'")
+
+
+def quantize(model: nn.Module, quantization: str | None) -> int:
+    """Quantize every ``Linear`` of ``model`` (weights loaded, on CPU, float32);
+    returns how many."""
+    if quantization is None:
+        return 0
+    rr = reduce_range()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.quantize_int8(rr)
+    logger.info("quantized %d linear layers to int8 (fbgemm, per-channel weights, dynamic activations%s)",
+                len(linears), ", 7-bit" if rr else "")
+    return len(linears)
+
+
+def check_kv_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
+    """ValueError unless ``kv_cache_dtype`` is "auto" or the model's dtype: the
+    attention backends write the K/V the model computes, in its dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if cache_dtype not in ("auto", name):
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} with dtype={name!r} is not supported: the KV cache "
+                         f"holds the model's dtype (kv_cache_dtype='auto' or {name!r}); "
+                         "for a bfloat16 cache use dtype='bfloat16'")

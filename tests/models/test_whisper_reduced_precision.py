@@ -1,0 +1,94 @@
+"""Whisper tiny.en (fixture ``ct2_dir``) and base (``whisper_base_dir``, slow) in
+int8 (``quantization="int8"``) and bfloat16 (``dtype="bfloat16"``) on the shipped
+English clips: WER (printed) within 0.01 absolute of float32's on the same clips,
+and the int8 engine actually running int8 linears."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encdec.kernels.cpu import build
+from encdec.models.layers import Linear
+from encdec.worker.quantization import check_bfloat16
+
+MAX_NEW = 96
+MODES = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
+PROMPTS = {"tiny.en": "<|startoftranscript|><|notimestamps|>",
+           "base": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"}
+
+
+def wer(ref: str, hyp: str) -> float:
+    import jiwer
+
+    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
+                          jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+    return jiwer.wer(ref, hyp, reference_transform=norm, hypothesis_transform=norm)
+
+
+def bf16_runs_here() -> bool:
+    try:
+        check_bfloat16(torch.device("cpu"), torch.bfloat16)
+    except ValueError:
+        return False
+    return True
+
+
+def mode_wers(model: str, name: str, clips) -> dict[str, float]:
+    from encdec import LLM, SamplingParams
+
+    _, texts, wavs = clips
+    prompts = [{"prompt": PROMPTS[name], "multi_modal_data": {"audio": (w, 16000)}} for w in wavs]
+    modes = [m for m in MODES if m != "bfloat16" or bf16_runs_here()]
+    out = {}
+    for mode in modes:
+        llm = LLM(model=model, num_threads=torch.get_num_threads(), kv_cache_memory=256 * 2**20,
+                  swap_space=0.1, **MODES[mode])
+        linears = [m for m in llm.llm_engine.worker.model.modules() if isinstance(m, Linear)]
+        assert linears and all((m.int8 is not None) == (mode == "int8") for m in linears)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
+        out[mode] = wer(" ".join(texts), " ".join(o.outputs[0].text for o in outs))
+        del llm
+    print(f"\n{name} WER on {len(texts)} clips (kernels' ISA {build.cpu_isa()}): "
+          + ", ".join(f"{m} {w:.4f}" for m, w in out.items()))
+    return out
+
+
+def check(wers: dict[str, float]) -> None:
+    for mode, w in wers.items():
+        assert abs(w - wers["float32"]) <= 0.01, (mode, wers)
+
+
+@pytest.fixture(scope="module")
+def clips(speech_clips):
+    return speech_clips
+
+
+def test_tiny_en_int8_and_bf16_wer_within_001_of_float32(ct2_dir, clips):
+    check(mode_wers(str(ct2_dir), "tiny.en", clips))
+
+
+@pytest.mark.slow
+def test_base_int8_and_bf16_wer_within_001_of_float32(whisper_base_dir, clips):
+    check(mode_wers(whisper_base_dir, "base", clips))
+
+
+def test_transcribe_cli_compute_type(ct2_dir, clips, capsys, monkeypatch):
+    import encdec
+    from encdec.entrypoints.cli import main
+
+    made = []
+
+    class Recording(encdec.LLM):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(encdec, "LLM", Recording)
+    files, texts, _ = clips
+    rc = main(["transcribe", files[0], "--model", str(ct2_dir), "--compute-type", "int8", "--no-progress",
+               "--kv-cache-memory", "64MiB", "--num-threads", str(torch.get_num_threads())])
+    assert rc == 0 and made[0]["quantization"] == "int8" and made[0]["dtype"] == "auto"
+    assert wer(texts[0], capsys.readouterr().out) <= 0.5  # the mapping is the point here; WER is bounded above
+    rc = main(["transcribe", files[0], "--model", str(ct2_dir), "--compute-type", "bfloat16", "--dtype", "float32",
+               "--no-progress"])
+    assert rc == 2 and "contradicts dtype" in capsys.readouterr().err

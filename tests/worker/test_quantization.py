@@ -1,0 +1,192 @@
+"""Reduced precision on CPU (encdec.worker.quantization): int8 and bfloat16
+linears against a float64 reference within each format's own error bound, per
+ISA path this host runs (ENCDEC_CPU_ISA); the float32 C kernels decline bf16;
+the options' validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encdec.engine.arg_utils import EngineArgs, compute_type_options
+from encdec.kernels.cpu import build
+from encdec.models.layers import Linear, onednn_available
+from encdec.worker import quantization
+
+torch.set_num_threads(1)
+BF16_EPS = 2.0**-8  # bfloat16's unit roundoff (8 significant bits), rounded up
+
+
+def _linear(k: int, n: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0] *= 20  # an outlier output channel: per-channel scales keep the others fine
+    b = torch.randn(n, generator=g) * 0.1
+    lin.weight.data.copy_(w)
+    lin.bias.data.copy_(b)
+    return lin, w.double(), b.double()
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, rows):
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    lin, w, b = _linear(96, 200, seed=rows)
+    rr = quantization.reduce_range()
+    lin.quantize_int8(rr)
+    assert lin.int8 is not None and lin.weight.dtype == torch.int8 and lin.packed is None
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 2
+    got = lin(x).double()
+    ref = x.double() @ w.T + b
+    # weights: |w - s q| <= s/2 per output channel (s = max|w| / 127)
+    sw = w.abs().amax(1) / 127
+    # activations: per row, 255 levels (127 with reduce_range) over [-max|x|, max|x|]
+    levels = 127 if rr else 255
+    sx = x.double().abs().amax(1, keepdim=True) * 2 / levels  # (rows, 1)
+    xa = x.double().abs()
+    bound = (xa @ (sw / 2).expand(96, -1)  # weight error times |x|
+             + (sx / 2) * (w.abs().sum(1) + 96 * sw / 2)  # activation error times |w q|
+             ) * 1.001 + 1e-5 * (ref.abs() + 1)  # float32 accumulation and dequantization
+    err = (got - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    assert err.max() > 0  # it ran int8, not float
+    gelu = lin.forward_gelu(x).double()
+    assert torch.allclose(gelu, torch.nn.functional.gelu(got), atol=1e-6)
+    # per-row scales: a row's result does not depend on the other rows of its batch
+    alone = lin(x[:1]).double()
+    assert torch.equal(alone[0], got[0])
+    loud = torch.cat([x[:1], x[:1] * 1000])  # a row 1000x larger beside it changes nothing
+    assert torch.equal(lin(loud).double()[0], got[0])
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_bf16_linear_within_its_rounding_bound(monkeypatch, isa, rows):
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    lin, w, b = _linear(96, 200, seed=rows)
+    lin = lin.to(torch.bfloat16)
+    packed = lin.pack()
+    assert packed == onednn_available()
+    assert not lin.small_rows  # the float32 small-row kernel never sees bf16
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 2
+    got = lin(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    ref = x.double() @ w.T + b
+    # x, W and b each rounded to bf16, float32 accumulation, the output rounded to bf16
+    mag = x.double().abs() @ w.abs().T + b.abs()
+    bound = mag * (3 * BF16_EPS) + ref.abs() * BF16_EPS + 1e-6
+    err = (got.double() - ref).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+
+
+def test_float32_linear_keeps_its_float32_paths():
+    from encdec.kernels.cpu import small_linear_cpu
+
+    lin, _, _ = _linear(64, 48, seed=3)
+    x = torch.randn(7, 64)
+    assert lin.int8 is None and torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert lin.pack() == onednn_available()
+    assert lin.weight.dtype == torch.float32 and lin.small_rows == (onednn_available()
+                                                                     and small_linear_cpu.available())
+
+
+def test_quantize_unties_a_tied_head_and_keeps_the_embedding():
+    emb = torch.nn.Embedding(50, 16)
+    head = Linear(16, 50, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    assert quantization.quantize(model, "int8") == 1
+    assert emb.weight.dtype == torch.float32 and head.weight.dtype == torch.int8
+    x = torch.randn(3, 16)
+    ref = x @ emb.weight.detach().T
+    assert (head(x) - ref).abs().max() < 0.05 * ref.abs().max()
+    assert head.pack() is False  # int8 linears never take the oneDNN float path
+
+
+def test_c_kernels_decline_bfloat16():
+    from encdec.kernels.cpu.dense_attention_cpu import dense_attention
+    from encdec.kernels.cpu.greedy_cpu import greedy_logprobs
+    from encdec.kernels.cpu.paged_attention_cpu import paged_decode_attention
+    from encdec.kernels.cpu.whisper_rules_cpu import whisper_rules
+
+    bf = torch.bfloat16
+    q = torch.randn(1, 4, 2, 64, dtype=bf)
+    assert dense_attention(q, q, q, 0.125) is None
+    cache = torch.zeros(2, 16, 2, 64, dtype=bf)
+    one = torch.ones(1, 1, dtype=torch.int32)
+    assert paged_decode_attention(q[0, :1].contiguous(), cache, cache, one, one[0], 0.125) is None
+    logits = torch.randn(2, 100, dtype=bf)
+    assert greedy_logprobs(logits) is None
+    assert whisper_rules(logits, [0, 0], [0, 0], None, None, no_timestamps=1, eos=2, timestamp_begin=50,
+                         max_initial=None) is None
+
+
+def test_fused_decoder_step_declines_bf16_and_int8_weights():
+    from types import SimpleNamespace
+
+    from encdec.kernels.cpu import decoder_step_cpu
+
+    def layer():
+        norms = [torch.nn.LayerNorm(64) for _ in range(3)]
+        sa = SimpleNamespace(qkv_proj=Linear(64, 192), out_proj=Linear(64, 64), scale=0.125, num_heads=1)
+        ca = SimpleNamespace(q_proj=Linear(64, 64), out_proj=Linear(64, 64), scale=0.125, num_heads=1)
+        return SimpleNamespace(self_attn=sa, encoder_attn=ca, self_attn_layer_norm=norms[0],
+                               encoder_attn_layer_norm=norms[1], final_layer_norm=norms[2],
+                               fc1=Linear(64, 256), fc2=Linear(256, 64))
+
+    def linears(ly):
+        return [ly.self_attn.qkv_proj, ly.self_attn.out_proj, ly.encoder_attn.q_proj, ly.encoder_attn.out_proj,
+                ly.fc1, ly.fc2]
+
+    ly = layer()
+    for m in linears(ly):
+        m.quantize_int8(False)
+    assert decoder_step_cpu.decoder_weights([ly]) is None
+    ly = layer()
+    for m in [*linears(ly), ly.self_attn_layer_norm, ly.encoder_attn_layer_norm, ly.final_layer_norm]:
+        m.to(torch.bfloat16)
+    assert decoder_step_cpu.decoder_weights([ly]) is None
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+def test_bfloat16_refused_where_emulated(monkeypatch, isa):
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    cpu = torch.device("cpu")
+    native = isa == "avx512" and bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
+    if native:
+        quantization.check_bfloat16(cpu, torch.bfloat16)
+    else:
+        with pytest.raises(ValueError, match="bfloat16.*slower than float32"):
+            quantization.check_bfloat16(cpu, torch.bfloat16)
+    quantization.check_bfloat16(cpu, torch.float32)
+
+
+def test_option_validation():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(model="m", quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(model="m", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="dtype must be 'auto' or 'float32'"):
+        quantization.check_quantization("int8", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU only"):
+        quantization.check_quantization("int8", torch.device("cuda"), torch.float32)
+    quantization.check_quantization("int8", cpu, torch.float32)
+    quantization.check_quantization(None, cpu, torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' with dtype='float32'"):
+        quantization.check_kv_cache_dtype("bfloat16", torch.float32)
+    quantization.check_kv_cache_dtype("bfloat16", torch.bfloat16)
+    quantization.check_kv_cache_dtype("auto", torch.float32)
+    assert EngineArgs(model="m", kv_cache_dtype="bfloat16").cache_config().cache_dtype == "bfloat16"
+    assert EngineArgs(model="m", quantization="int8").load_config().quantization == "int8"
+
+
+def test_compute_type_maps_to_engine_options():
+    assert compute_type_options("int8") == {"quantization": "int8"}
+    assert compute_type_options("bfloat16", {"dtype": "auto", "quantization": None}) == {
+        "dtype": "bfloat16", "quantization": None}
+    assert compute_type_options("float32", {"dtype": "auto"}) == {"dtype": "float32"}
+    with pytest.raises(ValueError, match="compute_type"):
+        compute_type_options("int8_float16")
+    with pytest.raises(ValueError, match="contradicts dtype"):
+        compute_type_options("bfloat16", {"dtype": "float32"})
