@@ -6,6 +6,13 @@ padded batches of 16 in input order, as a user would; each batch runs until its
 longest request is done, and only each request's own tokens count as useful.
 
     python -m benchmarks.bart_bench [--requests 64] [--threads N] [--profile] [--background-load N]
+        [--compute-type int8]
+
+With ``--compute-type int8`` (or ``bfloat16``) our run takes ``quantization="int8"``
+(``dtype="bfloat16"``); our float32 run and CTranslate2 (if installed) at that
+``compute_type`` on the same weights, in padded batches as HF, are timed beside
+it, with the share of tokens equal to our float32 run's (random weights: a
+test of agreement, not of quality).
 
 With ``--background-load N`` both sides also run with N busy processes taking
 cores, printed beside the idle figures.
@@ -73,10 +80,63 @@ def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
     return useful, time.perf_counter() - t0
 
 
-def run_ours(model_dir: str, enc, out_lens, profile: bool) -> tuple[int, float]:
+def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str) -> tuple[int, float, list[list[int]]]:
+    """CTranslate2 on the same weights (converted once beside them), padded
+    batches of ``batch`` in input order forced to each batch's longest output, as HF."""
+    import ctranslate2
+    import torch
+    from ctranslate2.converters import TransformersConverter
+    from transformers import AutoTokenizer
+
+    ct2_dir = model_dir.rstrip("/") + "_ct2"
+    if not os.path.exists(os.path.join(ct2_dir, "model.bin")):
+        TransformersConverter(_with_normalize_before(model_dir)).convert(ct2_dir, force=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tr = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
+                                intra_threads=torch.get_num_threads())
+    src = [tok.convert_ids_to_tokens(e) for e in enc]
+    tr.translate_batch(src[:2], target_prefix=[["<s>"]] * 2, max_decoding_length=4, beam_size=1)  # warm-up
+    tokens, useful = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(src), batch):
+        m = max(out_lens[i:i + batch])
+        res = tr.translate_batch(src[i:i + batch], target_prefix=[["<s>"]] * len(src[i:i + batch]),
+                                 max_decoding_length=m + 1, min_decoding_length=m + 1, beam_size=1,
+                                 max_batch_size=batch)
+        tokens += [tok.convert_tokens_to_ids(r.hypotheses[0]) for r in res]
+        useful += sum(out_lens[i:i + batch])
+    return useful, time.perf_counter() - t0, tokens
+
+
+def _with_normalize_before(model_dir: str) -> str:
+    """A copy of ``model_dir`` (weights linked) whose config.json says ``normalize_before``:
+    CTranslate2's BART converter reads it, and BartConfig no longer has it."""
+    import json
+
+    src = model_dir.rstrip("/") + "_ct2src"
+    os.makedirs(src, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if name != "config.json" and not os.path.exists(os.path.join(src, name)):
+            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(src, name))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({**config, "normalize_before": False}, f)
+    return src
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions where two runs' tokens agree (each pair up to the shorter)."""
+    pairs = [(x, y) for s, t in zip(a, b) for x, y in zip(s, t)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def run_ours(model_dir: str, enc, out_lens, profile: bool, engine_kw: dict | None = None,
+             tokens: list | None = None) -> tuple[int, float]:
+    """Our run (``engine_kw``: LLM options); appends each request's tokens to ``tokens``."""
     from encdec import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model_dir, kv_cache_memory=3 << 30, swap_space=0.5)
+    llm = LLM(model_dir, kv_cache_memory=3 << 30, swap_space=0.5, **(engine_kw or {}))
     prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -102,6 +162,8 @@ def run_ours(model_dir: str, enc, out_lens, profile: bool) -> tuple[int, float]:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, out_lens))
+    if tokens is not None:
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
     print(f"sampler: {sampler_time[0]:.2f} s = {100 * sampler_time[0] / seconds:.2f}% of the run "
           "(all greedy, no processors enabled)")
     return sum(out_lens), seconds
@@ -118,6 +180,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile our run")
     ap.add_argument("--model-dir", default=None, help="reuse a checkpoint (default: make bart-base dims)")
     ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (> 1)")
+    ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
+                    help="our precision (int8: quantization='int8'), timed beside our float32 and CTranslate2's")
     add_background_load_arg(ap)
     args = ap.parse_args(argv)
     levels = load_levels(args.background_load)
@@ -143,6 +207,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
 
         run_beam_bench(model_dir, enc, out_lens, beams=args.beams, hf_batch=args.hf_batch,
                        skip_hf=args.skip_hf)
+        return
+    if args.compute_type != "float32":
+        run_compute_type(model_dir, enc, out_lens, args.compute_type, args.hf_batch)
         return
     ratios: dict[int, list[float]] = {busy: [] for busy in levels}
     speeds: dict[int, list[float]] = {busy: [] for busy in levels}
@@ -170,6 +237,30 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         if ratios[busy]:
             print(f"{load_label(busy)}: ratio encdec / HF: {statistics.median(ratios[busy]):.2f}x (median of "
                   f"{len(ratios[busy])}; all: {', '.join(f'{r:.2f}' for r in ratios[busy])})")
+
+
+def run_compute_type(model_dir: str, enc, out_lens, compute_type: str, batch: int) -> None:
+    """Ours at ``compute_type`` against our float32 and CTranslate2 at ``compute_type``."""
+    from encdec.engine.arg_utils import compute_type_options
+
+    f32, low = [], []
+    with OtherCPUMonitor() as mon:
+        useful, t32 = run_ours(model_dir, enc, out_lens, False, tokens=f32)
+    print(f"encdec float32: {useful / t32:.1f} tok/s ({t32:.1f} s); {mon.summary()}")
+    with OtherCPUMonitor() as mon:
+        _, tlow = run_ours(model_dir, enc, out_lens, False, compute_type_options(compute_type), tokens=low)
+    print(f"encdec {compute_type}: {useful / tlow:.1f} tok/s ({tlow:.1f} s), tokens equal to our float32's "
+          f"{agreement(low, f32):.3f}; {mon.summary()}")
+    print(f"encdec {compute_type} / encdec float32: {t32 / tlow:.2f}x")
+    try:
+        with OtherCPUMonitor() as mon:
+            useful_ct2, tct2, ct2_tokens = run_ct2(model_dir, enc, out_lens, batch, compute_type)
+    except ImportError:
+        print("ctranslate2 not installed: its row skipped")
+        return
+    print(f"CTranslate2 {compute_type} (batches of {batch}): {useful_ct2 / tct2:.1f} tok/s ({tct2:.1f} s), "
+          f"tokens equal to our float32's {agreement([t[1:] for t in ct2_tokens], f32):.3f}; {mon.summary()}")
+    print(f"encdec {compute_type} / CTranslate2 {compute_type}: {(useful / tlow) / (useful_ct2 / tct2):.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 on the same clips, same weights, same threads, in one process.
 
     python -m benchmarks.whisper_bench [--model DIR] [--clips 32] [--threads 2] [--batch 16]
-        [--background-load N]
+        [--background-load N] [--compute-type float32|int8|bfloat16]
 
+With ``--compute-type int8`` (``bfloat16``) encdec runs ``quantization="int8"``
+(``dtype="bfloat16"``) and faster-whisper that ``compute_type``; HF stays float32.
 Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
@@ -36,10 +38,12 @@ from .common import (  # noqa: E402
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
 
 
-def run_encdec(model_dir: str, wavs, threads: int, max_new: int, busy: int = 0):
+def run_encdec(model_dir: str, wavs, threads: int, max_new: int, busy: int = 0, compute_type: str = "float32"):
     from encdec import LLM, SamplingParams, TextPrompt
+    from encdec.engine.arg_utils import compute_type_options
 
-    llm = LLM(model=model_dir, num_threads=threads, kv_cache_memory=1 << 30, swap_space=0.5)
+    llm = LLM(model=model_dir, num_threads=threads, kv_cache_memory=1 << 30, swap_space=0.5,
+              **compute_type_options(compute_type))
     prompts = [TextPrompt(prompt="<|startoftranscript|><|notimestamps|>",
                           multi_modal_data={"audio": (w, 16000)}) for w in wavs]
     params = SamplingParams(temperature=0.0, max_tokens=max_new)
@@ -80,12 +84,12 @@ def run_hf(hf_dir: str, wavs, batch: int, max_new: int, busy: int = 0):
     return timed_with_load(go, busy)
 
 
-def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int, busy: int = 0):
+def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int, busy: int = 0, compute_type: str = "float32"):
     try:
         from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
         return None
-    model = WhisperModel(ct2_dir, device="cpu", compute_type="float32", cpu_threads=threads)
+    model = WhisperModel(ct2_dir, device="cpu", compute_type=compute_type, cpu_threads=threads)
     pipe = BatchedInferencePipeline(model)
 
     def go():
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--batch", type=int, default=16, help="HF/faster-whisper batch size")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="alternate HF/encdec this many times")
+    ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
+                    help="encdec's precision (int8: quantization='int8') and faster-whisper's compute_type")
     add_background_load_arg(ap)
     args = ap.parse_args(argv)
     levels = load_levels(args.background_load)
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     wavs = [sf.read(f, dtype="float32")[0] for f in files]
     wavs = (wavs * (args.clips // len(wavs) + 1))[: args.clips]
     audio_s = sum(len(w) for w in wavs) / 16000
-    print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, {args.threads} thread(s), "
+    print(f"{len(wavs)} clips, {audio_s:.1f} s of audio, compute type {args.compute_type}, {args.threads} thread(s), "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
 
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                 # Alternate the sides so slow drifts of a shared host hit both.
                 hf_tokens, hf_dt, others["hf", busy] = run_hf(hf_dir, wavs, args.batch, args.max_new, busy)
                 hf_times[busy].append(hf_dt)
-                ours, dt, others["encdec", busy] = run_encdec(model_dir, wavs, args.threads, args.max_new, busy)
+                ours, dt, others["encdec", busy] = run_encdec(model_dir, wavs, args.threads, args.max_new, busy,
+                                                              args.compute_type)
                 our_times[busy].append(dt)
                 print(f"[{rep}] {load_label(busy)}: HF {hf_dt:.2f} s (others' CPU {others['hf', busy]:.0f}%), "
                       f"encdec {dt:.2f} s (others' CPU {others['encdec', busy]:.0f}%): {hf_dt / dt:.2f}x",
@@ -158,10 +165,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     for busy in levels:
         hf_name = "hf generate (batch %d)" % args.batch
         rows.append((hf_name, busy, statistics.median(hf_times[busy]), others["hf", busy]))
-        rows.append(("encdec", busy, statistics.median(our_times[busy]), others["encdec", busy]))
-        fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch, busy)
+        ct = "" if args.compute_type == "float32" else f" {args.compute_type}"
+        rows.append(("encdec" + ct, busy, statistics.median(our_times[busy]), others["encdec", busy]))
+        fw = run_faster_whisper(model_dir, wavs, args.threads, args.batch, busy, args.compute_type)
         if fw is not None:
-            rows.append(("faster-whisper (batch %d)" % args.batch, busy, fw[1], fw[2]))
+            rows.append((f"faster-whisper{ct} (batch {args.batch})", busy, fw[1], fw[2]))
     idle = {name: wall for name, busy, wall, _ in rows if not busy}
     print(f"{'engine':28s} {'load':>8s} {'wall s':>8s} {'audio s/s':>10s} {'vs HF':>7s} {'vs idle':>8s} "
           f"{'others CPU %':>13s}")
