@@ -17,6 +17,7 @@ fbgemm's dynamic int8 linear (activations quantized per row on the fly).
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -91,13 +92,9 @@ class Linear(nn.Linear):
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
         r = x2.abs().amax(1, keepdim=True).float().clamp_(min=1e-30)  # (rows, 1)
-        xn = torch.empty(rows + 2, k)
-        xn[rows:].zero_()
-        xn[rows, 0], xn[rows + 1, 0] = 1.0, -1.0
-        torch.div(x2, r, out=xn[:rows])
-        out = torch.ops.quantized.linear_dynamic(xn, self.int8, self.int8_reduce_range)[:rows].mul_(r)
-        if self.bias is not None:
-            out.add_(self.bias)
+        xn = torch.cat([x2 / r, _pin_rows(k)])
+        out = torch.ops.quantized.linear_dynamic(xn, self.int8, self.int8_reduce_range)[:rows]
+        out = out.mul_(r) if self.bias is None else torch.addcmul(self.bias, out, r)
         return (torch.ops.aten.gelu_(out) if gelu else out).view(*lead, self.out_features)
 
     def panel_weight(self) -> torch.Tensor:
@@ -144,6 +141,14 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias))
         return self._packed(x, True)
+
+
+@functools.cache
+def _pin_rows(k: int) -> torch.Tensor:
+    """Two rows of width ``k`` holding 1 and -1 (``Linear._int8``)."""
+    pin = torch.zeros(2, k)
+    pin[0, 0], pin[1, 0] = 1.0, -1.0
+    return pin
 
 
 def gelu_path(isa: str | None = None) -> str:
