@@ -1,6 +1,7 @@
 """Prompts -> ``EncoderDecoderLLMInputs``.
 
-A request names an encoder input (text, tokens or audio) and optionally a
+A request names an encoder input (text, tokens, audio, or audio features the
+encoder reads as they are) and optionally a
 decoder prompt. Singleton prompts go to the encoder and the decoder gets the
 model's default prompt (BART: ``[<DEC>, <BOS>]``); an explicit decoder prompt
 is tokenized as vLLM tokenizes it (seed 002: any sub-prompt that is not a token
@@ -8,6 +9,11 @@ list, with the tokenizer's defaults) and gets ``<DEC>`` prepended unless it
 already starts with it. Token ids may be lists of ints, numpy integers or 1-D
 integer arrays. A batch of prompts is validated whole before any audio becomes
 features, and its audio becomes features in one batched call.
+
+Audio may also come as the features the encoder reads, computed by the caller
+(``multi_modal_data={"audio_features": tensor}``, Whisper: an ``(n_mels, 3000)``
+log-mel window): what a transcription job gives when it computed a whole
+file's log-mel once. They must have the shape the model's audio processor makes.
 """
 from __future__ import annotations
 
@@ -40,6 +46,15 @@ class ExplicitEncoderDecoderPrompt(TypedDict):
 
 
 PromptType = Union[SingletonPrompt, ExplicitEncoderDecoderPrompt]
+
+
+class _Features:
+    """An ``audio_features`` prompt's tensor, checked (module docstring)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
 
 
 class EncoderDecoderLLMInputs(TypedDict):
@@ -138,7 +153,9 @@ class InputPreprocessor:
     as callables so that this module stays model-agnostic. ``audio_processor``
     takes a list of audio inputs and ``labels=`` (how errors name each input)
     and returns one ``(features, number of encoder positions)`` per input; a
-    model with an audio processor needs audio in every prompt.
+    model with an audio processor needs audio in every prompt. ``audio_features_shape``
+    (``((n_mels, frames), encoder positions)``) admits ``audio_features`` prompts
+    of that shape.
     """
 
     def __init__(
@@ -148,12 +165,17 @@ class InputPreprocessor:
         default_decoder_prompt: Callable[[], list[int]],
         audio_processor: Callable[..., list[tuple[Any, int]]] | None = None,
         prepare_decoder_prompt: Callable[[list[int]], list[int]] | None = None,
+        *,
+        audio_features_shape: tuple[tuple[int, int], int] | None = None,
     ):
         self.tokenizer = tokenizer
         self.prepare_decoder_prompt = prepare_decoder_prompt
         self.decoder_start_token_id = decoder_start_token_id
         self.default_decoder_prompt = default_decoder_prompt
         self.audio_processor = audio_processor
+        # ((n_mels, frames) of the features the audio processor makes, encoder positions they give):
+        # what an ``audio_features`` prompt must match
+        self.audio_features_shape = audio_features_shape
 
     def _tokenize(self, text: str, kwargs: dict[str, Any]) -> list[int]:
         return list(self.tokenizer.encode(text, **kwargs))
@@ -190,14 +212,37 @@ class InputPreprocessor:
         if not isinstance(mm, dict):
             raise TypeError(f"{where}.multi_modal_data must be a dict such as {{'audio': ...}}, "
                             f"got {type(mm).__name__}")
-        unknown = set(mm) - {"audio"}
+        unknown = set(mm) - {"audio", "audio_features"}
         if unknown:
-            raise ValueError(f"{where}.multi_modal_data supports only 'audio', got {sorted(unknown)}")
-        if mm.get("audio") is None:
+            raise ValueError(f"{where}.multi_modal_data supports only 'audio' or 'audio_features', "
+                             f"got {sorted(unknown)}")
+        if mm.get("audio") is not None and mm.get("audio_features") is not None:
+            raise ValueError(f"{where}.multi_modal_data: give 'audio' or 'audio_features', not both")
+        if mm.get("audio") is None and mm.get("audio_features") is None:
             return None
         if self.audio_processor is None:
             raise ValueError(f"{where} carries audio, but this model takes no audio input")
-        return mm["audio"]
+        if mm.get("audio") is not None:
+            return mm["audio"]
+        where = f"{where}.multi_modal_data['audio_features']"
+        return _Features(self._check_features(mm["audio_features"], where))
+
+    def _check_features(self, value: Any, where: str) -> Any:
+        """A 2-D float tensor (or array) of the shape the audio processor makes."""
+        import torch
+
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where} must be a torch tensor or numpy array, got {type(value).__name__}")
+        if not value.is_floating_point():
+            raise TypeError(f"{where} must hold floats, got {value.dtype}")
+        shape = self.audio_features_shape[0] if self.audio_features_shape else None
+        if shape is None or tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{where} must have shape {shape} (this model's features), got {tuple(value.shape)}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where} holds NaN or infinite values")
+        return value
 
     def _prepare_decoder(self, ids: list[int]) -> list[int]:
         """<DEC> first, unless the model has its own rule (Whisper: a
@@ -262,12 +307,16 @@ class InputPreprocessor:
         for i, prompt in enumerate(prompts):
             with prompt_errors(i if indexed else None):
                 parsed.append(self._parse(prompt, kwargs))
-        with_audio = [i for i, p in enumerate(parsed) if p.audio is not None]
+        with_audio = [i for i, p in enumerate(parsed)
+                      if p.audio is not None and not isinstance(p.audio, _Features)]
         features: dict[int, tuple[Any, int]] = {}
         if with_audio:
             labels = [f"prompt {i}: audio" if indexed else "audio" for i in with_audio]
             computed = self.audio_processor([parsed[i].audio for i in with_audio], labels=labels)
             features = dict(zip(with_audio, computed))
+        for i, p in enumerate(parsed):
+            if isinstance(p.audio, _Features):  # checked against audio_features_shape in _parse
+                features[i] = (p.audio.tensor, self.audio_features_shape[1])
         outs = []
         for i, p in enumerate(parsed):
             out = EncoderDecoderLLMInputs(

@@ -1,6 +1,7 @@
 """Speech -> text for whole files of any length: ``transcribe(llm, audio)`` (what
 ``LLM.transcribe`` calls) and ``run_jobs(engine, jobs)``, the synchronous driver
-of ``TranscriptionJob``s (the protocol is described in ``encdec.transcription``).
+of transcription jobs (the protocol is described in ``encdec.transcription``,
+the driver core in ``encdec.transcription.driver``).
 
 All jobs of a call share the engine's continuous batching: every request a job
 asks for is queued as soon as it is known, so a batch of short files and one
@@ -11,7 +12,6 @@ module makes, and everything it queued is aborted if anything raises.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 import uuid
@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from encdec.transcription.job import JobRequest, TranscriptionJob
+from encdec.transcription.driver import JobRouter
+from encdec.transcription.job import IndependentJob, JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import (
     FORMATS,
@@ -37,7 +38,7 @@ from encdec.transcription.windows import (
     segments_from_tokens,
 )
 
-__all__ = ["FORMATS", "SEARCH_SAMPLES", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions",
+__all__ = ["FORMATS", "SEARCH_SAMPLES", "IndependentJob", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions",
            "Transcription", "TranscriptionJob", "format_transcription", "run_jobs", "transcribe"]
 
 # Older names, kept for callers and tests of the pure helpers.
@@ -105,27 +106,24 @@ def _make_jobs(engine: Any, inputs: list[Any], options: TranscribeOptions) -> li
 def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Transcription]:
     """Drive ``jobs`` to completion on ``engine`` (an ``LLMEngine`` no one else
     steps meanwhile) and return their results in order."""
-    prefix = f"transcribe-{uuid.uuid4().hex[:12]}-"
-    ids = (f"{prefix}{n}" for n in itertools.count())
-    owner: dict[str, tuple[TranscriptionJob, int]] = {}  # request id -> (job, ticket), while in flight
+    router = JobRouter(f"transcribe-{uuid.uuid4().hex[:12]}-")
     bar = _ProgressBar(jobs) if use_tqdm else None
     try:
         # The first submission validates every request before queuing one.
-        _submit(engine, [(job, r) for job in jobs for r in job.next_requests()], ids, owner)
-        while owner:
+        _submit(engine, router.take(jobs))
+        while router:
             if not engine.has_unfinished_requests():
-                raise RuntimeError(f"the engine has no unfinished requests but {len(owner)} of this "
+                raise RuntimeError(f"the engine has no unfinished requests but {len(router)} of this "
                                    "call's are open: were they aborted by someone else?")
-            touched: dict[int, TranscriptionJob] = {}
+            touched: dict[int, Any] = {}
             for out in engine.step():
-                entry = owner.pop(out.request_id, None)
-                if entry is None:
-                    continue
-                job, ticket = entry
-                job.add_output(out, ticket)
-                touched[id(job)] = job
-            _abort_abandoned(engine, touched.values(), owner)
-            _submit(engine, [(job, r) for job in touched.values() for r in job.next_requests()], ids, owner)
+                job = router.route(out)
+                if job is not None:
+                    touched[id(job)] = job
+            dropped = router.abandoned(touched.values())
+            if dropped:
+                engine.abort_request(dropped)
+            _submit(engine, router.take(touched.values()))
             if bar is not None and touched:
                 bar.update(touched.values())
         stuck = [job.index for job in jobs if not job.done]
@@ -133,59 +131,36 @@ def run_jobs(engine: Any, jobs: list[Any], *, use_tqdm: bool = True) -> list[Tra
             raise RuntimeError(f"audio inputs {stuck} asked for nothing more but are not done")
         return [job.result() for job in jobs]
     except BaseException:
-        engine.abort_request(list(owner))  # leave the engine as this call found it
+        engine.abort_request(router.open_ids())  # leave the engine as this call found it
         raise
     finally:
         if bar is not None:
             bar.close()
 
 
-def _abort_abandoned(engine: Any, jobs: Any, owner: dict[str, tuple[TranscriptionJob, int]]) -> None:
-    """Abort the requests the ``jobs`` gave up (``abandoned_tickets``)."""
-    dropped = {(id(job), t) for job in jobs for t in job.abandoned_tickets()}
-    if not dropped:
-        return
-    rids = [rid for rid, (job, t) in owner.items() if (id(job), t) in dropped]
-    for rid in rids:
-        del owner[rid]
-    if rids:
-        engine.abort_request(rids)
-
-
-def _submit(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]], ids: Any,
-            owner: dict[str, tuple[TranscriptionJob, int]]) -> None:
-    """Validate (and compute features for) all of ``batch``, then queue all of it."""
+def _submit(engine: Any, batch: list[tuple[str, Any, JobRequest]]) -> None:
+    """Validate all of ``batch``, then queue all of it. One batched call (one
+    log-mel batch for all audio windows); on a bad request, redo one by one to
+    name the culprit's audio input."""
     if not batch:
         return
-    processed = _process(engine, batch)
-    for (job, req), (inputs, params) in zip(batch, processed):
-        if req.features is not None:  # the job's own log-mel (a slice of the whole file's)
-            inputs["encoder_features"] = req.features
-        rid = next(ids)
-        engine.add_processed_request(rid, inputs, params)
-        owner[rid] = (job, req.ticket)
-
-
-def _process(engine: Any, batch: list[tuple[TranscriptionJob, JobRequest]]) -> list[tuple[dict, Any]]:
-    # One batched call (one log-mel batch for all windows); on a bad request, redo
-    # one by one to name the culprit's audio input.
     try:
-        return engine.process_requests([r.prompt for _, r in batch], [r.params for _, r in batch])
+        processed = engine.process_requests([r.prompt for _, _, r in batch], [r.params for _, _, r in batch])
     except (ValueError, TypeError):
-        pass
-    out = []
-    for job, req in batch:
-        try:
-            out.append(engine.process_request(req.prompt, req.params))
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"audio input {job.index}: {e}") from None
-    return out
+        processed = []
+        for _, job, req in batch:
+            try:
+                processed.append(engine.process_request(req.prompt, req.params))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"audio input {job.index}: {e}") from None
+    for (rid, _, _), (inputs, params) in zip(batch, processed):
+        engine.add_processed_request(rid, inputs, params)
 
 
 class _ProgressBar:
     """tqdm over audio seconds transcribed, with the real-time factor."""
 
-    def __init__(self, jobs: list[TranscriptionJob]) -> None:
+    def __init__(self, jobs: list[Any]) -> None:
         from tqdm.auto import tqdm
 
         self.total = round(sum(job.duration for job in jobs), 1)

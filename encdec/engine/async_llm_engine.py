@@ -4,6 +4,7 @@
     ----------                      -------------
     add_requests() --command-->     process_request (tokenize, audio features) + add
     abort()        --command-->     abort_request
+    call_model(fn) --command-->     fn(model) between steps (word alignment), result back
     stream queue   <--outputs--     step(); finished + partial outputs, one callback per step
 
 The thread owns the engine: nothing else touches it, so the engine needs no
@@ -15,6 +16,7 @@ consumer that falls behind keeps only the newest (its deltas merge).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -43,9 +45,6 @@ class AsyncRequest:
     priority: int = 0
     stream: bool = False  # deliver partial outputs after every step, not only the final one
     arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
-    # (n_mels, frames) log-mel the encoder reads instead of the prompt's audio's
-    # (a transcription job's window: a slice of the whole file's features)
-    features: Any = None
 
 
 @dataclass
@@ -71,7 +70,9 @@ class StepStats:
 class AsyncLLMEngine:
     def __init__(self, engine: Any, *, on_step: Callable[[StepStats], None] | None = None):
         self.engine = engine
+        # fixed once the engine is built: readable from any thread
         self.tokenizer = engine.tokenizer
+        self.hf_config, self.generation_config = engine.hf_config, engine.generation_config
         self.on_step = on_step  # called on the engine thread after every step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> outputs (loop side)
@@ -81,6 +82,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._num_aborted = 0  # engine thread: aborts not yet reported in StepStats
         self.error: BaseException | None = None  # why the engine thread died
+        self._calls: set[concurrent.futures.Future] = set()  # call_model results not yet set
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
@@ -139,6 +141,22 @@ class AsyncLLMEngine:
         async for out in it:
             yield out
 
+    def call_model(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(model)`` run on the engine thread between steps; blocks the calling
+        thread (never the event loop's) until it returns, and returns its result
+        or raises its error. Work that needs the model (a transcription job's word
+        alignment) goes through here, so only the engine thread touches the model."""
+        self._check_alive()
+        if self._loop is not None and self._loop.is_running() and _on_loop(self._loop):
+            raise RuntimeError("call_model blocks: call it off the event loop (asyncio.to_thread)")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.add(done)
+        self._commands.put(("call", fn, done))
+        try:
+            return done.result()
+        finally:
+            self._calls.discard(done)
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests (finished or unknown ids are ignored); frees their blocks."""
         self._abort([request_id] if isinstance(request_id, str) else list(request_id))
@@ -180,6 +198,9 @@ class AsyncLLMEngine:
             q.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
+        for call in list(self._calls):
+            if not call.done():
+                call.set_exception(EngineDeadError(f"the engine stopped: {error!r}"))
         streams, self._streams = self._streams, {}
         for q in streams.values():
             q.put_nowait(EngineDeadError(f"the engine stopped: {error!r}"))
@@ -228,6 +249,12 @@ class AsyncLLMEngine:
 
     def _apply(self, kind: str, payload: Any, done: asyncio.Future | None) -> None:
         engine = self.engine
+        if kind == "call":
+            try:
+                done.set_result(payload(engine.model))
+            except Exception as e:  # noqa: BLE001 - the caller's error, raised in the caller's thread
+                done.set_exception(e)
+            return
         if kind == "abort":
             self._num_aborted += len(engine.abort_request(payload))
             self._streamed.difference_update(payload)
@@ -242,8 +269,6 @@ class AsyncLLMEngine:
         added = []
         try:
             for r, (inputs, params) in zip(payload, processed):
-                if r.features is not None:
-                    inputs["encoder_features"] = r.features
                 engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
                                              priority=r.priority)
                 added.append(r.request_id)
@@ -297,6 +322,13 @@ async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 def _arrival(finished: list[RequestOutput], request_id: str) -> float:
     out = next(o for o in finished if o.request_id == request_id)
     return out.metrics.arrival_time
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _settle(done: asyncio.Future, error: BaseException | None) -> None:

@@ -58,7 +58,10 @@ class Processor:
         self.input_preprocessor = InputPreprocessor(
             self.tokenizer, hf_config.decoder_start_token_id, lambda: list(default_prompt),
             audio(hf_config) if audio else None,
-            (lambda ids: prepare(ids, gen_config)) if prepare else None)
+            (lambda ids: prepare(ids, gen_config)) if prepare else None,
+            # audio models' encoders read (n_mels, 2 * positions) features (Whisper's conv2 halves them)
+            audio_features_shape=((hf_config.num_mel_bins, 2 * hf_config.max_source_positions),
+                                  hf_config.max_source_positions) if audio else None)
         eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else hf_config.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
 

@@ -1,9 +1,9 @@
 """Transcription as jobs: one audio input -> one ``Transcription``, expressed as
 a series of ordinary engine requests, so that any driver can run it.
 
-The protocol (``TranscriptionJob``)::
+The protocol (``SequentialJob`` and ``IndependentJob`` both speak it)::
 
-    job = TranscriptionJob(engine, audio, options, index=i)  # decodes the audio once
+    job = make_job(engine, audio, options, index=i)  # decodes the audio once
     while not job.done:
         for req in job.next_requests():       # JobRequest(ticket, prompt, params)
             submit req.prompt, req.params      # engine.process_request + add_processed_request
@@ -11,13 +11,14 @@ The protocol (``TranscriptionJob``)::
         job.add_output(out, req.ticket)        # may make new requests appear
     job.result()                               # -> Transcription
 
-A job never touches the engine after construction (it reads ``tokenizer``,
-``hf_config`` and ``generation_config`` there): it only says what to run next
-and folds results in, so the same job runs under ``encdec.transcribe.run_jobs``
-(synchronous, all jobs of a call in one continuous batch) and under an asyncio
-server that owns the engine loop (submit a job's requests, route each finished
-output back by request id -> (job, ticket), ask ``next_requests()`` again after
-every ``add_output``, abort the job's open requests if the client goes away).
+A job never touches the engine: it reads an ``EngineView`` (``tokenizer``,
+``hf_config``, ``generation_config``, and ``call_model`` for word alignment,
+which runs on the engine's own thread) and only says what to run next and folds
+results in. One driver core (``encdec.transcription.driver.JobRouter``: request
+ids, routing each finished output back to (job, ticket), the requests a job gave
+up) runs it under ``encdec.transcribe.run_jobs`` (synchronous, all jobs of a
+call in one continuous batch), the HTTP server and the realtime sessions
+(asyncio, ``AsyncLLMEngine``).
 ``next_requests()`` hands each request out once; ``done`` is true when nothing
 is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds;
 ``abandoned_tickets()`` names requests handed out that the job no longer needs
@@ -28,21 +29,23 @@ and the HTTP server both build their jobs with it.
 
 Two jobs: ``SequentialJob`` (the default, ``mode="sequential"``): openai/whisper's
 long-form algorithm as HF ``generate`` runs it, see ``encdec.transcription.sequential``;
-and ``TranscriptionJob`` (``mode="independent"``): language detection on multilingual
+and ``IndependentJob`` (``mode="independent"``; ``TranscriptionJob`` is its older name): language detection on multilingual
 models when no language is given (one step restricted to language tokens), then
 all 30 s windows of the file at once, cut at the quietest 100 ms of each
 window's last 5 s. The sequential job asks for one window at a time, and on each
 output either asks for a retry of that window (new ticket, higher temperature)
 or for the next window with the seek moved and the previous text in its prompt;
 the driver admits a job's next request the step its previous one finishes, while
-other files' requests keep the batch full. A ``JobRequest.features`` tensor, when
-set, is the log-mel the engine encodes (the prompt's audio is then a stub).
+other files' requests keep the batch full. A sequential window's prompt carries
+its log-mel (``multi_modal_data={"audio_features": ...}``, a slice of the whole
+file's), which the engine encodes as it is.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from encdec.transcription.job import JobRequest, TranscriptionJob
+from encdec.transcription.engine_view import EngineView, engine_view
+from encdec.transcription.job import IndependentJob, JobRequest, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import (
            FORMATS,
@@ -53,14 +56,14 @@ from encdec.transcription.result import (
 )
 from encdec.transcription.sequential import SequentialJob
 
-__all__ = ["FORMATS", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions", "Transcription",
+__all__ = ["FORMATS", "EngineView", "IndependentJob", "JobRequest", "Segment", "SequentialJob", "TranscribeOptions", "Transcription",
            "TranscriptionJob", "Word", "format_transcription", "make_job"]
 
 
 def make_job(engine: Any, audio: Any, options: TranscribeOptions, *,
-             index: int = 0) -> SequentialJob | TranscriptionJob:
+             index: int = 0) -> SequentialJob | IndependentJob:
     """The job for one audio input under ``options.mode`` ("sequential", the
     default, or "independent"); it decodes the audio here, so a bad input raises
     a ``ValueError`` naming "audio input ``index``" before anything is queued."""
-    job_class = SequentialJob if options.mode == "sequential" else TranscriptionJob
-    return job_class(engine, audio, options, index=index)
+    job_class = SequentialJob if options.mode == "sequential" else IndependentJob
+    return job_class(engine_view(engine), audio, options, index=index)

@@ -160,8 +160,9 @@ def merge_punctuations(words: list[Word], tokens: list[list[int]]) -> None:
 class WordAligner:
     """Word timestamps for decoded windows of one model; see the module doc."""
 
-    def __init__(self, model: Any, hf_config: Any, generation_config: Any, tokenizer: Any) -> None:
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, call_model: Any, hf_config: Any, generation_config: Any, tokenizer: Any) -> None:
+        # call_model(fn) -> fn(model) on the thread that owns the engine (``engine_view``)
+        self.call_model, self.tokenizer = call_model, tokenizer
         self.heads = alignment_heads(hf_config, generation_config)
         self.n_mels = hf_config.num_mel_bins
         self.eot = generation_config.eos_token_id
@@ -183,11 +184,8 @@ class WordAligner:
         slices of the whole file's features, which cutting the audio would not give."""
         if not text_tokens:
             return []
-        param = next(self.model.parameters())
-        ids = torch.tensor([*sot_sequence, *text_tokens, self.eot], device=param.device)
-        with torch.inference_mode():
-            enc = self.model.encode(features[None].to(param.device))[0]
-            logits, weights = self.model.cross_attention_weights(enc, ids, self.heads)
+        logits, weights = self.call_model(lambda model: self._dense_pass(model, features, [
+            *sot_sequence, *text_tokens, self.eot]))
         n_sot = len(sot_sequence)
         # Row r (input token r) predicts token r + 1: rows n_sot-1 .. predict the text and eot.
         probs = torch.softmax(logits[n_sot - 1:-1, : self.eot].float(), dim=-1)
@@ -204,6 +202,14 @@ class WordAligner:
         tokens = [list(g) for g in groups[:-1]]
         merge_punctuations(words, tokens)
         return [(w, t) for w, t in zip(words, tokens) if w.word]
+
+
+    def _dense_pass(self, model: Any, features: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder and a dense decoder pass over ``ids`` (engine thread): logits and the heads' weights."""
+        param = next(model.parameters())
+        with torch.inference_mode():
+            enc = model.encode(features[None].to(param.device))[0]
+            return model.cross_attention_weights(enc, torch.tensor(ids, device=param.device), self.heads)
 
 
 def text_runs(tokens: list[int], ts_begin: int, eot: int, tokenizer: Any) -> list[list[int]]:

@@ -1,7 +1,8 @@
-"""``TranscriptionJob``: one audio input -> one ``Transcription``, as a series of
-engine requests. The job decides what to ask; a driver (``encdec.transcribe``
-for ``LLM.transcribe``, the HTTP server's asyncio loop) submits, steps and
-routes outputs back. See ``encdec.transcription`` for the protocol."""
+"""``IndependentJob``: one audio input -> one ``Transcription`` by the
+independent-window algorithm, as a series of engine requests; and what every
+job shares (``JobRequest``, the window prompts). The job decides what to ask; a
+driver (``encdec.transcription.driver``) submits, steps and routes outputs
+back. See ``encdec.transcription`` for the protocol."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
+from encdec.transcription.engine_view import engine_view
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import split_window
@@ -24,9 +26,8 @@ class JobRequest:
     """One engine request a job asks for."""
 
     ticket: int  # job-local id; give it back with the output to ``add_output``
-    prompt: PromptType  # audio window (16 kHz array) + decoder prompt ids
+    prompt: PromptType  # audio window (16 kHz array) or its log-mel features + decoder prompt ids
     params: SamplingParams
-    features: Any = None  # (n_mels, 3000) log-mel to encode instead of the prompt's audio's, or None
 
 
 def finished_completion(output: RequestOutput, index: int):
@@ -50,11 +51,20 @@ class _Piece:
 
 
 def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
+    """A window's 16 kHz samples (the engine computes their log-mel) + decoder prompt ids."""
     return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
             "decoder_prompt": {"prompt_token_ids": dec_ids}}
 
 
-class TranscriptionJob:
+def features_prompt(features: Any, dec_ids: list[int]) -> dict:
+    """A window's (n_mels, 3000) log-mel, encoded as it is, + decoder prompt ids.
+    The same tensor for every attempt at a window: one encoder pass with the
+    engine's encoder cache."""
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio_features": features}},
+            "decoder_prompt": {"prompt_token_ids": dec_ids}}
+
+
+class IndependentJob:
     """One audio input (path, ``(array, sample_rate)`` or 16 kHz 1-D array) ->
     a ``Transcription``, as a series of engine requests.
 
@@ -73,6 +83,7 @@ class TranscriptionJob:
     def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
         from encdec.models.whisper import language_token
 
+        engine = engine_view(engine)
         self.index = index  # position of this input in its call, for error messages
         self.options = options
         try:
@@ -94,7 +105,7 @@ class TranscriptionJob:
         if options.word_timestamps:
             from encdec.transcription.alignment import WordAligner
 
-            self._aligner = WordAligner(engine.model, engine.hf_config, engine.generation_config,
+            self._aligner = WordAligner(engine.call_model, engine.hf_config, engine.generation_config,
                                         engine.tokenizer)
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
@@ -240,3 +251,6 @@ class TranscriptionJob:
             return []
         text_ids = self._tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
         return [self._gc.prev_sot_token_id] + text_ids[-(self._hf_config.max_target_positions // 2 - 1):]
+
+
+TranscriptionJob = IndependentJob  # the older name

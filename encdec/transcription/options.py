@@ -7,12 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import SAMPLE_RATE
 from encdec.sampling_params import SamplingParams
 
 MODES = ("sequential", "independent")
 TASKS = ("transcribe", "translate")
-_PROBE = np.zeros(SAMPLE_RATE // 10, np.float32)  # 100 ms of silence: a request to validate params on
 
 
 @dataclass(frozen=True)
@@ -108,19 +106,20 @@ class TranscribeOptions:
 
     def validate(self, engine: Any) -> None:
         """Refuse what this engine's model cannot do (not Whisper, an unknown
-        language, translate on an English-only model, sampling params outside its
-        vocabulary) before any input is decoded or any request queued."""
+        language, translate on an English-only model, sampling params' token ids
+        outside its vocabulary) before any input is decoded or any request
+        queued; the engine checks the rest of the params with the first requests.
+        ``engine``: an ``LLMEngine``, ``AsyncLLMEngine`` or ``EngineView`` (read only)."""
         from encdec.models.whisper import default_decoder_prompt
-        from encdec.transcription.job import window_prompt
 
         gc = getattr(engine, "generation_config", None)
         if getattr(gc, "no_timestamps_token_id", None) is None:
             raise ValueError(f"transcribe needs a Whisper model; this engine runs "
                              f"{getattr(getattr(engine, 'hf_config', None), 'model_type', '?')}")
-        dec = default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
-                                     timestamps=self.timestamps)
+        default_decoder_prompt(engine.hf_config, gc, language=self.language, task=self.task,
+                               timestamps=self.timestamps)
         if self.sampling_params is not None:
-            engine.process_request(window_prompt(_PROBE, dec), self.sampling_params)
+            self.sampling_params.clone().verify_against(engine.hf_config.vocab_size)
 
 
 def _check_hallucination_silence_threshold(options: TranscribeOptions) -> None:

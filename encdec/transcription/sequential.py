@@ -1,5 +1,5 @@
 """``SequentialJob``: openai/whisper's long-form algorithm, as HF ``generate``
-runs it, as a ``TranscriptionJob``-protocol job (see ``encdec.transcription``).
+runs it, as a job of ``encdec.transcription``'s protocol.
 
 Per file, one 30 s window at a time::
 
@@ -64,19 +64,14 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import (
-    N_FRAMES,
-    N_SAMPLES,
-    SAMPLE_RATE,
-    load_audio,
-    log_mel_spectrogram,
-)
+from encdec.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_spectrogram
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
 from encdec.transcription.decoding import attempt_params, attempt_result
 from encdec.transcription.features import whole_file_log_mel, window_features
-from encdec.transcription.job import JobRequest, finished_completion, window_prompt
+from encdec.transcription.engine_view import engine_view
+from encdec.transcription.job import JobRequest, features_prompt, finished_completion
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import (
@@ -87,29 +82,14 @@ from encdec.transcription.rules import (
     previous_tokens,
     split_window,
 )
-
-_STUB_AUDIO = np.zeros(SAMPLE_RATE // 10, np.float32)  # the prompt's audio; ``features`` replaces its log-mel
-FRAMES_PER_SECOND = 100
-
-
-class _Window:
-    """The window being decided: its features and the outputs of its attempts."""
-
-    def __init__(self, seek: int, num_frames: int, features: Any, prompt: list[int], first: bool) -> None:
-        self.seek, self.num_frames, self.features, self.prompt = seek, num_frames, features, prompt
-        self.first = first  # the first window of the file (carries the prefix)
-        self.temp_index = 0  # the attempt being judged
-        self.no_speech_prob: float | None = None
-        # (prompt position of SOT, no-speech token): the first attempt reports P(no speech)
-        self.no_speech_at: tuple[int, int] | None = None
-        self.results: dict[int, tuple[list[int], float]] = {}  # temp index -> (output ids incl. eos, sum of logprobs)
-        self.open: dict[int, int] = {}  # ticket -> temp index, attempts in flight
+from encdec.transcription.seek import FRAMES_PER_SECOND, Window, clip_frames
 
 
 class SequentialJob:
     """One audio input -> a ``Transcription`` by the sequential algorithm (module docstring)."""
 
     def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
+        engine = engine_view(engine)
         self.index = index
         self.options = options
         try:
@@ -134,12 +114,12 @@ class SequentialJob:
         else:  # HF's short-form input: the audio padded to 30 s, then the log-mel (3000 frames)
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         # No speech at all: no window is decoded (a multilingual model still detects the language).
-        self._clips = _clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
+        self._clips = clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
         self._aligner = self._silence = None
         if options.word_timestamps:
             from encdec.transcription.alignment import WordAligner
 
-            self._aligner = WordAligner(engine.model, hf, engine.generation_config, engine.tokenizer)
+            self._aligner = WordAligner(engine.call_model, hf, engine.generation_config, engine.tokenizer)
         if options.hallucination_silence_threshold is not None:
             from encdec.transcription.silence import HallucinationFilter, silent_frames
 
@@ -166,7 +146,7 @@ class SequentialJob:
         self._ready: list[JobRequest] = []
         self._abandoned: list[int] = []  # tickets the driver should abort (abandoned_tickets)
         self._dropped: set[int] = set()  # abandoned tickets whose output may still arrive
-        self._window: _Window | None = None
+        self._window: Window | None = None
         self._finished = False
         self._multilingual = self._ids.is_multilingual
         if not self._multilingual:
@@ -253,7 +233,7 @@ class SequentialJob:
         ticket = self.num_requests
         self.num_requests += 1
         self._asked[ticket] = kind
-        self._ready.append(JobRequest(ticket, window_prompt(_STUB_AUDIO, dec), params, features))
+        self._ready.append(JobRequest(ticket, features_prompt(features, dec), params))
         return ticket
 
     def _set_language(self, language: str, probability: float | None) -> None:
@@ -287,14 +267,14 @@ class SequentialJob:
         dec = decoder_prompt(self._init, prev_sot=self._ids.prev_sot, previous=prev, hotwords=self._hotwords,
                              prefix=self._prefix if first else None, timestamp_begin=tb, timestamps=True,
                              max_length=self._max_length)
-        self._window = w = _Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
+        self._window = w = Window(self._seek, n, window_features(self._features, self._seek, n), dec, first)
         if opts.no_speech_threshold is not None and opts.log_prob_threshold is not None:
             # P(no speech): HF's no-speech token, scored raw after <|startoftranscript|>
             # by the first attempt's own prefill
             w.no_speech_at = (len(dec) - 1 - dec[::-1].index(self._ids.sot), self._ids.no_timestamps - 1)
         self._attempt(w, 0)
 
-    def _attempt(self, w: _Window, index: int) -> None:
+    def _attempt(self, w: Window, index: int) -> None:
         t = self.options.temperature[index]
         seed = None
         if t > 0 and self._seed is not None:  # reproducible sampling, one stream per window and attempt
@@ -307,7 +287,7 @@ class SequentialJob:
                                 max_tokens=self._max_tokens, seed=seed, prompt_token_logprobs=asked)
         w.open[self._ask("window", w.prompt, params, w.features)] = index
 
-    def _advance(self, w: _Window) -> None:
+    def _advance(self, w: Window) -> None:
         """Judge the window's attempts in ladder order as far as they are back
         (the first carries P(no speech)); decide it on the first that passes, or,
         when every temperature fails, on ``best_attempt``."""
@@ -344,7 +324,7 @@ class SequentialJob:
         text = self._tokenizer.decode([t for t in ids if t < self._ids.eot]).strip()
         return ids, sum_lp / max(len(ids), 1), compression_ratio(text)
 
-    def _abandon(self, w: _Window) -> None:
+    def _abandon(self, w: Window) -> None:
         """Give up the window's attempts still in flight (higher temperatures)."""
         unsent = {r.ticket for r in self._ready}
         for ticket in w.open:
@@ -355,7 +335,7 @@ class SequentialJob:
         self._ready = [r for r in self._ready if r.ticket not in w.open]
         w.open.clear()
 
-    def _decide(self, w: _Window, ids: list[int], avg: float, ratio: float, skip: bool) -> None:
+    def _decide(self, w: Window, ids: list[int], avg: float, ratio: float, skip: bool) -> None:
         opts, eot = self.options, self._ids.eot
         t = opts.temperature[w.temp_index]
         self._condition = opts.condition_on_previous_text and t < 0.5
@@ -387,7 +367,7 @@ class SequentialJob:
                 self._seek += step if step > 0 else w.num_frames
         self._next_window()
 
-    def _add_words(self, w: _Window, segments: list[Segment]) -> None:
+    def _add_words(self, w: Window, segments: list[Segment]) -> None:
         """Word timestamps for one decided window (an extra dense pass: the engine
         frees the window's cross K/V when its request ends)."""
         from encdec.transcription.alignment import assign_words
@@ -398,12 +378,3 @@ class SequentialJob:
                                              [x for r in runs for x in r], offset)
         assign_words(words, runs, segments, offset)
 
-
-def _clip_frames(clips: tuple[float, ...] | None, num_frames: int) -> list[tuple[int, int]]:
-    """faster-whisper's ``clip_timestamps`` (seconds, start/end pairs) -> frame ranges."""
-    if not clips:
-        return [(0, num_frames)]
-    frames = [min(round(t * FRAMES_PER_SECOND), num_frames) for t in clips]
-    if len(frames) % 2:
-        frames.append(num_frames)
-    return [(s, e) for s, e in zip(frames[::2], frames[1::2]) if e > s] or [(0, 0)]

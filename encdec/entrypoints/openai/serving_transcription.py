@@ -80,7 +80,7 @@ class TranscriptionServer:
 
     @staticmethod
     def supports(engine: AsyncLLMEngine) -> bool:
-        gc = getattr(engine.engine, "generation_config", None)
+        gc = getattr(engine, "generation_config", None)
         return getattr(gc, "no_timestamps_token_id", None) is not None
 
     async def handle(self, raw: Request, task: str, state: Any) -> Response:
@@ -110,7 +110,7 @@ class TranscriptionServer:
             if not data:
                 raise APIError(400, "the audio file is empty", param="file")
             options = self._options(req, task)
-            job = await asyncio.to_thread(_make_job, self.engine.engine, data, upload.filename or "audio",
+            job = await asyncio.to_thread(_make_job, self.engine, data, upload.filename or "audio",
                                           options)
         finally:
             await form.close()
@@ -153,12 +153,11 @@ class TranscriptionServer:
             raise APIError(400, str(e), param=name) from None
 
     def _options(self, req: TranscriptionRequest, task: str) -> TranscribeOptions:
-        """``options``, refused (400) where this model cannot do them. ``validate``
-        runs without sampling params: with them it would run the engine's request
-        check off the engine thread."""
+        """``options``, refused (400) where this model cannot do them (``validate``
+        reads the engine's configs only)."""
         options = self.options(req, task)
         try:
-            options.validate(self.engine.engine)
+            options.validate(self.engine)
         except ValueError as e:
             param = "language" if "language" in str(e) else "model"
             raise APIError(400, str(e), param=param) from None

@@ -2,10 +2,8 @@
 
 ``run_job`` is the asyncio twin of ``encdec.transcribe.run_jobs``: it submits what
 a job asks for to the shared ``AsyncLLMEngine`` (next to everyone else's
-requests), feeds each finished output back, and returns the job's result. A job
-request may carry its own log-mel (``JobRequest.features``: the sequential job
-encodes slices of the whole file's features, as HF long-form does), passed on
-as ``AsyncRequest.features``.
+requests), feeds each finished output back, and returns the job's result. Both
+drive jobs through the same core, ``encdec.transcription.driver.JobRouter``.
 """
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, final_o
 from encdec.entrypoints.openai.protocol import APIError
 from encdec.outputs import RequestOutput
 from encdec.transcription import Transcription
+from encdec.transcription.driver import JobRouter
 
 AUDIO_TOKENS_PER_SECOND = 50  # Whisper encoder positions per second of audio (1500 per 30 s window)
 
@@ -56,46 +55,47 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
     """Submit the job's requests as it asks for them (all of a batch validated
     before any is queued), feed back each output, return its result. Leaving early
     (an error, the client gone) aborts what is still running. With word
-    timestamps a job runs a dense alignment pass as it folds outputs in: that
-    runs off the event loop."""
+    timestamps a job runs a dense alignment pass (on the engine thread, through
+    ``AsyncLLMEngine.call_model``) as it folds outputs in: it waits off the event loop."""
     off_loop = bool(getattr(job.options, "word_timestamps", False))
-    tasks: dict[asyncio.Future, int] = {}  # final output -> the job's ticket
-    counter = 0
+    router = JobRouter(f"{request_id_prefix}-")
+    tasks: dict[asyncio.Future, str] = {}  # final output -> its request id
     try:
         while not job.done:
-            batch = job.next_requests()
+            batch = router.take([job])
             if batch:
-                requests = [AsyncRequest(f"{request_id_prefix}-{counter + i}", r.prompt, r.params, features=r.features)
-                            for i, r in enumerate(batch)]
-                counter += len(batch)
                 try:
-                    streams = await engine.add_requests(requests)
+                    streams = await engine.add_requests([AsyncRequest(rid, r.prompt, r.params)
+                                                         for rid, _, r in batch])
                 except (ValueError, TypeError) as e:
                     raise APIError(400, str(e), param="file") from None
-                for r, stream in zip(batch, streams):
-                    tasks[asyncio.ensure_future(final_output(stream))] = r.ticket
+                for (rid, _, _), stream in zip(batch, streams):
+                    tasks[asyncio.ensure_future(final_output(stream))] = rid
             if not tasks:
                 raise RuntimeError("the transcription job is not done but asks for no requests")
             done, _ = await asyncio.wait(list(tasks), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             if not done and is_disconnected is not None and await is_disconnected():
                 raise APIError(499, "client closed the request")
             for t in done:
-                out, ticket = t.result(), tasks.pop(t)
+                out = t.result()
+                del tasks[t]
                 if out.error:
                     raise APIError(400, out.error, param="file")
                 if off_loop:
-                    await asyncio.to_thread(job.add_output, out, ticket)
+                    await asyncio.to_thread(router.route, out)
                 else:
-                    job.add_output(out, ticket)
+                    router.route(out)
                 if progress is not None:
                     progress.finished(out, job.partial_text)
-            dropped = set(job.abandoned_tickets())
-            if dropped:  # retries made moot: stop them (cancelling the stream aborts the request)
-                for t in [t for t, ticket in tasks.items() if ticket in dropped]:
-                    del tasks[t]
-                    t.cancel()
+            cancel_streams(tasks, router.abandoned([job]))  # retries made moot: stop them
         return await asyncio.to_thread(job.result) if off_loop else job.result()
     finally:
-        for t in tasks:
-            t.cancel()
+        cancel_streams(tasks, list(tasks.values()))
 
+
+def cancel_streams(tasks: dict[asyncio.Future, str], request_ids: list[str]) -> None:
+    """Cancel the streams of ``request_ids`` (cancelling a stream aborts its request)."""
+    dropped = set(request_ids)
+    for t in [t for t, rid in tasks.items() if rid in dropped]:
+        del tasks[t]
+        t.cancel()
