@@ -145,3 +145,65 @@ def pack_speech(wav: np.ndarray, regions: list[tuple[int, int]]
                         tuple(s / SAMPLE_RATE for s, _ in regions),
                         tuple((e - s) / SAMPLE_RATE for s, e in regions))
     return packed, windows, tmap
+
+
+# OpenAI's server_vad defaults (Realtime API turn detection)
+SERVER_VAD_DEFAULTS: dict[str, Any] = {"threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}
+FRAME = 512  # samples of 16 kHz audio per Silero streaming call (32 ms)
+
+
+def _streaming_silero() -> Any:
+    """A new Silero model with its own streaming state (ONNX when onnxruntime is there)."""
+    with _LOAD_LOCK:
+        _load_silero()  # the import, with torch's thread count kept
+        from silero_vad import load_silero_vad
+
+        return load_silero_vad(onnx=importlib.util.find_spec("onnxruntime") is not None)
+
+
+class SpeechTurns:
+    """OpenAI's ``server_vad`` turn detection over streaming Silero VAD: 16 kHz
+    audio in, ``("started", ms)`` / ``("stopped", ms)`` out, in milliseconds of
+    the stream's audio. A turn starts at the first frame with P(speech) >=
+    ``threshold`` (reported ``prefix_padding_ms`` earlier) and stops once
+    ``silence_duration_ms`` of frames have stayed below ``threshold - 0.15``
+    (reported at that moment: the turn includes the silence, as OpenAI's does)."""
+
+    def __init__(self, threshold: float = 0.5, prefix_padding_ms: int = 300, silence_duration_ms: int = 500) -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        for name, v in (("prefix_padding_ms", prefix_padding_ms), ("silence_duration_ms", silence_duration_ms)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        self.threshold, self.prefix_ms, self.silence_ms = threshold, prefix_padding_ms, silence_duration_ms
+        self._model = _streaming_silero()
+        self._pending = np.zeros(0, np.float32)
+        self._frames = 0  # frames fed so far
+        self.speaking = False
+        self._silence_from: int | None = None  # frame where the current silence began
+
+    def feed(self, wav16: np.ndarray) -> list[tuple[str, int]]:
+        import torch
+
+        audio = np.concatenate([self._pending, np.asarray(wav16, np.float32)])
+        n = len(audio) // FRAME
+        self._pending = audio[n * FRAME:]
+        events = []
+        for i in range(n):
+            p = float(self._model(torch.from_numpy(audio[i * FRAME:(i + 1) * FRAME].copy()), SAMPLE_RATE))
+            start_ms = self._frames * FRAME * 1000 // SAMPLE_RATE
+            self._frames += 1
+            if not self.speaking:
+                if p >= self.threshold:
+                    self.speaking, self._silence_from = True, None
+                    events.append(("started", max(0, start_ms - self.prefix_ms)))
+                continue
+            if p >= self.threshold:
+                self._silence_from = None
+            elif p < self.threshold - 0.15 and self._silence_from is None:
+                self._silence_from = start_ms
+            end_ms = self._frames * FRAME * 1000 // SAMPLE_RATE
+            if self._silence_from is not None and end_ms - self._silence_from >= self.silence_ms:
+                self.speaking, self._silence_from = False, None
+                events.append(("stopped", end_ms))
+        return events

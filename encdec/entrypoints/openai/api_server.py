@@ -16,7 +16,7 @@ import re
 import signal
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -84,7 +84,7 @@ def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
                     type="invalid_request_error" if e.status_code < 500 else "internal_error")
 
 
-def _authorized(request: Request, api_key: str) -> bool:
+def _authorized(request: Request | WebSocket, api_key: str) -> bool:
     """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 9110)."""
     scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
@@ -218,6 +218,33 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/audio/translations")
     async def translations(raw: Request) -> Response:
         return await audio(raw, "translate")
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        from encdec.entrypoints.openai.realtime import RealtimeSession
+
+        try:
+            _check_realtime(ws, state)
+        except APIError as e:  # refused before the handshake completes, in OpenAI's error shape
+            await ws.send_denial_response(_error(e))
+            return
+        await ws.accept()
+        await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics).serve()
+
+
+def _check_realtime(ws: WebSocket, state: ServerState) -> None:
+    """The API key and model as on the other routes; a transcription intent; a Whisper model."""
+    if state.api_key is not None and not _authorized(ws, state.api_key):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       type="authentication_error")
+    intent = ws.query_params.get("intent")
+    if intent != "transcription":
+        raise APIError(400, f"this server runs transcription sessions only: connect with "
+                       f"intent=transcription (got {intent!r})", param="intent")
+    state.check_model(ws.query_params.get("model"))
+    if state.transcriptions is None:
+        raise APIError(400, f"model `{state.model_name}` takes no audio: realtime transcription needs "
+                       "a Whisper model", param="model")
 
 
 def serve(args: argparse.Namespace) -> int:
