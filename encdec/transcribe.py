@@ -73,6 +73,14 @@ def transcribe(llm: Any, audio: Any, options: TranscribeOptions | None = None, *
     ``initial_prompt``. Every option and input is checked, and every input decoded,
     before anything is queued: a bad input ``i`` raises a ``ValueError`` naming
     "audio input i"."""
+    engine, options = resolve_options(llm, options, prompt=prompt, **option_kwargs)
+    return run_jobs(engine, _make_jobs(engine, _as_inputs(audio), options), use_tqdm=use_tqdm)
+
+
+def resolve_options(llm: Any, options: TranscribeOptions | None = None, *, prompt: str | None = None,
+                    **option_kwargs: Any) -> tuple[Any, TranscribeOptions]:
+    """(the LLM's engine, the call's checked ``TranscribeOptions``): a ``TranscribeOptions``
+    or its fields by keyword, not both; ``prompt`` is the older name of ``initial_prompt``."""
     engine = getattr(llm, "llm_engine", None)
     if engine is None:
         raise ValueError("transcribe needs an encdec LLM (with llm_engine) running a Whisper model")
@@ -88,7 +96,7 @@ def transcribe(llm: Any, audio: Any, options: TranscribeOptions | None = None, *
         raise TypeError(f"give a TranscribeOptions or keyword options, not both (got options and "
                         f"{sorted(option_kwargs)})")
     options.validate(engine)
-    return run_jobs(engine, _make_jobs(engine, _as_inputs(audio), options), use_tqdm=use_tqdm)
+    return engine, options
 
 
 def _make_jobs(engine: Any, inputs: list[Any], options: TranscribeOptions) -> list[Any]:

@@ -189,3 +189,18 @@ class LLM:
 
         with self._lock:  # the whole job: its requests never share steps with another call's
             return transcribe(self, audio, options, use_tqdm=use_tqdm, **option_kwargs)
+
+    def transcribe_stream(self, chunks, options: TranscribeOptions | None = None, *, sample_rate: int = 16000,
+                          partial_every: float = 1.0, **option_kwargs: Any):
+        """Live transcription offline: a generator of ``StreamSegment``s (partial text
+        two passes agree on, then each turn's final text) over an iterator of audio
+        chunks (1-D float arrays or PCM16 bytes at ``sample_rate``, 16 or 24 kHz; a
+        ``None`` chunk ends a turn). Options as ``transcribe``'s, checked here, before
+        the first chunk is read (``encdec.transcription.stream``)."""
+        from encdec.transcribe import resolve_options
+        from encdec.transcription.live import Turn
+        from encdec.transcription.stream import transcribe_stream
+
+        _, options = resolve_options(self, options, **option_kwargs)
+        Turn(sample_rate, partial_every=partial_every)  # refuses a bad rate or cadence now
+        return transcribe_stream(self, chunks, options, sample_rate=sample_rate, partial_every=partial_every)
