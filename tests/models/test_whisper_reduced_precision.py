@@ -1,6 +1,6 @@
 """Whisper tiny.en (fixture ``ct2_dir``) and base (``whisper_base_dir``, slow) in
 int8 (``quantization="int8"``) and bfloat16 (``dtype="bfloat16"``) on the shipped
-English clips: WER (printed) within 0.01 absolute of float32's on the same clips,
+English clips: WER (printed) no more than 0.01 above float32's on the same clips,
 and the int8 engine actually running int8 linears."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from encdec.kernels.cpu import build
 from encdec.models.layers import Linear
-from encdec.worker.quantization import check_bfloat16
+from encdec.worker.quantization import check_bfloat16, fused_step_linears
 
 MAX_NEW = 96
 MODES = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
@@ -43,8 +43,11 @@ def mode_wers(model: str, name: str, clips) -> dict[str, float]:
     for mode in modes:
         llm = LLM(model=model, num_threads=torch.get_num_threads(), kv_cache_memory=256 * 2**20,
                   swap_space=0.1, **MODES[mode])
-        linears = [m for m in llm.llm_engine.worker.model.modules() if isinstance(m, Linear)]
-        assert linears and all((m.int8 is not None) == (mode == "int8") for m in linears)
+        net = llm.llm_engine.worker.model
+        keep = fused_step_linears(net)
+        linears = [m for m in net.modules() if isinstance(m, Linear)]
+        assert len(linears) > len(keep)
+        assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
         out[mode] = wer(" ".join(texts), " ".join(o.outputs[0].text for o in outs))
         del llm
@@ -54,8 +57,10 @@ def mode_wers(model: str, name: str, clips) -> dict[str, float]:
 
 
 def check(wers: dict[str, float]) -> None:
+    """No mode worse than float32 by more than 0.01. One-sided: on base, int8 and
+    bf16 have come out 0.017-0.020 better (a few words of ~300 either way)."""
     for mode, w in wers.items():
-        assert abs(w - wers["float32"]) <= 0.01, (mode, wers)
+        assert w <= wers["float32"] + 0.01, (mode, wers)
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +68,12 @@ def clips(speech_clips):
     return speech_clips
 
 
-def test_tiny_en_int8_and_bf16_wer_within_001_of_float32(ct2_dir, clips):
+def test_tiny_en_int8_and_bf16_wer_near_float32(ct2_dir, clips):
     check(mode_wers(str(ct2_dir), "tiny.en", clips))
 
 
 @pytest.mark.slow
-def test_base_int8_and_bf16_wer_within_001_of_float32(whisper_base_dir, clips):
+def test_base_int8_and_bf16_wer_near_float32(whisper_base_dir, clips):
     check(mode_wers(whisper_base_dir, "base", clips))
 
 
