@@ -88,9 +88,11 @@ def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str) -> tup
     from ctranslate2.converters import TransformersConverter
     from transformers import AutoTokenizer
 
+    from .bart_beams import _ct2_source
+
     ct2_dir = model_dir.rstrip("/") + "_ct2"
     if not os.path.exists(os.path.join(ct2_dir, "model.bin")):
-        TransformersConverter(_with_normalize_before(model_dir)).convert(ct2_dir, force=True)
+        TransformersConverter(_ct2_source(model_dir)).convert(ct2_dir, force=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     tr = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
                                 intra_threads=torch.get_num_threads())
@@ -106,23 +108,6 @@ def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str) -> tup
         tokens += [tok.convert_tokens_to_ids(r.hypotheses[0]) for r in res]
         useful += sum(out_lens[i:i + batch])
     return useful, time.perf_counter() - t0, tokens
-
-
-def _with_normalize_before(model_dir: str) -> str:
-    """A copy of ``model_dir`` (weights linked) whose config.json says ``normalize_before``:
-    CTranslate2's BART converter reads it, and BartConfig no longer has it."""
-    import json
-
-    src = model_dir.rstrip("/") + "_ct2src"
-    os.makedirs(src, exist_ok=True)
-    for name in os.listdir(model_dir):
-        if name != "config.json" and not os.path.exists(os.path.join(src, name)):
-            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(src, name))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump({**config, "normalize_before": False}, f)
-    return src
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
