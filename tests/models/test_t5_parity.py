@@ -40,10 +40,27 @@ def _prompts(llm, seed: int) -> list:
                          decoder_prompts=[[0], [0, 300, 41], [17, 230]])
 
 
-def test_greedy_matches_hf_generate(t5_llm, hf_t5):
+def test_greedy_matches_hf_generate(t5_llm, hf_t5, monkeypatch):
+    from encdec.kernels.cpu import paged_attention_cpu
+
+    calls = {"self": 0, "cross": 0}  # the C paged kernel's calls, by whether they carry the bias
+    real = paged_attention_cpu.paged_decode_attention
+
+    def spy(*args, position_bias=None, **kw):
+        calls["cross" if position_bias is None else "self"] += 1
+        return real(*args, position_bias=position_bias, **kw)
+
+    monkeypatch.setattr(paged_attention_cpu, "paged_decode_attention", spy)
     outs = check_greedy(t5_llm, hf_t5, _prompts(t5_llm, seed=0))
     assert all(o.prompt_token_ids[0] == 0 for o in outs)
     assert max(len(o.encoder_prompt_token_ids) for o in outs) > 128
+    from encdec.attention.backends.torch_sdpa import TorchSDPAImpl
+
+    impl = t5_llm.llm_engine.model.decoder.layers[0].self_attn.attn.impl
+    if isinstance(impl, TorchSDPAImpl) and paged_attention_cpu.available():
+        # Decode ran in the kernel: each layer's self-attention with T5's bias,
+        # its cross-attention without one (the same number of calls).
+        assert calls["self"] > 0 and calls["self"] == calls["cross"]
 
 
 def test_beam_search_matches_hf_generate(t5_llm, hf_t5):

@@ -9,9 +9,11 @@ padded tensor with one index op per layer and one masked SDPA call; cross-
 attention reads each request's encoder keys as a zero-copy slice of the cache
 when its cross blocks form one ascending run (the block manager allocates them
 that way), and gathers them otherwise.
-A ``PositionBias`` (T5) enters self-attention as SDPA's additive mask: per
-prefill sequence ``bias.prefill(n)``, and ``bias.decode(seq_lens, max_len)``
-under the padding mask at decode; the C kernels are not used then.
+A ``PositionBias`` (T5) enters self-attention as SDPA's additive mask per
+prefill sequence (``bias.prefill(n)``, the C dense kernel not used then); at
+decode the C paged kernel takes one (H, max_len) row of it by distance
+(``distance_table``), or, without the kernel, ``bias.decode(seq_lens, max_len)``
+goes under the padding mask. Cross-attention never takes a bias.
 """
 from __future__ import annotations
 
@@ -126,6 +128,17 @@ def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor) -> tuple[t
     return flat[0][sl], flat[1][sl]
 
 
+def distance_table(bias: PositionBias, max_len: int) -> torch.Tensor:  # (H, max_len) float32
+    """The paged kernel's ``position_bias``: ``[h, d]`` = the bias of a key d
+    positions before its query. T5's bias depends only on ``key - query``, so one
+    query at ``max_len - 1`` over keys ``max_len - 1 .. 0`` serves every row of
+    the step; memoized on the bias (one stack, one step), so built once for all layers."""
+    def make() -> torch.Tensor:
+        keys = torch.arange(max_len - 1, -1, -1, device=bias.device)
+        return bias.compute(keys[:1], keys)[:, 0].contiguous()
+    return bias._memo(("distance", max_len), make)
+
+
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_attention_cpu.available()
 
@@ -134,9 +147,10 @@ class TorchSDPAImpl(AttentionImpl):
     supports_position_bias = True
 
     def _decode_c(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
-                  lens: torch.Tensor) -> torch.Tensor:
+                  lens: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Paged decode without copying KV (see encdec/kernels/cpu)."""
-        return paged_attention_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale)
+        return paged_attention_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale,
+                                                          position_bias=bias)
 
     def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None,
                 position_bias: PositionBias | None = None):
@@ -168,9 +182,10 @@ class TorchSDPAImpl(AttentionImpl):
                     mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
                     out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
             dmd = md.decode_metadata
-            if dmd is not None and _use_c_kernel(kv_cache) and pb is None:
+            if dmd is not None and _use_c_kernel(kv_cache):
+                table = None if pb is None else distance_table(pb, dmd.max_decode_seq_len)
                 out[md.num_prefill_tokens:] = self._decode_c(
-                    q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor)
+                    q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor, table)
             elif dmd is not None:
                 slots, mask = dmd.decode_self_index
                 flat = kv_cache.view(2, -1, Hk, D)

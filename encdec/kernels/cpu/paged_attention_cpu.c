@@ -25,6 +25,14 @@
  * row on one thread 0.248 -> 0.209 ms; 8 rows on two threads 1.372 ->
  * 1.252 ms (29 GB/s; two cores stream 32.6). Software prefetch a few slots
  * ahead made both slower (0.29 and 1.45 ms).
+ *
+ * A relative position bias (T5, decoder self-attention, causal): the caller
+ * gives one table per step, bias[h][d] for a key d positions before the query
+ * (d = 0: the query's own slot), already bucketed as the model buckets it and
+ * wide enough for the step's longest sequence. The query's position is
+ * len - 1 and slot t's is t, so score(t) = q.k(t) * scale + bias[h][len-1-t]:
+ * no (query, key) matrix per row. NULL for none (cross-attention, BART,
+ * Whisper: the code below then compiles to what it was without a bias).
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,7 +68,8 @@ const char *paged_attention_path(void) { return VM_PATH; }
  * a slot's keys are read once for all G. */
 ALWAYS_INLINE void score_slots(float *scores, int G, const float *const *qs, const float *k_cache,
                                const int32_t *table, int32_t t0, int32_t t1, int64_t num_heads, int64_t group,
-                               int64_t head_size, int64_t slot_stride, int64_t block_size, float scale) {
+                               int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
+                               const float *bias, int64_t bias_stride, int32_t q_pos) {
     const int64_t n = t1 - t0;
     for (int32_t t = t0; t < t1; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
@@ -78,7 +87,8 @@ ALWAYS_INLINE void score_slots(float *scores, int G, const float *const *qs, con
                 } else
 #endif
                     s = dot(qh, kh, (int)head_size);
-                scores[(g * num_heads + h) * n + t - t0] = s * scale;
+                scores[(g * num_heads + h) * n + t - t0] =
+                    bias ? s * scale + bias[h * bias_stride + q_pos - t] : s * scale;
             }
         }
     }
@@ -123,14 +133,16 @@ static float softmax_numerators(float *row, int32_t len, float *max_out) {
  * os[g][h] = sum_t exp(s_t - mx[g][h]) v_t, with mx[g][h] the largest score
  * and sum[g][h] the sum of the exponentials (a part another part's result
  * joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). qs[g] and
- * os[g]: (num_heads, head_size); scores: scratch of G * num_heads * (t1 - t0) floats. */
-ALWAYS_INLINE void attend_range(int G, float *const *os, const float *const *qs, const float *k_cache,
+ * os[g]: (num_heads, head_size); scores: scratch of G * num_heads * (t1 - t0) floats.
+ * bias (NULL: none): see the header; the G queries all sit at q_pos. */
+ALWAYS_INLINE void attend_range_biased(int G, float *const *os, const float *const *qs, const float *k_cache,
                                 const float *v_cache, const int32_t *table, int32_t t0, int32_t t1,
                                 int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
                                 int64_t block_size, float scale, float *scores, float *const *mx,
-                                float *const *sum) {
+                                float *const *sum, const float *bias, int64_t bias_stride, int32_t q_pos) {
     const int64_t n = t1 - t0;
-    score_slots(scores, G, qs, k_cache, table, t0, t1, num_heads, group, head_size, slot_stride, block_size, scale);
+    score_slots(scores, G, qs, k_cache, table, t0, t1, num_heads, group, head_size, slot_stride, block_size, scale,
+                bias, bias_stride, q_pos);
     for (int g = 0; g < G; g++) {
         for (int64_t h = 0; h < num_heads; h++)
             sum[g][h] = softmax_numerators(scores + (g * num_heads + h) * n, (int32_t)n, mx[g] + h);
@@ -150,14 +162,28 @@ ALWAYS_INLINE void attend_range(int G, float *const *os, const float *const *qs,
     }
 }
 
+/* attend_range_biased without a bias (decoder_step_cpu.c's calls). */
+ALWAYS_INLINE void attend_range(int G, float *const *os, const float *const *qs, const float *k_cache,
+                                const float *v_cache, const int32_t *table, int32_t t0, int32_t t1,
+                                int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
+                                int64_t block_size, float scale, float *scores, float *const *mx,
+                                float *const *sum) {
+    attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, num_heads, group, head_size, slot_stride,
+                        block_size, scale, scores, mx, sum, NULL, 0, 0);
+}
+
 /* One sequence's attention output, all heads over all its len slots. */
 static void attend(float *os, const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
                    int32_t len, int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
-                   int64_t block_size, float scale, float *scores) {
+                   int64_t block_size, float scale, float *scores, const float *bias, int64_t bias_stride) {
     float mx[num_heads], sum[num_heads];
     float *mxp = mx, *sump = sum;
-    attend_range(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size, slot_stride,
-                 block_size, scale, scores, &mxp, &sump);
+    if (bias)
+        attend_range_biased(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size,
+                            slot_stride, block_size, scale, scores, &mxp, &sump, bias, bias_stride, len - 1);
+    else
+        attend_range(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size, slot_stride,
+                     block_size, scale, scores, &mxp, &sump);
     for (int64_t h = 0; h < num_heads; h++) {
         const float inv = 1.f / sum[h];
         for (int64_t d = 0; d < head_size; d++) os[h * head_size + d] *= inv;
@@ -170,6 +196,8 @@ typedef struct {
     const int32_t *tables, *lens;
     int64_t num_seqs, table_stride, num_heads, group, head_size, slot_stride, block_size;
     float scale;
+    const float *bias;  /* [h][d], or NULL (the header) */
+    int64_t bias_stride;
     team_t team;
 } paged_job_t;
 
@@ -178,7 +206,7 @@ static void paged_one(const paged_job_t *j, int64_t s) {
     float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * j->num_heads);  /* [h][t] */
     const int64_t row = s * j->num_heads * j->head_size;
     attend(j->out + row, j->q + row, j->k_cache, j->v_cache, j->tables + s * j->table_stride, len, j->num_heads,
-           j->group, j->head_size, j->slot_stride, j->block_size, j->scale, scores);
+           j->group, j->head_size, j->slot_stride, j->block_size, j->scale, scores, j->bias, j->bias_stride);
     free(scores);
 }
 
@@ -190,16 +218,17 @@ static void paged_job(void *arg, int tid) {
 }
 
 /* out, q: (num_seqs, num_heads, head_size); tables: (num_seqs, table_stride) int32;
- * lens: (num_seqs,) int32. One job per sequence (the header). */
+ * lens: (num_seqs,) int32; bias: (num_heads, bias_stride) float32 with
+ * bias_stride >= max(lens), or NULL. One job per sequence (the header). */
 void paged_attention_decode_f32(
     float *out, const float *q, const float *k_cache, const float *v_cache,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-    int64_t block_size, float scale, int num_threads)
+    int64_t block_size, float scale, const float *bias, int64_t bias_stride, int num_threads)
 {
     atomic_int counters[2] = {0, 0};
     paged_job_t job = {out, q, k_cache, v_cache, tables, lens, num_seqs, table_stride, num_heads,
                        num_heads / num_kv_heads, head_size, num_kv_heads * head_size, block_size, scale,
-                       {0, 0, counters, counters + 1}};
+                       bias, bias_stride, {0, 0, counters, counters + 1}};
     team_run(paged_job, &job, num_threads);
 }

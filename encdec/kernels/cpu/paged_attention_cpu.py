@@ -18,7 +18,7 @@ from encdec.kernels.cpu import build
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel(
     "paged_attention_cpu.c", "paged_attention_decode_f32",
-    [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, ctypes.c_int],
     None, "decode attention gathers KV (slower)", path_symbol="paged_attention_path")
 available, path = _KERNEL.available, _KERNEL.path
 
@@ -31,13 +31,29 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     scale: float,
     *,
+    position_bias: torch.Tensor | None = None,  # (num_heads, >= max(seq_lens)) float32
     isa: str | None = None,
 ) -> torch.Tensor | None:  # (num_seqs, num_heads, head_size)
     """Each row's query over its cached keys and values; None where the kernel
-    does not run (no build, a query not float32 on CPU)."""
+    does not run (no build, a query not float32 on CPU).
+
+    ``position_bias`` (causal self-attention only, T5): ``[h, d]`` is added to
+    head h's score of a key d positions before the query, the query sitting at
+    position ``seq_len - 1`` and slot t at position t (the attention backend
+    builds it from T5's bucketed bias once per step). Cross-attention passes none."""
     kernel = _KERNEL.function(isa)
     if kernel is None or q.dtype != torch.float32 or q.device.type != "cpu":
         return None
+    bias_ptr, bias_stride = None, 0
+    if position_bias is not None:
+        if position_bias.dtype != torch.float32 or position_bias.device.type != "cpu":
+            return None
+        # The kernel reads [h, len - 1 - t] unchecked: the table must cover every row.
+        if position_bias.shape[0] != q.shape[1] or position_bias.shape[1] < int(seq_lens.max()):
+            raise ValueError(f"position_bias {tuple(position_bias.shape)} does not cover {q.shape[1]} heads "
+                             f"and {int(seq_lens.max())} keys")
+        position_bias = position_bias.contiguous()
+        bias_ptr, bias_stride = position_bias.data_ptr(), position_bias.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_size = q.shape
@@ -45,6 +61,7 @@ def paged_decode_attention(
     kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
+        num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, bias_ptr, bias_stride,
         bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else kernel_threads())
     return out
+
