@@ -104,6 +104,9 @@ class ServerState:
         self.completions = CompletionServer(engine, model_name)
         self.transcriptions = (TranscriptionServer(engine, model_name, metrics)
                                if TranscriptionServer.supports(engine) else None)
+        from encdec.entrypoints.openai.realtime import PartialBudget
+
+        self.partial_budget = PartialBudget()  # shared by every realtime session
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.model_path):
@@ -229,7 +232,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             await ws.send_denial_response(_error(e))
             return
         await ws.accept()
-        await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics).serve()
+        await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics,
+                              budget=state.partial_budget).serve()
 
 
 def _check_realtime(ws: WebSocket, state: ServerState) -> None:

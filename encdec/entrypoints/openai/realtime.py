@@ -56,11 +56,33 @@ class _OpenTurn:
         self.passes = 0
 
 
+class PartialBudget:
+    """How many partial passes all sessions may have in flight at once. A pass that
+    finds none free is skipped, not queued (the next second of audio asks again), so
+    partial passes never pile up in the batch ahead of the final passes of turns
+    that ended, which is what a listener waits for."""
+
+    def __init__(self, limit: int = 2) -> None:
+        if limit < 1:
+            raise ValueError(f"the partial pass limit must be >= 1, got {limit}")
+        self.limit, self.in_flight = limit, 0
+
+    def take(self) -> bool:
+        if self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
 class RealtimeSession:
     def __init__(self, ws: Any, engine: AsyncLLMEngine, *, served_model: str, metrics: Any,
-                 partial_every: float = PARTIAL_EVERY_S) -> None:
+                 partial_every: float = PARTIAL_EVERY_S, budget: PartialBudget | None = None) -> None:
         self.ws, self.engine, self.served_model, self.metrics = ws, engine, served_model, metrics
         self.partial_every = partial_every
+        self.budget = budget or PartialBudget()
         self.config = SessionConfig()
         self.options = TranscribeOptions()
         self.vad: Any = None
@@ -243,7 +265,13 @@ class RealtimeSession:
     async def _maybe_partial(self, turn: _OpenTurn) -> None:
         if turn.partial is not None or not turn.turn.partial_due():
             return  # one partial pass at a time per stream: never queue one behind another
-        job = await asyncio.to_thread(turn.turn.partial_job, self.engine, self.options)
+        if not self.budget.take():
+            return  # every partial slot is busy: skip this one rather than queue it
+        try:
+            job = await asyncio.to_thread(turn.turn.partial_job, self.engine, self.options)
+        except BaseException:
+            self.budget.release()
+            raise
         turn.passes += 1
         turn.partial = asyncio.ensure_future(self._run_partial(turn, job, f"rt-{turn.item_id}-p{turn.passes}"))
 
@@ -255,6 +283,7 @@ class RealtimeSession:
             return
         finally:
             turn.partial = None
+            self.budget.release()
         delta = turn.turn.agreement.partial(result.text)
         if delta and self.open is turn:
             await self.send(server_event("conversation.item.input_audio_transcription.delta",
