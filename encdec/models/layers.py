@@ -55,7 +55,12 @@ class Linear(nn.Linear):
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_available()
                 or self.int8 is not None):
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        except RuntimeError:  # bf16 where oneDNN runs no bf16 ISA (ONEDNN_MAX_CPU_ISA=AVX2): F.linear
+            if w.dtype == torch.float32:
+                raise
+            return False
         self.fused_gelu = gelu_path() == "fused"
         self.small_rows = w.dtype == torch.float32 and small_linear_cpu.available()
         self.panels = None

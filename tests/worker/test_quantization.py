@@ -4,6 +4,8 @@ ISA path this host runs (ENCDEC_CPU_ISA); the float32 C kernels decline bf16;
 the options' validation."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -66,7 +68,9 @@ def test_bf16_linear_within_its_rounding_bound(monkeypatch, isa, rows):
     lin, w, b = _linear(96, 200, seed=rows)
     lin = lin.to(torch.bfloat16)
     packed = lin.pack()
-    assert packed == onednn_available()
+    assert packed <= onednn_available()  # False also where oneDNN runs no bf16 ISA (F.linear then)
+    if "avx512bw" in build.cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        assert packed == onednn_available()
     assert not lin.small_rows  # the float32 small-row kernel never sees bf16
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 2
     got = lin(x.bfloat16())
