@@ -53,6 +53,7 @@ class _OpenTurn:
         self.turn = Turn(rate, partial_every=partial_every)
         self.start = self.fed = start  # session sample where it starts / up to which it has audio
         self.partial: asyncio.Task | None = None  # the partial pass in flight
+        self.asking = False  # a partial pass is being built
         self.passes = 0
 
 
@@ -263,15 +264,21 @@ class RealtimeSession:
         self._audio, self._base = self._audio[keep - self._base:], keep
 
     async def _maybe_partial(self, turn: _OpenTurn) -> None:
-        if turn.partial is not None or not turn.turn.partial_due():
+        if turn.partial is not None or turn.asking or self.open is not turn or not turn.turn.partial_due():
             return  # one partial pass at a time per stream: never queue one behind another
         if not self.budget.take():
             return  # every partial slot is busy: skip this one rather than queue it
+        turn.asking = True  # building the job (off the loop): no second pass meanwhile
         try:
             job = await asyncio.to_thread(turn.turn.partial_job, self.engine, self.options)
         except BaseException:
             self.budget.release()
             raise
+        finally:
+            turn.asking = False
+        if self.open is not turn:  # the turn ended while the job was built
+            self.budget.release()
+            return
         turn.passes += 1
         turn.partial = asyncio.ensure_future(self._run_partial(turn, job, f"rt-{turn.item_id}-p{turn.passes}"))
 
@@ -284,12 +291,13 @@ class RealtimeSession:
         finally:
             turn.partial = None
             self.budget.release()
-        delta = turn.turn.agreement.partial(result.text)
-        if delta and self.open is turn:
+        if self.open is not turn:  # the turn ended meanwhile: its final pass has the last word
+            return
+        delta = turn.turn.agreement.partial(result.text)  # words agreed here are sent, none held back
+        if delta:
             await self.send(server_event("conversation.item.input_audio_transcription.delta",
                                          item_id=turn.item_id, content_index=0, delta=delta))
-        if self.open is turn:
-            await self._maybe_partial(turn)
+        await self._maybe_partial(turn)
 
     async def _end_turn(self, end: int) -> None:
         turn, self.open = self.open, None
