@@ -1,4 +1,6 @@
-"""BART throughput: encdec vs HF ``generate`` on the same random bart-base weights.
+"""BART throughput: encdec vs HF ``generate`` on the same random bart-base weights
+(``--family t5|marian|m2m100``: those families at base dimensions, with
+CTranslate2 beside them; ``families.py``).
 
 64 requests, encoder lengths uniform in 32..512, output lengths uniform in
 8..128 (forced: ``ignore_eos`` for us, ``min_new_tokens`` for HF). HF runs in
@@ -6,7 +8,7 @@ padded batches of 16 in input order, as a user would; each batch runs until its
 longest request is done, and only each request's own tokens count as useful.
 
     python -m benchmarks.bart_bench [--requests 64] [--threads N] [--profile] [--background-load N]
-        [--compute-type int8]
+        [--compute-type int8] [--family t5|marian|m2m100]
 
 With ``--compute-type int8`` (or ``bfloat16``) our run takes ``quantization="int8"``
 (``dtype="bfloat16"``); our float32 run and CTranslate2 (if installed) at that
@@ -20,6 +22,7 @@ cores, printed beside the idle figures.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -45,12 +48,12 @@ def make_workload(n: int, vocab: int, seed: int):
     return enc, out
 
 
-def padded(chunk: list[list[int]]):
+def padded(chunk: list[list[int]], pad: int = 1):
     """(ids, attention mask) of a right-padded batch (BART's pad id 1), as HF takes them."""
     import torch
 
     width = max(map(len, chunk))
-    ids = torch.full((len(chunk), width), 1, dtype=torch.long)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
     mask = torch.zeros((len(chunk), width), dtype=torch.long)
     for r, e in enumerate(chunk):
         ids[r, :len(e)] = torch.tensor(e)
@@ -80,9 +83,11 @@ def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
     return useful, time.perf_counter() - t0
 
 
-def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str) -> tuple[int, float, list[list[int]]]:
+def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str,
+            prefix: tuple[str, ...] = ("<s>",)) -> tuple[int, float, list[list[int]]]:
     """CTranslate2 on the same weights (converted once beside them), padded
-    batches of ``batch`` in input order forced to each batch's longest output, as HF."""
+    batches of ``batch`` in input order forced to each batch's longest output, as
+    HF; each target starts with ``prefix`` (BART's forced <s>; none for the other families)."""
     import ctranslate2
     import torch
     from ctranslate2.converters import TransformersConverter
@@ -92,18 +97,21 @@ def run_ct2(model_dir: str, enc, out_lens, batch: int, compute_type: str) -> tup
 
     ct2_dir = model_dir.rstrip("/") + "_ct2"
     if not os.path.exists(os.path.join(ct2_dir, "model.bin")):
-        TransformersConverter(_ct2_source(model_dir)).convert(ct2_dir, force=True)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            bart = json.load(f).get("model_type") == "bart"
+        TransformersConverter(_ct2_source(model_dir) if bart else model_dir).convert(ct2_dir, force=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     tr = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
                                 intra_threads=torch.get_num_threads())
     src = [tok.convert_ids_to_tokens(e) for e in enc]
-    tr.translate_batch(src[:2], target_prefix=[["<s>"]] * 2, max_decoding_length=4, beam_size=1)  # warm-up
+    prefixes = [list(prefix)] * len(src)
+    tr.translate_batch(src[:2], target_prefix=prefixes[:2], max_decoding_length=4, beam_size=1)  # warm-up
     tokens, useful = [], 0
     t0 = time.perf_counter()
     for i in range(0, len(src), batch):
-        m = max(out_lens[i:i + batch])
-        res = tr.translate_batch(src[i:i + batch], target_prefix=[["<s>"]] * len(src[i:i + batch]),
-                                 max_decoding_length=m + 1, min_decoding_length=m + 1, beam_size=1,
+        m = max(out_lens[i:i + batch]) + len(prefix)
+        res = tr.translate_batch(src[i:i + batch], target_prefix=prefixes[i:i + batch],
+                                 max_decoding_length=m, min_decoding_length=m, beam_size=1,
                                  max_batch_size=batch)
         tokens += [tok.convert_tokens_to_ids(r.hypotheses[0]) for r in res]
         useful += sum(out_lens[i:i + batch])
@@ -167,8 +175,14 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--beams", type=int, default=1, help="beam search with this many beams (> 1)")
     ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
                     help="our precision (int8: quantization='int8'), timed beside our float32 and CTranslate2's")
+    ap.add_argument("--family", default="bart", choices=("bart", "t5", "marian", "m2m100"),
+                    help="t5, marian, m2m100: that family at base dims, with CTranslate2's row (families.py)")
     add_background_load_arg(ap)
     args = ap.parse_args(argv)
+    if args.family != "bart" and (args.beams > 1 or args.compute_type != "float32" or args.background_load
+                                  or args.repeats > 1 or args.profile):
+        ap.error("--family other than bart runs greedy float32 once, idle: no --beams, --compute-type, "
+                 "--background-load, --repeats or --profile")
     levels = load_levels(args.background_load)
 
     import torch
@@ -176,6 +190,18 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ["ENCDEC_NUM_THREADS"] = str(torch.get_num_threads())
+    if args.family != "bart":
+        from .families import family_checkpoint, run_family_bench
+
+        model_dir = family_checkpoint(args.family, args.model_dir)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        enc, out_lens = make_workload(args.requests, vocab - 128, args.seed)  # below language codes
+        print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
+              f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, {allocator_for_both_sides()}")
+        print(isa_header())
+        run_family_bench(args.family, model_dir, (enc, out_lens), hf_batch=args.hf_batch, skip_hf=args.skip_hf)
+        return
     from encdec.testing import make_random_bart
 
     model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "encdec_bench_bart_base")
