@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]
     warm = build_file(clips, texts, 1000, 1.0)[0]  # not part of any timed file
     engines = set(args.engines.split(","))
-    print(f"compute type {args.compute_type}; threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
+    print(f"compute type {args.compute_type}; "
+          f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
     if args.background_load:
         print(f"background load: every row also timed with {args.background_load} busy process(es) of ours")

@@ -76,7 +76,8 @@ class Linear(nn.Linear):
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
             warnings.simplefilter("ignore", UserWarning)
-            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+            zero = torch.zeros_like(scale, dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
         self.int8 = torch.ops.quantized.linear_prepack(qw, None)
         self.int8_reduce_range = reduce_range
         self.weight = nn.Parameter(q, requires_grad=False)
