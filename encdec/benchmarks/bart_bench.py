@@ -162,7 +162,7 @@ def run_ours(model_dir: str, enc, out_lens, profile: bool, engine_kw: dict | Non
     return sum(out_lens), seconds
 
 
-def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+def _parser(prog: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides")
@@ -178,6 +178,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--family", default="bart", choices=("bart", "t5", "marian", "m2m100"),
                     help="t5, marian, m2m100: that family at base dims, with CTranslate2's row (families.py)")
     add_background_load_arg(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
+    ap = _parser(prog)
     args = ap.parse_args(argv)
     if args.family != "bart" and (args.beams > 1 or args.compute_type != "float32" or args.background_load
                                   or args.repeats > 1 or args.profile):
@@ -222,6 +227,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     if args.compute_type != "float32":
         run_compute_type(model_dir, enc, out_lens, args.compute_type, args.hf_batch)
         return
+    _alternate(args, levels, model_dir, enc, out_lens)
+
+
+def _alternate(args: argparse.Namespace, levels: list[int], model_dir: str, enc: list, out_lens: list) -> None:
+    """Our engine and HF, alternating, ``args.repeats`` times at each background load."""
     ratios: dict[int, list[float]] = {busy: [] for busy in levels}
     speeds: dict[int, list[float]] = {busy: [] for busy in levels}
     for rep in range(args.repeats):

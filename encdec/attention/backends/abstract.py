@@ -121,9 +121,10 @@ class PositionBias(ABC):
     ``Attention.forward(..., position_bias=...)``; the matrices below are memoized
     on it, so each is computed once per stack, not once per layer. Positions count
     from a sequence's first token (a decoder's from its decoder prompt). Backends
-    that take a bias set ``AttentionImpl.supports_position_bias``; their C-kernel
-    paths decline when one is given (a C bias is future work), and cross-attention
-    never takes one. A GPU backend gets the same object: ``compute`` for any
+    that take a bias set ``AttentionImpl.supports_position_bias``; torch_sdpa's C
+    paged decode kernel reads it as one (heads, distance) table per step
+    (``torch_sdpa.distance_table``), its other C paths decline it, and
+    cross-attention never takes one. A GPU backend gets the same object: ``compute`` for any
     positions, or the packed forms below.
     """
 
