@@ -259,7 +259,7 @@ def test_one_launch_per_layer_and_attention_type(tiny_bart, batch, monkeypatch):
 
 
 @pytest.mark.parametrize("decode_path", [
-    "torch-fallback", pytest.param("triton-interpreter", marks=pytest.mark.slow)])  # 200 s interpreted
+    "torch-fallback", pytest.param("triton-interpreter", marks=pytest.mark.slow)])
 def test_greedy_matches_torch_sdpa_end_to_end(tiny_bart, decode_path, monkeypatch):
     from encdec import LLM, SamplingParams
 
@@ -267,12 +267,14 @@ def test_greedy_matches_torch_sdpa_end_to_end(tiny_bart, decode_path, monkeypatc
     assert pa.path("cpu") == ("interpreter" if decode_path == "triton-interpreter" else "torch")
     rng = random.Random(0)
     words = "the rain in spain falls mainly on plain while a quick brown fox jumps over lazy dogs".split()
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))) for _ in range(24)]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    # Interpreted, every kernel launch runs in Python: fewer rows and steps there.
+    num, steps = (8, 12) if decode_path == "triton-interpreter" else (24, 24)
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))) for _ in range(num)]
+    params = SamplingParams(max_tokens=steps, temperature=0.0)
     outs = {}
     for name in ("torch_sdpa", "torch_native"):
         llm = LLM(tiny_bart, device="cpu", attention_backend=name, kv_cache_memory=64 << 20)
         assert llm.llm_engine.worker.backend.get_name() == name
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["torch_native"] == outs["torch_sdpa"]
-    assert sum(map(len, outs["torch_sdpa"])) > 24 * 4  # real generations, not all empty
+    assert sum(map(len, outs["torch_sdpa"])) > num * 4  # real generations, not all empty
