@@ -9,7 +9,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_PROGRESS_BARS ?= 1
 
-.PHONY: run test bench clean
+.PHONY: run test test-all bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,13 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The default run leaves out the tests marked slow (each 15-75 s: the long-form,
+# multilingual and reduced-precision Whisper comparisons, the packaging and load
+# tests); test-all runs every test.
 test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider -rs -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider -rs
 
 bench: $(VENV)/.installed

@@ -224,6 +224,7 @@ def multilingual(tmp_path_factory, ct2_dir):
     stop_server(server)
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_multilingual_translation_and_detection_equal_transcribe(multilingual):
     from openai import OpenAI
 

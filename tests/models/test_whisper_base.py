@@ -53,6 +53,7 @@ def test_config_is_multilingual_base(llm):
     assert (gc.decoder_start_token_id, gc.no_timestamps_token_id, gc.eos_token_id) == (50258, 50363, 50257)
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_transcribes_english_clips(llm, hf, clips):
     from encdec import SamplingParams
 

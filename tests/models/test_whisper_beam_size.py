@@ -12,7 +12,9 @@ from tests.models.test_whisper_longform import hf_longform, long_file, ours, tin
 BEAMS = 5
 
 
-@pytest.mark.parametrize("which", ["short", "long", "silence"])
+# "long" and "silence" take 25-35 s each: `make test-all` runs them
+@pytest.mark.parametrize("which", ["short", pytest.param("long", marks=pytest.mark.slow),
+                                   pytest.param("silence", marks=pytest.mark.slow)])
 def test_beam_size_matches_hf_num_beams(tiny, tiny_hf, speech_clips, which):  # noqa: F811
     """"silence": 35 s of digital silence, then a sentence, at temperature 0 only.
     Whether the silent window is kept depends on its average log-prob, which HF

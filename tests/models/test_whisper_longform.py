@@ -75,6 +75,7 @@ def test_longform_matches_hf_tiny_en(tiny, tiny_hf, speech_clips):
     assert got == want
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_longform_matches_hf_base(whisper_base_dir, whisper_base_hf_dir, speech_clips):
     """The same >= 3-minute file as tiny.en (base is ~5x slower on this CPU)."""
     from encdec import LLM

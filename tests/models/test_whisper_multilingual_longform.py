@@ -57,6 +57,7 @@ def ours(t) -> list[tuple[float, float, list[int]]]:
     return [(round(s.start, 2), round(s.end, 2), s.tokens) for s in t.segments]
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_detected_language_equals_hf(base, clips):
     llm, model, proc = base
     results = llm.transcribe([(w, 16000) for _, _, w in clips], use_tqdm=False)

@@ -74,6 +74,7 @@ def clips(speech_clips):
     return speech_clips
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_tiny_en_int8_and_bf16_wer_near_float32(ct2_dir, clips, monkeypatch):
     check(mode_wers(str(ct2_dir), "tiny.en", clips, monkeypatch))
 

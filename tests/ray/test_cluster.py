@@ -121,6 +121,7 @@ def test_two_actors_generate_the_same_rows_as_one_process(cluster, tiny_bart, ba
     assert [r["generated_text"] for r in rows] == want
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_two_actors_transcribe_the_same_rows_as_one_process(cluster, ct2_dir):
     paths = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))[:12]
     assert len(paths) == 12
@@ -218,6 +219,7 @@ def test_on_error_raise_fails_the_job(cluster, tiny_bart, bart_job):
     assert "refused a batch of 10 rows" in str(e.value) and "empty" in str(e.value)
 
 
+@pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_a_column_mixing_bytes_and_paths_transcribes(cluster, ct2_dir):
     paths = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))[:4]
     want = LLM(str(ct2_dir), **WHISPER_KW).transcribe(paths, use_tqdm=False)
