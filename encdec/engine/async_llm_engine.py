@@ -107,6 +107,12 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
 
     @property
+    def scheduling_policy(self) -> str:
+        """``"fcfs"`` or ``"priority"``: callers that rank their requests (the realtime
+        sessions) need it, since fcfs refuses any ``priority`` but 0."""
+        return self.engine.scheduler_config.policy
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 

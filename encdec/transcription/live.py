@@ -21,6 +21,11 @@ encoder cache serves without a second encoder pass.
 
 A turn longer than 30 s gets no partial past its 30th second (passes are
 compared from the turn's start); its final pass covers all of it.
+
+Under the engine's priority policy passes rank ahead of other work: a final
+pass first (its text is what a listener waits for), then partial passes (stale
+a second later), then everything else at the default 0 (offline uploads, whose
+clients care about throughput, not about the next second).
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from encdec.transcription.options import TranscribeOptions
 PARTIAL_EVERY_S = 1.0  # seconds of new audio between a turn's partial passes
 MAX_PARTIAL_S = 30.0  # one encoder window: passes are compared from the turn's start
 INPUT_RATES = (16000, 24000)  # sample rates a live stream may send
+FINAL_PRIORITY = -2  # engine priority of a final pass (smaller runs first, as vLLM)
+PARTIAL_PRIORITY = -1  # of a partial pass; every other request has the default 0
 
 
 class Agreement:

@@ -9,7 +9,15 @@ from encdec.entrypoints.cli_options import add_engine_args, engine_options
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """``encdec serve``'s options: MODEL, the server's own, then every ``EngineArgs``
-    field (the options ``LLM`` takes), named as on ``encdec generate``."""
+    field (the options ``LLM`` takes), named as on ``encdec generate``.
+
+    One default differs from ``LLM``'s: a server schedules by priority. Its realtime
+    sessions rank a turn's final pass ahead of partial passes and uploads, which
+    is what holds final text within a second of the end of speech when several
+    streams share the engine; with every priority at 0 (requests that name none)
+    the priority policy admits and preempts exactly as fcfs does, so nothing else
+    changes. An explicit ``--scheduling-policy fcfs`` is kept: the sessions then
+    send priority 0 and passes run in arrival order."""
     p.add_argument("model", metavar="MODEL", help="HF hub id or local checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -23,6 +31,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)
+    p.set_defaults(scheduling_policy="priority")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

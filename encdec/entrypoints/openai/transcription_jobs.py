@@ -51,12 +51,15 @@ class JobProgress:
 
 
 async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
-                  is_disconnected: Callable | None = None, progress: JobProgress | None = None) -> Transcription:
+                  is_disconnected: Callable | None = None, progress: JobProgress | None = None,
+                  priority: int = 0) -> Transcription:
     """Submit the job's requests as it asks for them (all of a batch validated
     before any is queued), feed back each output, return its result. Leaving early
     (an error, the client gone) aborts what is still running. With word
     timestamps a job runs a dense alignment pass (on the engine thread, through
-    ``AsyncLLMEngine.call_model``) as it folds outputs in: it waits off the event loop."""
+    ``AsyncLLMEngine.call_model``) as it folds outputs in: it waits off the event loop.
+    ``priority`` ranks every request of the job under the priority policy (smaller
+    first); offline uploads keep the default 0, live passes rank ahead of them."""
     off_loop = bool(getattr(job.options, "word_timestamps", False))
     router = JobRouter(f"{request_id_prefix}-")
     tasks: dict[asyncio.Future, str] = {}  # final output -> its request id
@@ -65,7 +68,7 @@ async def run_job(engine: AsyncLLMEngine, job: Any, *, request_id_prefix: str,
             batch = router.take([job])
             if batch:
                 try:
-                    streams = await engine.add_requests([AsyncRequest(rid, r.prompt, r.params)
+                    streams = await engine.add_requests([AsyncRequest(rid, r.prompt, r.params, priority)
                                                          for rid, _, r in batch])
                 except (ValueError, TypeError) as e:
                     raise APIError(400, str(e), param="file") from None
