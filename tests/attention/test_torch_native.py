@@ -278,3 +278,36 @@ def test_greedy_matches_torch_sdpa_end_to_end(tiny_bart, decode_path, monkeypatc
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["torch_native"] == outs["torch_sdpa"]
     assert sum(map(len, outs["torch_sdpa"])) > num * 4  # real generations, not all empty
+
+
+@pytest.mark.parametrize("decode_path", ["torch-fallback", "triton-interpreter"])
+def test_unwritten_cache_slots_never_reach_the_result(decode_path, monkeypatch):
+    """The cache is never zeroed: slots past a group's length (its last block's
+    tail, padding to the longest group, blocks no group owns) may hold NaN, and
+    neither path may let them through (a masked score does not: -inf + NaN is NaN,
+    and a 0 weight times a NaN value is NaN)."""
+    from tests.kernels.test_triton_paged_attention import Case, make_inputs, reference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if decode_path == "triton-interpreter" else "0")
+    for case in (Case("self-mixed", (1, 3, 1), (5, 17, 40), causal=True),
+                 Case("cross-decode", (2, 1), (3, 33), causal=False)):
+        inputs, tables = make_inputs(case)
+        bs = case.block_size
+        written = torch.zeros(inputs["k_cache"].shape[:2], dtype=torch.bool)  # (blocks, block_size)
+        for table, n in zip(tables, case.kv_lens):
+            for j in range(n):
+                written[table[j // bs], j % bs] = True
+        for c in (inputs["k_cache"], inputs["v_cache"]):
+            c[~written] = float("nan")
+        want = reference(case, inputs, tables)
+        groups = tn.PagedGroups(inputs["block_tables"], inputs["q_start_loc"], inputs["kv_lens"],
+                                max(case.q_lens), max(case.kv_lens))
+        kv_cache = torch.stack([inputs["k_cache"], inputs["v_cache"]])  # (2, blocks, bs, H, D)
+        scale = case.head_size ** -0.5
+        if decode_path == "triton-interpreter":
+            got = pa.paged_attention(**inputs, scale=scale, causal=case.causal, max_q_len=max(case.q_lens))
+        else:
+            got = torch.full_like(inputs["q"], float("nan"))
+            tn.paged_torch(inputs["q"], kv_cache, groups, scale, causal=case.causal, out=got)
+        assert torch.isfinite(got).all(), f"{case.id}: NaN from slots no group has written"
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
