@@ -44,7 +44,7 @@ def _hf(hf, enc, **kwargs):
     return g.sequences[0].tolist(), None if scores is None else scores[0].item()
 
 
-def _check(llm, hf, params_for, hf_kwargs, *, forced_eos: bool):
+def _assert_matches_hf(llm, hf, params_for, hf_kwargs, *, forced_eos: bool):
     encs = mixed_prompts(NUM_PROMPTS, seed=17)
     prompts = _prompts(encs)
     outs = llm.generate(prompts, [params_for(len(out_prompt)) for out_prompt in
@@ -70,20 +70,20 @@ def _check(llm, hf, params_for, hf_kwargs, *, forced_eos: bool):
 
 def test_explicit_beam_params_inherit_the_checkpoint_forced_tokens(forced):
     llm, hf = forced
-    _check(llm, hf, lambda n: BeamSearchParams(4, MAX_LENGTH - n), dict(num_beams=4), forced_eos=True)
+    _assert_matches_hf(llm, hf, lambda n: BeamSearchParams(4, MAX_LENGTH - n), dict(num_beams=4), forced_eos=True)
 
 
 def test_explicit_greedy_params_inherit_the_checkpoint_forced_tokens(forced):
     llm, hf = forced
-    _check(llm, hf, lambda n: SamplingParams(temperature=0.0, max_tokens=MAX_LENGTH - n),
+    _assert_matches_hf(llm, hf, lambda n: SamplingParams(temperature=0.0, max_tokens=MAX_LENGTH - n),
            dict(num_beams=1), forced_eos=True)
 
 
 def test_forced_eos_off_per_request_matches_hf_without_it(forced):
     llm, hf = forced
-    _check(llm, hf, lambda n: BeamSearchParams(4, MAX_LENGTH - n, forced_eos_token_id=False),
+    _assert_matches_hf(llm, hf, lambda n: BeamSearchParams(4, MAX_LENGTH - n, forced_eos_token_id=False),
            dict(num_beams=4, forced_eos_token_id=None), forced_eos=False)
-    _check(llm, hf, lambda n: SamplingParams(temperature=0.0, max_tokens=MAX_LENGTH - n,
+    _assert_matches_hf(llm, hf, lambda n: SamplingParams(temperature=0.0, max_tokens=MAX_LENGTH - n,
                                              extra_args={"forced_eos_token_id": False}),
            dict(num_beams=1, forced_eos_token_id=None), forced_eos=False)
 

@@ -56,7 +56,7 @@ def _length(data: bytes) -> int:
     return 1 << 30
 
 
-def check_shape(status: int, body: dict, want: int, *words: str) -> None:
+def assert_error_shape(status: int, body: dict, want: int, *words: str) -> None:
     assert status == want, body
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == want
     for w in words:
@@ -142,7 +142,7 @@ def test_a_stalled_body_gets_408(bart_server):
         status, body, waited = read_response(sock, BODY_TIMEOUT + 15)
     finally:
         sock.close()
-    check_shape(status, body, 408, "stalled", "--body-read-timeout")
+    assert_error_shape(status, body, 408, "stalled", "--body-read-timeout")
     assert waited >= BODY_TIMEOUT - 0.5
     good_completion(bart_server)
 
@@ -197,7 +197,7 @@ def test_a_chunked_upload_over_the_limit_is_refused_while_it_streams(whisper_ser
         status, body, _ = read_response(sock, 30)
     finally:
         sock.close()
-    check_shape(status, body, 413, "limit")
+    assert_error_shape(status, body, 413, "limit")
     good_transcription(whisper_server)
 
 
@@ -209,5 +209,5 @@ def test_a_declared_length_over_the_limit_is_refused_before_reading(whisper_serv
         status, body, _ = read_response(sock, 30)
     finally:
         sock.close()
-    check_shape(status, body, 413, "99999999")
+    assert_error_shape(status, body, 413, "99999999")
     good_transcription(whisper_server)

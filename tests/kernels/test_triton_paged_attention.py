@@ -133,7 +133,7 @@ def interpreter(monkeypatch):
     return "interpreter"
 
 
-def check(case: Case, got: torch.Tensor | None, ref: torch.Tensor) -> None:
+def assert_matches_reference(case: Case, got: torch.Tensor | None, ref: torch.Tensor) -> None:
     assert got is not None, "the kernel declined"
     assert got.dtype == case.dtype and got.shape == ref.shape
     err = (got.cpu().double() - ref).abs().max().item()
@@ -142,13 +142,13 @@ def check(case: Case, got: torch.Tensor | None, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("case", LEAN, ids=lambda c: f"interpreter-{c.id}")
 def test_matches_float64_reference(interpreter, case):
-    check(case, *run(case))
+    assert_matches_reference(case, *run(case))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW, ids=lambda c: f"interpreter-{c.id}")
 def test_long_lengths_match_float64_reference(interpreter, case):
-    check(case, *run(case))
+    assert_matches_reference(case, *run(case))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["interpreter-bias-fp32", "interpreter-bias-fp16"])
@@ -166,7 +166,7 @@ def test_position_bias_is_added_to_the_scores(interpreter, dtype):
         slots = [table[j // bs] * bs + j % bs for j in range(n)]
         s = torch.einsum("hd,khd->hk", inputs["q"][r].double(), kf[slots]) * D ** -0.5 + bias[r, :, :n].double()
         want[r] = torch.einsum("hk,khd->hd", s.softmax(-1), vf[slots])
-    check(case, got, want)
+    assert_matches_reference(case, got, want)
 
 
 def test_writes_into_an_out_view(interpreter):
@@ -178,7 +178,7 @@ def test_writes_into_an_out_view(interpreter):
                              max_q_len=1, out=buf[2:-1])
     assert got.data_ptr() == buf[2].data_ptr()
     assert (buf[:2] == 7).all() and (buf[-1] == 7).all()
-    check(case, buf[2:-1], reference(case, inputs, tables))
+    assert_matches_reference(case, buf[2:-1], reference(case, inputs, tables))
 
 
 def test_declines_where_it_cannot_run(monkeypatch):
@@ -215,4 +215,4 @@ def test_interpreter_failures_surface(interpreter, monkeypatch):
 def test_cuda_matches_float64_reference(monkeypatch, case):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pa.path("cuda") == "cuda"
-    check(case, *run(case, device="cuda"))
+    assert_matches_reference(case, *run(case, device="cuda"))

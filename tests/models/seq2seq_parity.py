@@ -105,7 +105,7 @@ def _decoder_prompt_lens(llm, hf, prompts: list) -> list[int]:
     return lens
 
 
-def check_beams(llm, hf, prompts: list) -> list:
+def assert_beams_match_hf(llm, hf, prompts: list) -> list:
     """Beam search with the checkpoint's defaults (beams, lengths, forced tokens),
     each length limit shifted by the request's decoder prompt as HF counts it."""
     defaults = llm.get_default_sampling_params()

@@ -9,7 +9,7 @@ import torch
 
 from encdec import TokensPrompt
 from encdec.testing import M2M100_LANGS
-from tests.models.seq2seq_parity import check_beams, check_greedy, make_llm, mixed_prompts
+from tests.models.seq2seq_parity import assert_beams_match_hf, check_greedy, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_greedy_matches_hf_generate(m2m_llm, hf_m2m):
 
 
 def test_beam_search_matches_hf_generate(m2m_llm, hf_m2m):
-    check_beams(m2m_llm, hf_m2m, _prompts(m2m_llm, seed=1))
+    assert_beams_match_hf(m2m_llm, hf_m2m, _prompts(m2m_llm, seed=1))
 
 
 def test_positions_and_logits_match_hf(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from encdec import TokensPrompt
-from tests.models.seq2seq_parity import check_beams, check_greedy, make_llm, mixed_prompts
+from tests.models.seq2seq_parity import assert_beams_match_hf, check_greedy, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_greedy_matches_hf_generate(marian_llm, hf_marian):
 
 
 def test_beam_search_matches_hf_generate(marian_llm, hf_marian):
-    check_beams(marian_llm, hf_marian, _prompts(marian_llm, seed=1))
+    assert_beams_match_hf(marian_llm, hf_marian, _prompts(marian_llm, seed=1))
 
 
 def test_default_prompt_and_logits_match_hf(marian_dir, hf_marian):

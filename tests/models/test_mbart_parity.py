@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from encdec.testing import MBART_LANGS
-from tests.models.seq2seq_parity import check_beams, check_greedy, make_llm, mixed_prompts
+from tests.models.seq2seq_parity import assert_beams_match_hf, check_greedy, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module", params=["mbart-50", "cc25"])
@@ -45,7 +45,7 @@ def test_greedy_matches_hf_generate(mbart_dir, mbart_llm, hf_mbart):
 
 
 def test_beam_search_matches_hf_generate(mbart_dir, mbart_llm, hf_mbart):
-    check_beams(mbart_llm, hf_mbart, _prompts(mbart_llm, mbart_dir[0], seed=1))
+    assert_beams_match_hf(mbart_llm, hf_mbart, _prompts(mbart_llm, mbart_dir[0], seed=1))
 
 
 def test_language_tokens_placed_as_mbart_places_them(mbart_dir):

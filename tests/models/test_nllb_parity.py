@@ -12,7 +12,7 @@ import torch
 from encdec import ExplicitEncoderDecoderPrompt, TokensPrompt
 from encdec.sampling_params import BeamSearchParams
 from encdec.testing import NLLB_LANGS
-from tests.models.seq2seq_parity import check_beams, check_greedy, make_llm, mixed_prompts
+from tests.models.seq2seq_parity import assert_beams_match_hf, check_greedy, make_llm, mixed_prompts
 
 FORCED = NLLB_LANGS[1]  # fra_Latn
 
@@ -56,7 +56,7 @@ def test_greedy_matches_hf_generate(nllb_llm, hf_nllb):
 
 
 def test_beam_search_matches_hf_generate(nllb_llm, hf_nllb):
-    check_beams(nllb_llm, hf_nllb, _prompts(nllb_llm, seed=1))
+    assert_beams_match_hf(nllb_llm, hf_nllb, _prompts(nllb_llm, seed=1))
 
 
 @pytest.mark.parametrize("tgt", NLLB_LANGS[2:])

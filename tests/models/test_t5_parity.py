@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from encdec import SamplingParams, TokensPrompt
-from tests.models.seq2seq_parity import check_beams, check_greedy, make_llm, mixed_prompts
+from tests.models.seq2seq_parity import assert_beams_match_hf, check_greedy, make_llm, mixed_prompts
 
 LENGTHS = (1, 2, 5, 9, 17, 33, 64, 120, 150, 200)
 
@@ -64,7 +64,7 @@ def test_greedy_matches_hf_generate(t5_llm, hf_t5, monkeypatch):
 
 
 def test_beam_search_matches_hf_generate(t5_llm, hf_t5):
-    check_beams(t5_llm, hf_t5, _prompts(t5_llm, seed=1))
+    assert_beams_match_hf(t5_llm, hf_t5, _prompts(t5_llm, seed=1))
 
 
 def test_head_and_logits_match_hf(t5_dir, hf_t5):

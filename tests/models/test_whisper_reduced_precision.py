@@ -62,7 +62,7 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
     return out
 
 
-def check(wers: dict[str, float]) -> None:
+def assert_wers_near_float32(wers: dict[str, float]) -> None:
     """No mode worse than float32 by more than 0.01. One-sided: on base, int8 and
     bf16 have come out 0.017-0.020 better (a few words of ~300 either way)."""
     for mode, w in wers.items():
@@ -76,12 +76,12 @@ def clips(speech_clips):
 
 @pytest.mark.slow  # lean default run: `make test-all` runs it
 def test_tiny_en_int8_and_bf16_wer_near_float32(ct2_dir, clips, monkeypatch):
-    check(mode_wers(str(ct2_dir), "tiny.en", clips, monkeypatch))
+    assert_wers_near_float32(mode_wers(str(ct2_dir), "tiny.en", clips, monkeypatch))
 
 
 @pytest.mark.slow
 def test_base_int8_and_bf16_wer_near_float32(whisper_base_dir, clips, monkeypatch):
-    check(mode_wers(whisper_base_dir, "base", clips, monkeypatch))
+    assert_wers_near_float32(mode_wers(whisper_base_dir, "base", clips, monkeypatch))
 
 
 def test_transcribe_cli_compute_type(ct2_dir, clips, capsys, monkeypatch):
