@@ -76,8 +76,13 @@ def stream_audio(clips: list[np.ndarray], offset: int, seconds: float, *, seed: 
         spans.append((n + 4800, n + 4800 + len(clip)))
         n += 4800 + len(clip) + 16000
         k += 1
-    audio = np.concatenate(parts)
-    return audio + np.random.default_rng(seed).normal(0, 1e-4, len(audio)).astype(np.float32), spans
+    return dither(np.concatenate(parts), seed), spans
+
+
+def dither(audio: np.ndarray, seed: int | tuple[int, ...]) -> np.ndarray:
+    """``audio`` plus -80 dBFS noise from ``seed``: unlike samples for every stream and
+    level, so the encoder cache serves none of them for free."""
+    return audio + np.random.default_rng(seed).normal(0, 1e-4, len(audio)).astype(np.float32)
 
 
 async def run_stream(engine, metrics, audio: np.ndarray, partial_every: float, budget) -> tuple[float, list]:
@@ -158,8 +163,7 @@ async def run_level(engine, metrics, clips, n: int, seconds: float, partial_ever
                             lead=k * cycle / n if stagger else 0.0) for k in range(n)]
     offline = None
     if offline_audio is not None:
-        offline_audio = offline_audio + np.random.default_rng((n, round(seconds * 1000))).normal(
-            0, 1e-4, len(offline_audio)).astype(np.float32)
+        offline_audio = dither(offline_audio, (n, round(seconds * 1000)))
         job = await asyncio.to_thread(make_job, engine, offline_audio, TranscribeOptions())
         offline = asyncio.ensure_future(_timed(run_job(engine, job, request_id_prefix=f"offline-{n}")))
     budget = PartialBudget(partial_limit)  # as the server shares one among its sessions

@@ -260,7 +260,8 @@ def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, sc
     pos = torch.arange(L, device=dev).clamp(max=groups.tables.shape[1] * bs - 1)
     slots = cache_slots(groups.tables.to(torch.long), torch.arange(G, device=dev)[:, None], pos[None, :], bs)
     kv_len = groups.kv_lens.to(torch.long)
-    keep = torch.arange(L, device=dev)[None, None, :] < kv_len[:, None, None]  # (G, 1, L)
+    written = torch.arange(L, device=dev)[None, :] < kv_len[:, None]  # (G, L): the group's own keys
+    keep = written[:, None, :]  # (G, 1, L)
     if causal:
         q_pos = kv_len[:, None] - q_len[:, None] + rows[None, :]  # (G, M)
         keep = keep & (torch.arange(L, device=dev)[None, None, :] <= q_pos[:, :, None])
@@ -268,9 +269,9 @@ def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, sc
     # Slots past a group's length are padding: whatever their blocks hold (the cache
     # is never zeroed, so maybe NaN) must not reach the result, and a masked score
     # does not stop it (-inf + NaN is NaN, and a 0 weight times a NaN value is NaN).
-    written = (torch.arange(L, device=dev)[None, :] < kv_len[:, None])[:, :, None, None]  # (G, L, 1, 1)
-    k = flat[0][slots].masked_fill(~written, 0.0)  # (G, L, Hk, D)
-    v = flat[1][slots].masked_fill(~written, 0.0)
+    padding = ~written[:, :, None, None]
+    k = flat[0][slots].masked_fill_(padding, 0.0)  # (G, L, Hk, D), gathered copies: zeroed in place
+    v = flat[1][slots].masked_fill_(padding, 0.0)
     mask = keep[:, None]  # (G, 1, M|1, L)
     if bias is not None:  # (num_q, H, >= L) per query row -> (G, H, M, L), -inf where not kept
         rows = bias[q_idx][..., :L].transpose(1, 2).to(q.dtype)
