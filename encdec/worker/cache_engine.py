@@ -46,16 +46,27 @@ def cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_
 
 
 def profiled_kv_cache_bytes(*, total: int, gpu_memory_utilization: float, weights: int,
-                            peak_activations: int, non_torch: int = 0, profiled: str = "") -> int:
+                            peak_activations: int, non_torch: int = 0, profiled: str = "",
+                            free: int | None = None) -> int:
     """vLLM's rule: this engine's share of the device (``gpu_memory_utilization``
     x ``total``) less its weights, the peak activations of a profiled forward at
     the step budget, and memory outside torch's allocator (CUDA context, NCCL).
     Not "free memory at start": a second engine in the process gets its own
-    share, not what the first left. A ValueError when nothing is left."""
+    share, not what the first left. A ValueError when nothing is left, and (as
+    vLLM checks at start) when ``free`` (the device's free memory now, this
+    engine's weights loaded) cannot hold the cache: an OOM halfway through
+    allocating it says much less."""
     share = int(total * gpu_memory_utilization)
     left = share - weights - peak_activations - non_torch
+    gib = lambda n: f"{n / _GiB:.2f} GiB"  # noqa: E731
+    if left > 0 and free is not None and left > free:
+        raise ValueError(
+            f"the KV cache of gpu_memory_utilization={gpu_memory_utilization} ({gib(share)} of {gib(total)}, "
+            f"{gib(left)} of it for the cache) does not fit in the {gib(free)} of the device that is free: "
+            f"another engine or process holds {gib(max(0, total - free - weights - non_torch))}; lower "
+            f"gpu_memory_utilization so that the engines' shares add up to at most 1, set kv_cache_memory, "
+            f"or release the other engine first")
     if left <= 0:
-        gib = lambda n: f"{n / _GiB:.2f} GiB"  # noqa: E731
         raise ValueError(
             f"no memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} of "
             f"{gib(total)} is {gib(share)}, of which the weights take {gib(weights)}, the peak "

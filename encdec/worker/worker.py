@@ -231,7 +231,7 @@ class Worker:
         non_torch = max(0, total - free - torch.cuda.memory_reserved(dev))
         kv = profiled_kv_cache_bytes(
             total=total, gpu_memory_utilization=cfg.gpu_memory_utilization, weights=weights,
-            peak_activations=peak, non_torch=non_torch,
+            peak_activations=peak, non_torch=non_torch, free=free,
             profiled=f"{len(dec)} prefills, {sum(dec)} decoder and {sum(enc)} encoder tokens")
         logger.info("KV sizing: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB, "
                     "outside torch %.2f GiB -> KV cache %.2f GiB", total / _GiB, weights / _GiB,

@@ -22,3 +22,10 @@ def test_unknown_part_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_bench.main(["--parts", "bart,nope"])
     assert "unknown parts ['nope']" in capsys.readouterr().err
+
+
+def test_each_part_runs_with_the_other_options():
+    """Several parts run one process each (an engine's CUDA memory was not all
+    returned in-process on an H100): every option but --parts reaches each."""
+    argv = ["--parts", "bart,beams", "--quick", "--parts=whisper", "--workdir", "/tmp/x", "--profile"]
+    assert gpu_bench._without_parts(argv) == ["--quick", "--workdir", "/tmp/x", "--profile"]

@@ -36,6 +36,21 @@ def test_too_little_left_is_a_clear_error():
         assert part in msg, (part, msg)
 
 
+def test_a_share_that_is_not_free_is_a_clear_error():
+    """Seen on an H100: a first engine at 0.7 still held its cache, and the second
+    engine's 0.7 ran out of memory halfway through allocating its cache."""
+    fits = profiled_kv_cache_bytes(total=80 * GiB, gpu_memory_utilization=0.5, weights=GiB,
+                                   peak_activations=GiB, free=39 * GiB)
+    assert fits == 38 * GiB
+    with pytest.raises(ValueError) as e:
+        profiled_kv_cache_bytes(total=80 * GiB, gpu_memory_utilization=0.7, weights=GiB, peak_activations=GiB,
+                                free=23 * GiB)
+    msg = str(e.value)
+    for part in ("gpu_memory_utilization=0.7", "54.00 GiB of it for the cache", "23.00 GiB of the device that is free",
+                 "another engine or process holds 56.00 GiB", "kv_cache_memory"):
+        assert part in msg, (part, msg)
+
+
 @pytest.mark.parametrize("budget,seqs,dec_max,enc_max,n", [
     (32768, 256, 1024, 1024, 31),  # BART: 31 longest inputs, the rest as decoder tokens
     (32768, 256, 448, 1500, 21),  # Whisper: 21 windows of 1500 frames
