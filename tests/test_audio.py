@@ -145,3 +145,49 @@ def test_pad_or_trim():
     x = torch.ones(5)
     assert pad_or_trim(x, 3).tolist() == [1, 1, 1]
     assert pad_or_trim(x, 7).tolist() == [1, 1, 1, 1, 1, 0, 0]
+
+
+def test_whisper_features_are_computed_on_the_engines_device(monkeypatch):
+    """The audio hook runs the STFT where it is told (the engine passes its own
+    device) and hands back host tensors, equal to the host path's."""
+    import encdec.audio
+    from transformers import WhisperConfig
+
+    from encdec.models.whisper import make_audio_processor
+
+    seen, real = [], encdec.audio.log_mel_spectrogram
+
+    def spy(audios, n_mels=80, device="cpu"):
+        seen.append(str(device))
+        return real(audios, n_mels=n_mels, device="cpu")
+
+    monkeypatch.setattr(encdec.audio, "log_mel_spectrogram", spy)
+    cfg = WhisperConfig(num_mel_bins=80, max_source_positions=1500)
+    audios = [tone(1.0, 16000), tone(2.0, 16000, 880.0)]
+    feats = make_audio_processor(cfg, "cuda:0")(audios)
+    assert seen == ["cuda:0"]
+    assert [(f.device.type, tuple(f.shape), n) for f, n in feats] == [("cpu", (80, N_FRAMES), 1500)] * 2
+    torch.testing.assert_close(torch.stack([f for f, _ in feats]), real(audios), atol=0, rtol=0)
+
+
+def test_the_engine_passes_its_device_to_the_audio_hook(monkeypatch, ct2_dir):
+    from encdec import LLM
+    from encdec.models import whisper
+
+    devices, real = [], whisper.make_audio_processor
+    monkeypatch.setattr(whisper, "make_audio_processor",
+                        lambda cfg, device="cpu": devices.append(device) or real(cfg, device))
+    LLM(str(ct2_dir), device="cpu", kv_cache_memory=64 << 20)
+    assert devices == ["cpu"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_log_mel_on_cuda_matches_the_host(n_mels):
+    rng = np.random.default_rng(2)
+    audios = [tone(2.5, 16000), 0.1 * rng.standard_normal(16000 * 30).astype(np.float32), np.zeros(100, np.float32)]
+    host = log_mel_spectrogram(audios, n_mels=n_mels)
+    gpu = log_mel_spectrogram(audios, n_mels=n_mels, device="cuda")
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), host, atol=1e-4, rtol=0)

@@ -77,7 +77,8 @@ class LLMEngine:
         self.worker.init_batch(self.scheduler_config, args.logits_processors, args.seed)
         self.processor = Processor(mc, self.scheduler_config, self.cache_config,
                                    vocab_size=self.worker.vocab_size,
-                                   validate_params=self.worker.validate_params)
+                                   validate_params=self.worker.validate_params,
+                                   feature_device=str(self.worker.device))
         self.tokenizer = self.processor.tokenizer
         self.eos_token_id = self.processor.eos_token_id
         self.stop_checker = StopChecker(mc.max_model_len, detokenizer=Detokenizer(self.tokenizer),

@@ -40,11 +40,13 @@ def load_tokenizer(hooks: Any, path: str) -> Any:
 
 class Processor:
     """``validate_params``: the worker's check of a request's params against its
-    logits processors; ``vocab_size``: the model's logits width."""
+    logits processors; ``vocab_size``: the model's logits width; ``feature_device``:
+    where audio features are computed (the worker's device: a GPU's STFT is far
+    cheaper than the host's)."""
 
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, *, vocab_size: int,
-                 validate_params: Callable[[SamplingParams], None]):
+                 validate_params: Callable[[SamplingParams], None], feature_device: str = "cpu"):
         self.model_config = model_config
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -57,7 +59,7 @@ class Processor:
         audio, prepare = self.hooks.make_audio_processor, self.hooks.prepare_decoder_prompt
         self.input_preprocessor = InputPreprocessor(
             self.tokenizer, hf_config.decoder_start_token_id, lambda: list(default_prompt),
-            audio(hf_config) if audio else None,
+            audio(hf_config, feature_device) if audio else None,
             (lambda ids: prepare(ids, gen_config)) if prepare else None,
             # audio models' encoders read (n_mels, 2 * positions) features (Whisper's conv2 halves them)
             audio_features_shape=((hf_config.num_mel_bins, 2 * hf_config.max_source_positions),

@@ -47,9 +47,10 @@ class ModelHooks(Protocol):
 
     Optional (None where the module does not define it):
 
-    - ``make_audio_processor(hf_config) -> process(audios, *, labels=None)``: the
-      model reads audio; ``process`` turns a batch of audio inputs into one
-      ``(features, encoder_len)`` per input. None: the encoder reads token ids.
+    - ``make_audio_processor(hf_config, device) -> process(audios, *, labels=None)``:
+      the model reads audio; ``process`` turns a batch of audio inputs into one
+      ``(features, encoder_len)`` per input, host tensors computed on ``device``
+      (the engine's). None: the encoder reads token ids.
     - ``prepare_decoder_prompt(ids, generation_config) -> list[int]``: fix up a
       user's decoder prompt (Whisper prepends ``<|startoftranscript|>``). None:
       used as given.
@@ -63,7 +64,7 @@ class ModelHooks(Protocol):
     """
 
     default_decoder_prompt: Callable[[Any, Any, Any], list[int]]
-    make_audio_processor: Callable[[Any], Callable[..., list[tuple[Any, int]]]] | None
+    make_audio_processor: Callable[[Any, Any], Callable[..., list[tuple[Any, int]]]] | None
     prepare_decoder_prompt: Callable[[list[int], Any], list[int]] | None
     logits_processors: Callable[[], list[type]] | None
     load_tokenizer: Callable[[str], Any] | None

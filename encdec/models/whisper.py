@@ -17,9 +17,9 @@ Engine-facing surface (besides the model class, which mirrors BART's), as regist
   (checkpoint load): the special-token ids the generation config lacks, from the tokenizer.
 - ``load_tokenizer(path)`` (CT2 directories carry only ``tokenizer.json``) and
   ``logits_processors() -> [WhisperLogitsProcessor]``.
-- ``make_audio_processor(hf_config) -> callable(audios, *, labels) -> [((n_mels, 3000), 1500)]``
+- ``make_audio_processor(hf_config, device) -> callable(audios, *, labels) -> [((n_mels, 3000), 1500)]``
   for ``InputPreprocessor``: a batch of audio inputs, features in batched log-mel
-  calls; audio past 30 s is refused (``encdec.transcribe`` windows it).
+  calls on the engine's device; audio past 30 s is refused (``encdec.transcribe`` windows it).
 """
 from __future__ import annotations
 
@@ -309,11 +309,17 @@ def logits_processors() -> list[type]:
     return [WhisperLogitsProcessor]
 
 
-def make_audio_processor(hf_config) -> Callable[..., list[tuple[torch.Tensor, int]]]:
+def make_audio_processor(hf_config, device: str | torch.device = "cpu"
+                         ) -> Callable[..., list[tuple[torch.Tensor, int]]]:
     """Registry hook for ``InputPreprocessor``: ``process(audios, *, labels=None)``
     takes a list of audio inputs (path, ``(array, sample_rate)`` or 16 kHz 1-D
     array) and returns one ``((n_mels, 3000) features, 1500)`` per input. All are
     decoded and checked first, then the features come from batched log-mel calls.
+
+    On a GPU the STFT and mel projection run there, one call per batch (~10 ms a
+    window on one CPU thread at 128 mels), and the features come back to the host:
+    a prompt's features are hashed for the encoder cache and travel with the
+    request like its token ids; the worker moves them at prefill.
 
     A prompt's audio is one 30 s encoder window: longer audio is refused, not
     cut (``LLM.transcribe`` windows audio of any length). ``labels`` name the
@@ -341,8 +347,8 @@ def make_audio_processor(hf_config) -> Callable[..., list[tuple[torch.Tensor, in
             wavs.append(wav)
         out = []
         for i in range(0, len(wavs), mel_batch):
-            feats = log_mel_spectrogram(wavs[i:i + mel_batch], n_mels=n_mels)  # (B, n_mels, 3000)
-            out += [(f, n_pos) for f in feats]
+            feats = log_mel_spectrogram(wavs[i:i + mel_batch], n_mels=n_mels, device=device)  # (B, n_mels, 3000)
+            out += [(f, n_pos) for f in feats.cpu()]
         return out
 
     return process
