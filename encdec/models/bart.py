@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.models.layers import Linear, MultiHeadAttention, load_fused
+from encdec.kernels.cpu import decoder_step_cpu
+from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}
@@ -128,7 +129,7 @@ class _Stack(nn.Module):
         return h if self.layer_norm is None else self.layer_norm(h)
 
 
-class BartForConditionalGeneration(nn.Module):
+class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
     """Runner-facing interface: ``forward`` over packed tokens -> hidden states,
     ``compute_logits``, ``build_encoder_inputs``, ``load_weights``, and the cache
     geometry (``num_cache_layers``, ``num_kv_heads``, ``head_size``).
@@ -162,6 +163,11 @@ class BartForConditionalGeneration(nn.Module):
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
+        # Pre-norm families (mBART, M2M100, NLLB) have Whisper's decoder layer: their
+        # decode steps run as one C call (FusedDecodeStep) where the kernel has the
+        # activation. Post-norm ones (BART, Marian) run op by op.
+        self.fused_activation = cfg.activation_function
+        self.fused_decode = layout.pre_norm and cfg.activation_function in decoder_step_cpu.ACTIVATIONS
 
     # -- family hooks --------------------------------------------------------------
     @staticmethod
@@ -204,6 +210,8 @@ class BartForConditionalGeneration(nn.Module):
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
         rows = self.position_rows(input_ids, positions, attn_metadata.num_prefill_tokens)
         h = self.decoder.embed(input_ids, rows)  # (num_tokens, d_model)
+        if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata):
+            return self.decoder.close(h)
         for i, layer in enumerate(self.decoder.layers):
             h = layer(h, kv_caches[i], attn_metadata, enc)
         return self.decoder.close(h)

@@ -21,6 +21,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
-from encdec.kernels.cpu import small_linear_cpu
+from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu
 from encdec.kernels.cpu.build import cpu_isa
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
@@ -290,3 +291,29 @@ def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], r
                     if (name, p) not in loaded and not optional(name, p, parts)]
     if missing:
         raise ValueError(f"checkpoint lacks weights for {model}: {missing[:5]}")
+
+
+class FusedDecodeStep:
+    """For a model whose ``decoder.layers`` are pre-norm layers (Whisper's; the
+    pre-norm BART families'): a decode-only CPU step runs every layer in one C
+    call (``decoder_step_cpu``: the same math, one parallel region, no per-op
+    overhead). ``fused_decode`` False runs them op by op (tests compare the two);
+    ``fused_activation`` names the FFN's activation. The weights are checked,
+    packed and their pointers taken on the first step."""
+
+    fused_decode: bool = True
+    fused_activation: str = "gelu"
+    _fused_weights: Any = None  # decoder_step_cpu.DecoderWeights, or None: the kernel cannot run these weights
+    _fused_checked: bool = False
+
+    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> bool:
+        """``h`` updated in place by every decoder layer; False, having done
+        nothing, where that does not apply."""
+        if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
+            return False
+        if not self._fused_checked:
+            self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers), self.fused_activation)
+            self._fused_checked = True
+        return self._fused_weights is not None and decoder_step_cpu.decode_step(
+            h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
+            md.cross_block_tables, md.encoder_seq_lens_tensor) is not None

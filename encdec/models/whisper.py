@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.kernels.cpu import decoder_step_cpu
-from encdec.models.layers import Linear, MultiHeadAttention, load_fused
+from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
     default_decoder_prompt,
@@ -141,7 +140,7 @@ class WhisperDecoder(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.d_model)
 
 
-class WhisperForConditionalGeneration(nn.Module):
+class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
     """Runner-facing interface as BART's: ``forward`` over packed decoder tokens ->
     hidden states, ``compute_logits`` (tied ``proj_out``), ``build_encoder_inputs``,
     ``load_weights`` (HF names), and the cache geometry."""
@@ -159,11 +158,6 @@ class WhisperForConditionalGeneration(nn.Module):
         self.n_frames = 2 * cfg.max_source_positions  # mel frames per request (conv2 halves them)
         self.proj_out = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.proj_out.weight = self.decoder.embed_tokens.weight  # tied
-        # Decode-only steps on CPU run every decoder layer in one C call (_fused_decode_step);
-        # False runs them op by op (tests compare the two).
-        self.fused_decode = True
-        self._fused_weights: decoder_step_cpu.DecoderWeights | None = None
-        self._fused_checked = False  # _fused_weights taken (None: the kernel cannot run these weights)
 
     def build_encoder_inputs(self, encoder_token_ids: list[list[int]], encoder_features: list,
                              device: torch.device) -> dict[str, torch.Tensor]:
@@ -199,19 +193,6 @@ class WhisperForConditionalGeneration(nn.Module):
         for i, layer in enumerate(self.decoder.layers):
             h = layer(h, kv_caches[i], attn_metadata, enc)
         return self.decoder.layer_norm(h)
-
-    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> bool:
-        """A decode-only CPU step: every layer in one C call (``decoder_step_cpu``:
-        the same math, one parallel region, no per-op overhead), ``h`` updated
-        in place. False, having done nothing, where that does not apply."""
-        if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
-            return False
-        if not self._fused_checked:  # the weights' checks, panels and pointers, once
-            self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers))
-            self._fused_checked = True
-        return self._fused_weights is not None and decoder_step_cpu.decode_step(
-            h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
-            md.cross_block_tables, md.encoder_seq_lens_tensor) is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.proj_out(hidden)

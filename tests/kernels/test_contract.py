@@ -80,7 +80,7 @@ def test_main_call_runs_where_available_and_declines_with_none_elsewhere(isa, mo
             assert not mod.available(isa) and mod.path(isa) == "torch"
             assert call() is None, name
         assert decoder_step_cpu.decoder_weights([object()]) is None
-        weights = decoder_step_cpu.DecoderWeights(64, 1, 64, 1e-5, 0.125, [], [[0] * 18])
+        weights = decoder_step_cpu.DecoderWeights(64, 1, 64, 1e-5, 0.125, "gelu", [], [[0] * 18])
         h = torch.zeros(1, 64)
         idx = torch.zeros(1, 1, dtype=torch.int32)
         slots = torch.zeros(1, dtype=torch.long)

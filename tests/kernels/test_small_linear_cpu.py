@@ -38,6 +38,8 @@ def test_kernel_matches_f_linear(isa, threads):
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
             got = small_linear_cpu.small_linear(x, panels, n, b, post="gelu", threads=threads, isa=isa)
             torch.testing.assert_close(got, F.gelu(ref), atol=1e-4, rtol=1e-5)
+            got = small_linear_cpu.small_linear(x, panels, n, b, post="relu", threads=threads, isa=isa)
+            torch.testing.assert_close(got, F.relu(ref), atol=1e-4, rtol=1e-5)
             got = small_linear_cpu.small_linear(x, panels, n, None, threads=threads, isa=isa)
             torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
     x = torch.randn(8, 2 * 384, generator=g)[:, ::2]  # a strided input is made contiguous first
@@ -45,6 +47,13 @@ def test_kernel_matches_f_linear(isa, threads):
     torch.testing.assert_close(small_linear_cpu.small_linear(x, small_linear_cpu.pack(w), 7, None,
                                                              threads=threads, isa=isa),
                                F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+def test_relu_post_op_keeps_nan_and_zeroes_negatives(isa):
+    x = torch.tensor([[-3.0], [-0.0], [0.0], [2.5], [float("nan")], [float("-inf")], [float("inf")]])
+    got = small_linear_cpu.small_linear(x, small_linear_cpu.pack(torch.ones(1, 1)), 1, None, post="relu", isa=isa)
+    torch.testing.assert_close(got, torch.relu(x), equal_nan=True, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("isa", build.host_isas())

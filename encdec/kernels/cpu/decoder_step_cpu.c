@@ -3,7 +3,7 @@
  *
  *     h += out1(self_attn(qkv(LN1(h))))      new K/V written to the paged cache first
  *     h += out2(cross_attn(q(LN2(h))))       cross K/V read from the paged cache
- *     h += fc2(gelu(fc1(LN3(h))))
+ *     h += fc2(act(fc1(LN3(h))))            act: GELU (Whisper, mBART) or ReLU (M2M100, NLLB)
  *
  * for the M rows of a decode-only step. Why: a decode step streams the
  * decoder's weights and each row's cross K/V from memory, which two cores do
@@ -27,6 +27,8 @@
  * LayerNorm: mean, then the mean of squared deviations, both summed in double
  * (torch sums in float with its own blocking: results agree to float32
  * rounding). GELU is the exact one (vm_gelu, or erff on the portable build).
+ * The BART-layout pre-norm families (mBART, M2M100, NLLB) have Whisper's
+ * layer, biases included; they differ in the activation alone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -179,6 +181,7 @@ typedef struct {
     const int32_t *self_tables, *self_lens, *cross_tables, *cross_lens;
     int64_t M, d, H, ffn, num_layers, block_size, self_stride, cross_stride, C, scores_size, n_self, n_cross;
     float eps, scale;
+    int ffn_post;  /* POST_GELU or POST_RELU: fc1's activation */
     team_t team;
 } step_t;
 
@@ -216,7 +219,7 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + O2, matmul_items(d), matmul_item(i, h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD));
         TEAM_PHASE(team, p + LN3, rows_items, layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps));
         TEAM_PHASE(team, p + FC1, matmul_items(ffn),
-                   matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, POST_GELU));
+                   matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, s->ffn_post));
         TEAM_PHASE(team, p + FC2, matmul_items(d),
                    matmul_item(i, h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD));
 #undef ROWS
@@ -226,14 +229,16 @@ static void step_job(void *arg, int tid) {
 /* h: (M, d) residual stream, updated in place. work: at least M * (6 d + ffn)
  * floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
  * new K/V goes; self tables/lens include the new token. Runs on up to
- * num_threads threads (team.h). Returns 0, or -1 where the scratch could not
- * be allocated (then nothing was done). */
+ * num_threads threads (team.h). ffn_post: fc1's activation, POST_GELU or
+ * POST_RELU. Returns 0, or -1 where the scratch could not be allocated, or
+ * ffn_post is neither (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
-    const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads)
+    const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post)
 {
+    if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
     const int64_t C = num_chunks(self_longest > cross_longest ? self_longest : cross_longest);
     const int64_t P = PHASES * num_layers, nt = num_threads > 1 ? num_threads : 1;
@@ -258,6 +263,7 @@ int decoder_step_f32(
         .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
+        .ffn_post = ffn_post,
         .team = {0, 0, counters, counters + P + 1},
     };
     team_run(step_job, &step, (int)nt);

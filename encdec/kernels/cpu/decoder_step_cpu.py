@@ -1,5 +1,6 @@
 """Builds and calls ``decoder_step_cpu.c``: every pre-LayerNorm decoder layer
-(Whisper's) of a decode-only step, in one call whose threads share each phase (team.h).
+(Whisper's; mBART's, M2M100's and NLLB's are the same layer with a GELU or ReLU
+FFN) of a decode-only step, in one call whose threads share each phase (team.h).
 
 The C file includes the panel matmul and paged attention kernels, so its
 vector path is theirs (``path(isa)``: "avx512", "avx2" or "none"), built by
@@ -22,7 +23,9 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # from 32 to 256 rows, Whisper's shapes), and the attention reads a shared cross
 # table once; past this the work buffers grow and the step runs op by op.
 MAX_ROWS = 256
-_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int]
+_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int,
+         ctypes.c_int]
+ACTIVATIONS = {"gelu": 1, "relu": 3}  # the FFN activations the kernel runs (small_linear_cpu.c's POST_*)
 _KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
                        "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
 available, path = _KERNEL.available, _KERNEL.path
@@ -39,6 +42,7 @@ class DecoderWeights:
     ffn: int
     eps: float
     scale: float
+    activation: str  # a key of ACTIVATIONS
     tensors: list[torch.Tensor]
     weight_ptrs: list[list[int]]  # per layer, 18 addresses
     _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False)
@@ -52,12 +56,14 @@ class DecoderWeights:
         return self._table[1]
 
 
-def decoder_weights(layers) -> DecoderWeights | None:
-    """The arguments of ``decode_step`` for ``layers`` (``WhisperDecoderLayer``s),
-    or None where the kernel cannot run them (no build; a weight not float32,
+def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
+    """The arguments of ``decode_step`` for ``layers`` (pre-norm decoder layers:
+    ``WhisperDecoderLayer``s, or ``BartDecoderLayer``s of a pre-norm family) whose
+    FFN applies ``activation`` (exact "gelu" or "relu"), or None where the kernel
+    cannot run them (another activation; no build; a weight not float32,
     CPU, contiguous; a bias missing; layers shaped differently; self and cross
     attention shaped differently)."""
-    if not layers or not available():
+    if not layers or activation not in ACTIVATIONS or not available():
         return None
     tensors, ptrs, shapes = [], [], set()
     for layer in layers:
@@ -80,7 +86,7 @@ def decoder_weights(layers) -> DecoderWeights | None:
     if len(shapes) != 1:
         return None
     d, heads, ffn, eps, scale = shapes.pop()
-    return DecoderWeights(d, heads, ffn, eps, scale, tensors, ptrs)
+    return DecoderWeights(d, heads, ffn, eps, scale, activation, tensors, ptrs)
 
 
 def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.Tensor],
@@ -108,7 +114,8 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
     rc = kernel(
         h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, table.data_ptr(),
         table.shape[0], kv_caches[0].shape[2], slots.data_ptr(), self_tables.data_ptr(), self_tables.stride(0),
-        self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads)
+        self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads,
+        ACTIVATIONS[w.activation])
     if rc != 0:
         raise MemoryError("decoder step kernel could not allocate its scratch")
     return h

@@ -54,7 +54,9 @@
         _mm_prefetch((const char *)((wp) + ((k) + PF_ROWS) * PW + 16), _MM_HINT_T0); \
     } while (0)
 
-enum { POST_NONE = 0, POST_GELU = 1, POST_ADD = 2 };
+/* What write_tile does with a tile: store it, its exact GELU, add it to y, or its
+ * ReLU (max(0, v): NaN stays NaN, as torch.relu keeps it). */
+enum { POST_NONE = 0, POST_GELU = 1, POST_ADD = 2, POST_RELU = 3 };
 
 #if defined(__AVX512F__)
 #define MR_MAX 8
@@ -144,12 +146,13 @@ static void write_tile(float tot[][PW], int rows, int cols, float *y, int64_t ld
 #if defined(VM_VL)
         for (int j = 0; j < PW; j += VM_VL) {
             vm_vec v = VM_ADD(VM_LOAD(t + j), VM_LOAD(bias + j));
-            VM_STORE(t + j, post == POST_GELU ? vm_gelu(v) : v);
+            VM_STORE(t + j, post == POST_GELU ? vm_gelu(v) : post == POST_RELU ? VM_MAX(VM_ZERO(), v) : v);
         }
 #else
         for (int j = 0; j < PW; j++) {
             t[j] += bias[j];
             if (post == POST_GELU) t[j] = 0.5f * t[j] * (1.0f + erff(t[j] * (float)M_SQRT1_2));
+            else if (post == POST_RELU && t[j] < 0.f) t[j] = 0.f;
         }
 #endif
         if (post == POST_ADD)

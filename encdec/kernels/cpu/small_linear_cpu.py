@@ -22,7 +22,7 @@ PANEL = 32  # output columns per panel (PW in the C file)
 # At most this many rows take the kernel: its tiles run near the FMA peak at any
 # row count, and a decode batch past this is a GEMM oneDNN blocks better.
 MAX_ROWS = 64
-POST = {"none": 0, "gelu": 1, "add": 2}  # what the kernel does with x W^T + b
+POST = {"none": 0, "gelu": 1, "add": 2, "relu": 3}  # what the kernel does with x W^T + b
 _KERNEL = build.Kernel("small_linear_cpu.c", "small_linear_f32",
                        [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int], None,
                        "decode-step linears run on oneDNN (slower)", path_symbol="small_linear_path")
@@ -40,13 +40,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def small_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, *,
                  post: str = "none", threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """x (M, K) float32 -> post(x W^T + b) (M, n) from ``pack(W)``, on ``threads``
-    threads (default torch's count; at most ``available_cores()``); ``post`` is "none" or "gelu".
+    threads (default torch's count; at most ``available_cores()``); ``post`` is "none", "gelu" or "relu".
     None where the kernel is not built."""
     kernel = _KERNEL.function(isa)
     if kernel is None:
         return None
     assert x.dtype == panels.dtype == torch.float32 and x.device.type == "cpu"
-    assert panels.is_contiguous() and (bias is None or bias.is_contiguous()) and post in ("none", "gelu")
+    assert panels.is_contiguous() and (bias is None or bias.is_contiguous()) and post in ("none", "gelu", "relu")
     x = x.contiguous()
     m, k = x.shape
     assert panels.shape == (-(-n // PANEL), k, PANEL), (tuple(panels.shape), n, k)
