@@ -46,9 +46,14 @@ class Layout:
     final_logits_bias: bool = True
 
 
+def _fused_act(name: str) -> str | None:
+    """The activations ``Linear.forward_act`` fuses into fc1 (exact GELU, ReLU), else None."""
+    return name if name in ("gelu", "relu") else None
+
+
 class _FFN:
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.fc1.forward_gelu(h) if self.exact_gelu else self.act(self.fc1(h))
+        x = self.fc1.forward_act(h, self.fused_act) if self.fused_act else self.act(self.fc1(h))
         return self.fc2(x)
 
 
@@ -63,7 +68,7 @@ class BartEncoderLayer(_FFN, nn.Module):
         self.fc2 = Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
-        self.exact_gelu = cfg.activation_function == "gelu"
+        self.fused_act = _fused_act(cfg.activation_function)
 
     def forward(self, h: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if self.pre_norm:
@@ -87,7 +92,7 @@ class BartDecoderLayer(_FFN, nn.Module):
         self.fc2 = Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
-        self.exact_gelu = cfg.activation_function == "gelu"
+        self.fused_act = _fused_act(cfg.activation_function)
 
     def forward(self, h, kv_cache, md, encoder_hidden):
         # Self and cross KV share the layer's cache tensor: the block manager

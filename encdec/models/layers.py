@@ -85,7 +85,7 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale", scale)
         self.unpack()
 
-    def _int8(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    def _int8(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """fbgemm's dynamic int8 linear with per-row activation scales, as CTranslate2's:
         fbgemm picks one scale per call from the input's range, so each row is divided by
         its max |x| and two extra rows holding 1 and -1 pin that range to [-1, 1]: every
@@ -102,7 +102,7 @@ class Linear(nn.Linear):
         xn = torch.cat([x2 / r, _pin_rows(k)])
         out = torch.ops.quantized.linear_dynamic(xn, self.int8, self.int8_reduce_range)[:rows]
         out = out.mul_(r) if self.bias is None else torch.addcmul(self.bias, out, r)
-        return (torch.ops.aten.gelu_(out) if gelu else out).view(*lead, self.out_features)
+        return _apply_act_(out, act).view(*lead, self.out_features)
 
     def panel_weight(self) -> torch.Tensor:
         """The weight in small_linear_cpu's panels (made once, then kept)."""
@@ -114,40 +114,55 @@ class Linear(nn.Linear):
         self.packed = self.panels = None
         self.small_rows = False
 
-    def _packed(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, act: str) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
         if rows <= small_linear_cpu.MAX_ROWS and self.small_rows:  # a decode step's few rows
-            out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, self.bias,
-                                                post="gelu" if gelu else "none")
+            out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, self.bias, post=act)
             return out.view(*lead, self.out_features)
         bucket = _row_bucket(rows)
         if bucket != rows:  # zero rows, computed and dropped: see _row_bucket
             x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
-        fused = gelu and self.fused_gelu
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias,
-                                                 "gelu" if fused else "none", [], "none" if fused else "")
+        # oneDNN's post-ops: ReLU always (one pass less over the output); GELU per gelu_path
+        fused = act == "relu" or (act == "gelu" and self.fused_gelu)
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, act if fused else "none",
+                                                 [], ("none" if act == "gelu" else "") if fused else "")
         out = out[:rows].view(*lead, self.out_features)
-        return torch.ops.aten.gelu_(out) if gelu and not fused else out
+        return out if fused else _apply_act_(out, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            return self._int8(x, False)
+            return self._int8(x, "none")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return self._packed(x, False)
+        return self._packed(x, "none")
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(self(x))`` (exact, erf): when packed, fused into the matmul
         where it is the faster path (the small-row kernel; oneDNN's post-op per ``gelu_path``)."""
+        return self.forward_act(x, "gelu")
+
+    def forward_act(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(self(x))`` for ``act`` "gelu" (exact, erf), "relu" or "none": when
+        packed, fused into the matmul (the small-row kernel's post-op; oneDNN's
+        for ReLU, and for GELU per ``gelu_path``)."""
+        if act not in ("gelu", "relu", "none"):
+            raise ValueError(f"Linear.forward_act: act must be 'gelu', 'relu' or 'none', got {act!r}")
         if self.int8 is not None:
-            return self._int8(x, True)
+            return self._int8(x, act)
         if self.packed is None:
-            return F.gelu(F.linear(x, self.weight, self.bias))
-        return self._packed(x, True)
+            return _apply_act_(F.linear(x, self.weight, self.bias), act)
+        return self._packed(x, act)
+
+
+def _apply_act_(out: torch.Tensor, act: str) -> torch.Tensor:
+    """``out`` with ``act`` applied in place."""
+    if act == "gelu":
+        return torch.ops.aten.gelu_(out)
+    return out.relu_() if act == "relu" else out
 
 
 @functools.cache

@@ -115,6 +115,8 @@ class T5FeedForward(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return self.wo(self.act(self.wi_0(h)) * self.wi_1(h))
+        if self.act is F.relu:  # fused into the matmul
+            return self.wo(self.wi.forward_act(h, "relu"))
         return self.wo(self.act(self.wi(h)))
 
 

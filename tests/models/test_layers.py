@@ -45,3 +45,24 @@ def test_forward_gelu_paths_match(isa, monkeypatch):
     assert lin.pack()
     with torch.inference_mode():
         torch.testing.assert_close(lin.forward_gelu(x), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 70, 600])  # the small-row kernel; oneDNN (row buckets past 256)
+def test_forward_act_relu_and_none_match_torch(rows):
+    """ReLU fused into the matmul (the small-row kernel's post-op, oneDNN's where
+    packed), unpacked, and int8: each equals relu(linear(x)) of its own path."""
+    torch.manual_seed(1)
+    lin = Linear(48, 192)
+    x = torch.randn(rows, 48)
+    ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward_act(x, "relu"), ref.relu(), atol=0, rtol=0)  # unpacked
+        if lin.pack():
+            torch.testing.assert_close(lin.forward_act(x, "relu"), ref.relu(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lin.forward_act(x, "none"), ref, atol=1e-5, rtol=1e-5)
+        plain = lin(x)
+        lin.quantize_int8(False)
+        torch.testing.assert_close(lin.forward_act(x, "relu"), lin(x).relu(), atol=0, rtol=0)
+        assert (lin(x) - plain).abs().max() < 0.05 * plain.abs().max()
+    with pytest.raises(ValueError, match="act must be"):
+        lin.forward_act(x, "tanh")
