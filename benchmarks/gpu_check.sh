@@ -11,7 +11,7 @@
 # requests about 150 s with --profile. The packages and weights the
 # GPU image lacks: benchmarks/gpu_carry.sh prepares them and says how to carry them.
 # Usage: benchmarks/gpu_check.sh [PYTHON]   (default: .venv/bin/python, else python3)
-# Environment: GPU_CHECK_LOG (log folder), GPU_BENCH_ARGS (default --quick),
+# Environment: GPU_CHECK_LOG (log folder), GPU_BENCH_ARGS (default --quick --parts bart,whisper),
 #   GPU_CHECK_LIMITS ("cuda parity bench" seconds, default "140 140 200").
 set -uo pipefail
 cd "$(dirname "$0")/.."

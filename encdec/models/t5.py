@@ -85,8 +85,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(self.weight.dtype)
+        # HF's ops in HF's order (bit for bit: a squared norm instead of the mean
+        # square moved T5 beam scores 2e-4 from HF's), in one (n, d) buffer: the
+        # squares' buffer takes the result, scaled in place. 51 -> 25 ms at
+        # (17400, 768) on 2 threads (T5-base's encoder over 64 requests).
+        squares = h.to(torch.float32).pow(2)
+        variance = squares.mean(-1, keepdim=True).add_(self.eps)
+        if h.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return self.weight * (h * torch.rsqrt(variance)).to(self.weight.dtype)
+        return torch.mul(h, torch.rsqrt(variance), out=squares).mul_(self.weight)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
