@@ -149,6 +149,31 @@ def test_compiled_flex_matches_dense_attention(causal):
     torch.testing.assert_close(compiled(q, k, v, block_mask=bm, scale=0.25), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_flex_compiles_once_per_mask_kind():
+    """The CUDA path's compiled call (inductor compiles it for the CPU too) over
+    prefill steps of 1 to 8 query and key tiles: one graph per mask kind, not one
+    per tile count of 1 (dynamo's size specialization: 6 graphs here before), and
+    each result equal to the per-sequence SDPA reference."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(4)
+    steps = [([300, 200], [300, 200], False), ([50, 40], [50, 40], True), ([7], [7], True),
+             ([500, 300, 100], [500, 300, 100], True), ([3, 4], [300, 200], False), ([1000], [1000], False),
+             ([20, 30, 40], [20, 30, 40], False)]
+    for q_lens, kv_lens, causal in steps:
+        mask = tn.flex_mask(q_lens, kv_lens, causal=causal, device=torch.device("cpu"))
+        q = torch.randn(sum(q_lens), 4, 64, generator=g)
+        k, v = (torch.randn(sum(kv_lens), 4, 64, generator=g) for _ in range(2))
+        torch.testing.assert_close(tn.compiled_flex(q, k, v, mask, 0.125), tn.per_sequence(q, k, v, mask, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"] - before
+    print(f"{len(steps)} prefill steps compiled {graphs} graph(s)")
+    assert graphs <= 3
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["rectangular", "causal"])
 def test_per_sequence_fallback_equals_flex(causal):
     """Where compiled flex_attention fails on CUDA, prefill loops over sequences: same result."""
