@@ -16,6 +16,7 @@ from encdec.sample.logits_processor import (
     resolve_logitsproc_class,
 )
 from encdec.sample.logits_processor.generation import (
+    BadWordsLogitsProcessor,
     ForcedBOSEOSLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
 )
@@ -31,11 +32,12 @@ FQCN = "tests.sample.dummy_processor:DummyLogitsProcessor"
 
 def test_builtins_split_by_argmax_invariance() -> None:
     procs = build_logitsprocs(None, "cpu", include_entry_points=False)
-    assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor]
+    # no checkpoint bad words here: that processor leaves argmax alone
+    assert [type(p) for p in procs.argmax_invariant] == [MinPLogitsProcessor, BadWordsLogitsProcessor]
     assert {type(p) for p in procs.non_argmax_invariant} == {
         MinTokensLogitsProcessor, LogitBiasLogitsProcessor, NoRepeatNGramLogitsProcessor,
         ForcedBOSEOSLogitsProcessor}
-    assert len(procs.all) == 5
+    assert len(procs.all) == 6
 
 
 def test_min_tokens_lifts_once_enough_outputs() -> None:

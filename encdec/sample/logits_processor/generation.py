@@ -1,4 +1,4 @@
-"""HF generation-config processors: no-repeat n-grams, forced BOS and EOS.
+"""HF generation-config processors: no-repeat n-grams, bad words, forced BOS and EOS.
 
 Checkpoints such as bart-large-cnn ask for them in their generation config, and
 HF's ``generate`` applies them to greedy, sampled and beam rows alike. Each reads
@@ -7,7 +7,8 @@ a row's whole decoder sequence (prompt + live outputs), as HF's ``input_ids``.
 Options: ``params.no_repeat_ngram_size``; ``forced_bos_token_id`` and
 ``forced_eos_token_id`` in ``params.extra_args`` (``BeamSearchParams`` and
 ``LLM.get_default_sampling_params`` put them there). Min length is the built-in
-min-tokens processor.
+min-tokens processor. The checkpoint's ``bad_words_ids`` apply to every request,
+as HF's ``generate`` applies its generation config's (OPUS-MT forbids <pad>).
 """
 from __future__ import annotations
 
@@ -122,7 +123,62 @@ class ForcedBOSEOSLogitsProcessor(LogitsProcessor):
         return logits
 
 
+def _tail(prompt: list[int], output: list[int], n: int) -> list[int]:
+    """The last ``n`` ids of ``prompt + output`` (n <= their total length)."""
+    if n <= len(output):
+        return output[len(output) - n:]
+    return prompt[len(prompt) - (n - len(output)):] + output
+
+
+class BadWordsLogitsProcessor(LogitsProcessor):
+    """HF's ``NoBadWordsLogitsProcessor`` over the generation config's
+    ``bad_words_ids``, on every row: a one-token entry is always -inf (except an
+    entry that is just an eos id, which HF drops); a longer one bans its last
+    token where the row's decoder sequence (prompt + outputs) ends with the rest."""
+
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.device = torch.device(device)
+        gen = getattr(config, "generation_config", None)  # none in a stand-in config (loading.py)
+        words = getattr(gen, "bad_words_ids", None) or []
+        if not isinstance(words, list) or not all(
+                isinstance(w, list) and w and all(isinstance(t, int) and t >= 0 for t in w) for w in words):
+            raise ValueError(f"the checkpoint's generation config has bad_words_ids={words!r}: "
+                             "expected a list of non-empty lists of token ids >= 0")
+        eos = getattr(gen, "eos_token_id", None)
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        words = [w for w in words if not (len(w) == 1 and w[0] in eos_ids)]
+        self.single = torch.tensor(sorted({w[0] for w in words if len(w) == 1}), dtype=torch.long, device=device)
+        self.multi = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+        self.by_slot: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (prompt, live output)
+
+    def is_argmax_invariant(self) -> bool:
+        return self.single.numel() == 0 and not self.multi
+
+    def _new_state(self, params: SamplingParams, prompt: list[int], output: list[int]):
+        return (prompt, output) if self.multi else None
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.by_slot, batch_update, self._new_state)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.single.numel():
+            logits[:, self.single] = float("-inf")
+        if self.multi and self.by_slot:
+            banned = {}
+            for slot, (prompt, output) in self.by_slot.items():
+                length = len(prompt) + len(output)
+                hits = [last for prefix, last in self.multi
+                        if len(prefix) <= length and _tail(prompt, output, len(prefix)) == prefix]
+                if hits:
+                    banned[slot] = hits
+            index = _index(banned, self.device)
+            if index is not None:
+                logits[index] = float("-inf")
+        return logits
+
+
 GENERATION_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     NoRepeatNGramLogitsProcessor,
+    BadWordsLogitsProcessor,  # HF's order: bad words before forced BOS/EOS, which win
     ForcedBOSEOSLogitsProcessor,
 )
