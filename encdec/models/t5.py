@@ -36,6 +36,9 @@ from encdec.models.bart import BartForConditionalGeneration
 from encdec.models.layers import Linear, MultiHeadAttention, load_fused
 
 DEFAULT_MAX_POSITIONS = 512  # T5's training length; a checkpoint's n_positions wins
+# Relative positions have no table to run out of: ``max_model_len`` may exceed the
+# default limit above, as HF's T5 takes inputs of any length (read by the worker).
+LENGTH_UNBOUNDED = True
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int,

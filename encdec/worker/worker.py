@@ -24,7 +24,7 @@ from encdec.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
-from encdec.models.registry import get_model_cls, get_model_hooks
+from encdec.models.registry import get_model_cls, get_model_hooks, get_model_module
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
@@ -97,19 +97,21 @@ class ProcessorConfig:
 
 
 def _model_config(args: LoadConfig, ckpt: Checkpoint, dtype: torch.dtype) -> ModelConfig:
-    """The checkpoint's lengths, capped by ``max_model_len``."""
+    """The checkpoint's lengths, capped by ``max_model_len`` (which may raise them
+    for a family whose positions are relative: its module's ``LENGTH_UNBOUNDED``)."""
     hf_config = ckpt.hf_config
     max_dec = getattr(hf_config, "max_target_positions", None) or hf_config.max_position_embeddings
     max_enc = getattr(hf_config, "max_source_positions", None) or hf_config.max_position_embeddings
     if args.max_model_len is not None:
-        if args.max_model_len > max_dec:
+        unbounded = getattr(get_model_module(ckpt.architecture), "LENGTH_UNBOUNDED", False)
+        if args.max_model_len > max_dec and not unbounded:
             raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
                              f"{max_dec} decoder positions")
         max_dec = args.max_model_len
         if get_model_hooks(ckpt.architecture).make_audio_processor is None:
             # A text encoder's prompt is bounded by max_model_len too (as in vLLM);
             # an audio encoder's length is fixed by the model.
-            max_enc = min(max_enc, args.max_model_len)
+            max_enc = args.max_model_len if unbounded else min(max_enc, args.max_model_len)
     return ModelConfig(
         model=args.model, tokenizer=args.tokenizer, dtype=str(dtype).removeprefix("torch."),
         seed=args.seed, architecture=ckpt.architecture, hf_config=hf_config,

@@ -95,3 +95,27 @@ def test_cross_attention_refuses_a_position_bias(t5_dir):
     cross = model.decoder.layers[0].encoder_attn.attn
     with pytest.raises(ValueError, match="cross-attention takes no position bias"):
         cross(torch.zeros(1, 4), None, None, None, None, position_bias=model.decoder.position_bias())
+
+
+def test_inputs_past_512_tokens_with_a_larger_max_model_len(t5_dir, hf_t5):
+    """Relative positions have no table to run out of: ``max_model_len`` may pass
+    T5's nominal 512, and a 700-token input then generates what HF's does; a
+    family with learned positions still refuses a larger ``max_model_len``."""
+    from encdec import LLM
+    from encdec.testing import make_random_bart
+
+    llm = LLM(t5_dir, max_model_len=1024, kv_cache_memory=64 << 20)
+    assert llm.llm_engine.model_config.max_encoder_len == 1024
+    g = torch.Generator().manual_seed(7)
+    enc = torch.randint(3, 900, (700,), generator=g).tolist() + [1]
+    out = llm.generate(TokensPrompt(prompt_token_ids=enc), SamplingParams(temperature=0.0, max_tokens=12),
+                       use_tqdm=False)[0]
+    dec = list(out.prompt_token_ids)
+    with torch.inference_mode():
+        ref = hf_t5.generate(torch.tensor([enc]), decoder_input_ids=torch.tensor([dec]), max_new_tokens=12,
+                             do_sample=False, num_beams=1, min_length=0)[0, len(dec):].tolist()
+    assert list(out.outputs[0].token_ids) == ref
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d, pytest.raises(ValueError, match="exceeds the model's 256 decoder"):
+        LLM(make_random_bart(d), max_model_len=1024, kv_cache_memory=16 << 20)
