@@ -169,7 +169,7 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
         model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, num_beams=beams)  # warm-up
     _, t_hf = _timed(hf)
     if profile:
-        _profile(lambda: hf_one_batch(), f"HF bart beams={beams}")
+        _profile(hf_one_batch, f"HF bart beams={beams}")
     del model
     _free()
     tokens = sum(out_lens)
