@@ -336,3 +336,18 @@ def test_unwritten_cache_slots_never_reach_the_result(decode_path, monkeypatch):
             tn.paged_torch(inputs["q"], kv_cache, groups, scale, causal=case.causal, out=got)
         assert torch.isfinite(got).all(), f"{case.id}: NaN from slots no group has written"
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_torch_without_the_size_option_compiles_as_before(monkeypatch):
+    """No ``backed_size_oblivious`` in torch's config: a null context, not a patch
+    that would raise on entering and send every prefill to the fallback."""
+    import contextlib
+    import types
+
+    import torch.fx.experimental
+
+    assert not isinstance(tn._size_generic(), contextlib.nullcontext)  # this torch has it
+    monkeypatch.setattr(torch.fx.experimental, "_config", types.SimpleNamespace(), raising=False)
+    with tn._size_generic() as entered:
+        assert entered is None
+    assert isinstance(tn._size_generic(), contextlib.nullcontext)

@@ -194,13 +194,15 @@ def _size_generic() -> contextlib.AbstractContextManager:
     128-token tile compiled its own graphs. Measured with inductor on CPU, seven
     prefill shape sets (causal and not, 1 to 8 tiles) compiled 6 graphs, 3 with
     this, each 4-14 s on first use (an H100 run saw one land mid-benchmark, 3.6 s).
-    A torch without the option compiles as before."""
+    A torch without the option compiles as before (``patch`` would raise only on
+    entering, inside the compiled call, and send every prefill to the fallback)."""
     try:
         from torch.fx.experimental import _config as fx_config
-
-        return fx_config.patch(backed_size_oblivious=True)
-    except (ImportError, AttributeError):
+    except ImportError:
         return contextlib.nullcontext()
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
