@@ -27,7 +27,7 @@ from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.kernels.cpu import decoder_step_cpu
-from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
+from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}
@@ -44,11 +44,6 @@ class Layout:
     layernorm_embedding: bool = True
     stack_layer_norm: bool = False  # encoder.layer_norm / decoder.layer_norm after the last layer
     final_logits_bias: bool = True
-
-
-def _fused_act(name: str) -> str | None:
-    """The activations ``Linear.forward_act`` fuses into fc1 (exact GELU, ReLU), else None."""
-    return name if name in ("gelu", "relu") else None
 
 
 class _FFN:
@@ -68,7 +63,7 @@ class BartEncoderLayer(_FFN, nn.Module):
         self.fc2 = Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
-        self.fused_act = _fused_act(cfg.activation_function)
+        self.fused_act = cfg.activation_function if cfg.activation_function in FUSED_ACTIVATIONS else None
 
     def forward(self, h: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if self.pre_norm:
@@ -92,7 +87,7 @@ class BartDecoderLayer(_FFN, nn.Module):
         self.fc2 = Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
         self.act = _ACT[cfg.activation_function]
-        self.fused_act = _fused_act(cfg.activation_function)
+        self.fused_act = cfg.activation_function if cfg.activation_function in FUSED_ACTIVATIONS else None
 
     def forward(self, h, kv_cache, md, encoder_hidden):
         # Self and cross KV share the layer's cache tensor: the block manager

@@ -39,6 +39,9 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+FUSED_ACTIVATIONS = ("gelu", "relu")  # what Linear.forward_act fuses into the matmul (exact GELU, ReLU)
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
@@ -158,7 +161,7 @@ class Linear(nn.Linear):
         """``act(self(x))`` for ``act`` "gelu" (exact, erf), "relu" or "none": when
         packed, fused into the matmul (the small-row kernel's post-op; oneDNN's
         for ReLU, and for GELU per ``gelu_path``)."""
-        if act not in ("gelu", "relu", "none"):
+        if act not in (*FUSED_ACTIVATIONS, "none"):
             raise ValueError(f"Linear.forward_act: act must be 'gelu', 'relu' or 'none', got {act!r}")
         if self.int8 is not None:
             return self._int8(x, act)

@@ -33,7 +33,7 @@ from torch import nn
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
 from encdec.models.bart import BartForConditionalGeneration
-from encdec.models.layers import Linear, MultiHeadAttention, load_fused
+from encdec.models.layers import FUSED_ACTIVATIONS, Linear, MultiHeadAttention, load_fused
 
 DEFAULT_MAX_POSITIONS = 512  # T5's training length; a checkpoint's n_positions wins
 # Relative positions have no table to run out of: ``max_model_len`` may exceed the
@@ -116,6 +116,7 @@ class T5FeedForward(nn.Module):
             raise ValueError(f"T5 feed-forward activation {cfg.dense_act_fn!r} is not supported; "
                              f"supported: {sorted(_ACT)}")
         self.gated, self.act = cfg.is_gated_act, _ACT[cfg.dense_act_fn]
+        self.fused_act = cfg.dense_act_fn if cfg.dense_act_fn in FUSED_ACTIVATIONS else None
         if self.gated:
             self.wi_0 = Linear(cfg.d_model, cfg.d_ff, bias=False)
             self.wi_1 = Linear(cfg.d_model, cfg.d_ff, bias=False)
@@ -126,8 +127,8 @@ class T5FeedForward(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.gated:
             return self.wo(self.act(self.wi_0(h)) * self.wi_1(h))
-        if self.act is F.relu:  # fused into the matmul
-            return self.wo(self.wi.forward_act(h, "relu"))
+        if self.fused_act:
+            return self.wo(self.wi.forward_act(h, self.fused_act))
         return self.wo(self.act(self.wi(h)))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encdec.cpu_threads import bandwidth_threads
-from encdec.kernels.cpu import build
+from encdec.kernels.cpu import build, small_linear_cpu
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Rows a step may have: the matmuls run as fast as oneDNN's at any count (within 5%
@@ -25,7 +25,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAX_ROWS = 256
 _ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int,
          ctypes.c_int]
-ACTIVATIONS = {"gelu": 1, "relu": 3}  # the FFN activations the kernel runs (small_linear_cpu.c's POST_*)
+ACTIVATIONS = {act: small_linear_cpu.POST[act] for act in ("gelu", "relu")}  # the FFN activations the kernel runs
 _KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
                        "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
 available, path = _KERNEL.available, _KERNEL.path
