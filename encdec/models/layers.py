@@ -29,7 +29,7 @@ from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
-from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu
+from encdec.kernels.cpu import decoder_step_cpu, int8_rows_cpu, small_linear_cpu
 from encdec.kernels.cpu.build import cpu_isa
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
@@ -47,8 +47,8 @@ class Linear(nn.Linear):
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
     small_rows = False  # packed: inputs of a few rows run small_linear_cpu on panels of the weight
     panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
-    int8: object | None = None  # quantize_int8: fbgemm's prepacked int8 weight (forward runs only it)
-    int8_reduce_range = False  # quantize_int8: activations in 7 bits (CPUs without VNNI; see quantization.py)
+    int8: object | None = None  # quantize_int8: the int8 weight as int8_path runs it (forward runs only it)
+    int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32 or bfloat16); False where it
@@ -70,51 +70,38 @@ class Linear(nn.Linear):
         self.panels = None
         return True
 
-    def quantize_int8(self, reduce_range: bool) -> None:
-        """Int8 weight per output channel (symmetric, scale = max |w| / 127, float32),
-        prepacked for fbgemm; the float weight is dropped (an LM head tied to its
-        embedding unties: the embedding keeps its own). ``forward`` then quantizes
-        each call's activations per row on the fly (``_int8``)."""
+    def quantize_int8(self, path: str) -> None:
+        """Int8 weight per output channel (symmetric, scale = max |w| / 127, float32);
+        the float weight is dropped (an LM head tied to its embedding unties: the
+        embedding keeps its own). ``forward`` then quantizes each call's activations
+        per row on the fly, and multiplies by ``path`` (``quantization.INT8_PATHS``):
+        "onednn" (``torch._int_mm``, s8 x s8 with VNNI), "fbgemm", or "fbgemm-7bit"
+        (activations in 7 bits, for CPUs whose int8 products saturate 16 bits)."""
+        if path not in INT8_PATHS:
+            raise ValueError(f"Linear.quantize_int8: path must be one of {INT8_PATHS}, got {path!r}")
         w = self.weight.detach().float()
         scale = w.abs().amax(1).clamp(min=1e-12) / 127  # (out_features,) float32
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
-            warnings.simplefilter("ignore", UserWarning)
-            zero = torch.zeros_like(scale, dtype=torch.long)
-            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-        self.int8 = torch.ops.quantized.linear_prepack(qw, None)
-        self.int8_reduce_range = reduce_range
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
+        self.int8_path = path
+        if path == "onednn":
+            self.int8 = q.t()  # (in, out): _int_mm's right operand, the weight's own memory
+        else:
+            with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
+                warnings.simplefilter("ignore", UserWarning)
+                zero = torch.zeros_like(scale, dtype=torch.long)
+                qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+            self.int8 = torch.ops.quantized.linear_prepack(qw, None)
         self.unpack()
 
     def _int8(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        """fbgemm's dynamic int8 linear with per-row activation scales, as CTranslate2's:
-        fbgemm picks one scale per call from the input's range, so each row is divided by
-        its max |x| and two extra rows holding 1 and -1 pin that range to [-1, 1]: every
-        row is quantized on its own scale (max |x| / 127.5), whatever else is in the
-        batch. Measured (2 threads, AVX-512 VNNI), 384x1536 at 1500 rows: 3.9 ms per
-        tensor, 5.6 per row (float32 oneDNN 11.6); relative error on rows of unequal
-        scale 0.37 -> 0.03."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        rows, k = x2.shape
-        if rows == 0:
+        if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # max |x| per row, with no |x| tensor made
-        r = torch.maximum(hi, lo.neg_()).float().clamp_(min=1e-30)  # (rows, 1)
-        # The scaled rows written straight into the buffer that holds the pin rows
-        # (no concatenated copy): the same values,
-        # 37 -> 23 ms of the 24000 x 384 input's preparation (2 threads).
-        if torch.is_grad_enabled() and x2.requires_grad:  # out= refuses what autograd records
-            xn = torch.cat([x2 / r, _pin_rows(k)])
-        else:
-            xn = torch.empty(rows + 2, k, dtype=r.dtype)
-            torch.div(x2, r, out=xn[:rows])
-            xn[rows:] = _pin_rows(k)
-        out = torch.ops.quantized.linear_dynamic(xn, self.int8, self.int8_reduce_range)[:rows]
-        out = out.mul_(r) if self.bias is None else torch.addcmul(self.bias, out, r)
-        return _apply_act_(out, act).view(*lead, self.out_features)
+        run = _int8_onednn if self.int8_path == "onednn" else _int8_fbgemm
+        return run(self, x2, act).view(*lead, self.out_features)
 
     def panel_weight(self) -> torch.Tensor:
         """The weight in small_linear_cpu's panels (made once, then kept)."""
@@ -175,6 +162,55 @@ def _apply_act_(out: torch.Tensor, act: str) -> torch.Tensor:
     if act == "gelu":
         return torch.ops.aten.gelu_(out)
     return out.relu_() if act == "relu" else out
+
+
+INT8_PATHS = ("onednn", "fbgemm", "fbgemm-7bit")  # Linear.quantize_int8; quantization.int8_path picks one
+
+
+def _int8_onednn(lin: Linear, x2: torch.Tensor, act: str) -> torch.Tensor:
+    """Each row quantized on its own scale (max |x| / 127, symmetric, as
+    CTranslate2's), oneDNN's s8 x s8 -> s32 matmul, then the scales, bias and
+    ``act`` in one pass over the int32 result (``int8_rows_cpu``). Measured on
+    the 2-core AVX-512 VNNI host (2 threads), 1500 x 384 -> 1536: ``_int_mm``
+    1.4-1.9 ms against fbgemm's dynamic linear 2.3-3.1 ms (which also quantizes);
+    tiny.en on 32 short clips, every int8 linear 2.79 -> see quantization.py."""
+    qs = int8_rows_cpu.quantize_rows(x2)
+    if qs is None:  # no C kernel: the same steps in torch ops
+        scale = x2.abs().amax(1).div_(127)
+        q = torch.round(x2 / scale.clamp(min=1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
+    else:
+        q, scale = qs
+    acc = torch._int_mm(q, lin.int8)
+    out = int8_rows_cpu.dequantize_rows(acc, scale, lin.weight_scale, lin.bias, act)
+    if out is None:
+        out = acc.float().mul_(scale[:, None] * lin.weight_scale)
+        out = _apply_act_(out if lin.bias is None else out.add_(lin.bias), act)
+    return out
+
+
+def _int8_fbgemm(lin: Linear, x2: torch.Tensor, act: str) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear with per-row activation scales, as CTranslate2's:
+    fbgemm picks one scale per call from the input's range, so each row is divided by
+    its max |x| and two extra rows holding 1 and -1 pin that range to [-1, 1]: every
+    row is quantized on its own scale (max |x| / 127.5), whatever else is in the
+    batch. Measured (2 threads, AVX-512 VNNI), 384x1536 at 1500 rows: 3.9 ms per
+    tensor, 5.6 per row (float32 oneDNN 11.6); relative error on rows of unequal
+    scale 0.37 -> 0.03."""
+    rows, k = x2.shape
+    lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # max |x| per row, with no |x| tensor made
+    r = torch.maximum(hi, lo.neg_()).float().clamp_(min=1e-30)  # (rows, 1)
+    # The scaled rows written straight into the buffer that holds the pin rows
+    # (no concatenated copy): the same values,
+    # 37 -> 23 ms of the 24000 x 384 input's preparation (2 threads).
+    if torch.is_grad_enabled() and x2.requires_grad:  # out= refuses what autograd records
+        xn = torch.cat([x2 / r, _pin_rows(k)])
+    else:
+        xn = torch.empty(rows + 2, k, dtype=r.dtype)
+        torch.div(x2, r, out=xn[:rows])
+        xn[rows:] = _pin_rows(k)
+    out = torch.ops.quantized.linear_dynamic(xn, lin.int8, lin.int8_path == "fbgemm-7bit")[:rows]
+    out = out.mul_(r) if lin.bias is None else torch.addcmul(lin.bias, out, r)
+    return _apply_act_(out, act)
 
 
 @functools.cache

@@ -29,6 +29,7 @@ AMX-BF16, where it measured slower than float32.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -47,6 +48,32 @@ def reduce_range() -> bool:
     under ``ENCDEC_CPU_ISA=avx2``/``none``: an emulated AVX2 host)."""
     vnni = {"avx512_vnni", "avx_vnni"} if cpu_isa() == "avx512" else {"avx_vnni"}
     return not (vnni & cpu_flags())
+
+
+def int8_path() -> str:
+    """How int8 linears multiply here (``Linear.quantize_int8``): "onednn" where
+    oneDNN's s8 x s8 matmul is exact (it runs VNNI), else fbgemm ("fbgemm-7bit"
+    where the CPU lacks VNNI)."""
+    if not reduce_range() and _onednn_int8_exact():
+        return "onednn"
+    return "fbgemm-7bit" if reduce_range() else "fbgemm"
+
+
+@functools.cache
+def _onednn_int8_exact() -> bool:
+    """Whether ``torch._int_mm`` gives exact int32 sums of int8 products here.
+    Without VNNI (no such CPU flag, or oneDNN capped below it by
+    ``ONEDNN_MAX_CPU_ISA``) oneDNN sums pairs of u8 x s8 products in 16 bits
+    with saturation: measured under ``ONEDNN_MAX_CPU_ISA=AVX2`` on the AVX-512
+    host, 1500 x 384 -> 1536 was inexact and took 6.0 ms (fbgemm 2.3-3.1); with
+    AVX2_VNNI exact, 3.0-3.4 ms; with AVX-512 VNNI exact, 1.4-1.9 ms. The
+    largest products (127 x 127, 2 x 64 000 > 32 767 per pair) show it."""
+    a = torch.full((1, 64), 127, dtype=torch.int8)
+    try:
+        got = torch._int_mm(a, a.t().contiguous())
+    except RuntimeError:
+        return False
+    return int(got[0, 0]) == 127 * 127 * 64
 
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -103,13 +130,13 @@ def quantize(model: nn.Module, quantization: str | None) -> int:
     cross K/V and LM head int8 1.81 s; all float32 5.09 s."""
     if quantization is None:
         return 0
-    rr = reduce_range()
+    path = int8_path()
     keep = fused_step_linears(model)
     linears = [m for m in model.modules() if isinstance(m, Linear) and id(m) not in keep]
     for m in linears:
-        m.quantize_int8(rr)
-    logger.info("quantized %d linear layers to int8 (fbgemm, per-channel weights, dynamic activations%s); "
-                "%d stay float32 in the fused decode step", len(linears), ", 7-bit" if rr else "", len(keep))
+        m.quantize_int8(path)
+    logger.info("quantized %d linear layers to int8 (%s, per-channel weights, dynamic activations); "
+                "%d stay float32 in the fused decode step", len(linears), path, len(keep))
     return len(linears)
 
 

@@ -29,21 +29,27 @@ def _linear(k: int, n: int, seed: int) -> tuple[Linear, torch.Tensor, torch.Tens
     return lin, w.double(), b.double()
 
 
+def _int8_paths() -> list[str]:
+    """The host's own path, and fbgemm's (the fallback of CPUs without exact oneDNN int8)."""
+    return sorted({quantization.int8_path(), "fbgemm-7bit" if quantization.reduce_range() else "fbgemm"})
+
+
 @pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("path", _int8_paths())
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, rows):
+def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, path, rows):
     monkeypatch.setenv(build.ISA_ENV, isa)
     lin, w, b = _linear(96, 200, seed=rows)
-    rr = quantization.reduce_range()
-    lin.quantize_int8(rr)
+    lin.quantize_int8(path)
     assert lin.int8 is not None and lin.weight.dtype == torch.int8 and lin.packed is None
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 2
     got = lin(x).double()
     ref = x.double() @ w.T + b
     # weights: |w - s q| <= s/2 per output channel (s = max|w| / 127)
     sw = w.abs().amax(1) / 127
-    # activations: per row, 255 levels (127 with reduce_range) over [-max|x|, max|x|]
-    levels = 127 if rr else 255
+    # activations: per row, over [-max|x|, max|x|]: 255 levels for fbgemm (127 in
+    # 7 bits), 254 (-127 .. 127) for oneDNN's symmetric int8
+    levels = {"onednn": 254, "fbgemm": 255, "fbgemm-7bit": 127}[path]
     sx = x.double().abs().amax(1, keepdim=True) * 2 / levels  # (rows, 1)
     xa = x.double().abs()
     bound = (xa @ (sw / 2).expand(96, -1)  # weight error times |x|
@@ -54,11 +60,57 @@ def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, rows):
     assert err.max() > 0  # it ran int8, not float
     gelu = lin.forward_gelu(x).double()
     assert torch.allclose(gelu, torch.nn.functional.gelu(got), atol=1e-6)
+    assert torch.equal(lin.forward_act(x, "relu").double(), got.relu())
     # per-row scales: a row's result does not depend on the other rows of its batch
     alone = lin(x[:1]).double()
     assert torch.equal(alone[0], got[0])
     loud = torch.cat([x[:1], x[:1] * 1000])  # a row 1000x larger beside it changes nothing
     assert torch.equal(lin(loud).double()[0], got[0])
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+def test_int8_row_passes_match_torch(monkeypatch, isa):
+    """int8_rows_cpu's quantization gives torch's bytes (round half to even) and
+    its dequantization torch's floats, on this ISA's path; rows of zeros and a
+    width that leaves a tail past the lanes included."""
+    from encdec.kernels.cpu import int8_rows_cpu
+
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    if not int8_rows_cpu.available(isa):
+        pytest.skip(f"int8_rows_cpu not built for {isa} here (no C compiler)")
+    assert int8_rows_cpu.path(isa) == isa
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 75, generator=g) * 3
+    x[4] = 0
+    q, scale = int8_rows_cpu.quantize_rows(x, isa=isa)
+    ref_scale = x.abs().amax(1) / 127
+    assert torch.equal(scale, ref_scale)
+    inv = torch.where(x.abs().amax(1) > 0, 127 / x.abs().amax(1), torch.zeros(()))
+    assert torch.equal(q, torch.round(x * inv[:, None]).to(torch.int8))
+    strided = torch.randn(9, 150, generator=g)[:, :75]  # rows 150 apart: the row stride is honoured
+    assert strided.stride() == (150, 1)
+    q2, s2 = int8_rows_cpu.quantize_rows(strided, isa=isa)
+    assert torch.equal(s2, strided.abs().amax(1) / 127)
+    assert torch.equal(q2, torch.round(strided / s2[:, None]).to(torch.int8))
+    w_scale = torch.rand(37, generator=g) + 0.5
+    bias = torch.randn(37, generator=g)
+    acc = torch.randint(-50000, 50000, (21, 37), generator=g, dtype=torch.int32)
+    ref = acc.double() * (scale.double()[:, None] * w_scale.double()) + bias.double()
+    for act, f in (("none", lambda t: t), ("relu", torch.relu), ("gelu", torch.nn.functional.gelu)):
+        got = int8_rows_cpu.dequantize_rows(acc.clone(), scale, w_scale, bias, act, isa=isa)
+        assert got.dtype == torch.float32 and got.shape == (21, 37)
+        assert torch.allclose(got.double(), f(ref), rtol=1e-6, atol=1e-6), act
+    got = int8_rows_cpu.dequantize_rows(acc.clone(), scale, w_scale, None, isa=isa)
+    assert torch.allclose(got.double(), acc.double() * (scale.double()[:, None] * w_scale.double()), rtol=1e-6)
+
+
+def test_onednn_int8_is_chosen_only_where_exact():
+    """The oneDNN path needs exact int32 sums: the probe's answer and the path agree."""
+    a = torch.full((1, 64), 127, dtype=torch.int8)
+    exact = int(torch._int_mm(a, a.t().contiguous())[0, 0]) == 127 * 127 * 64
+    assert (quantization.int8_path() == "onednn") == (exact and not quantization.reduce_range())
+    with pytest.raises(ValueError, match="path must be one of"):
+        Linear(4, 4).quantize_int8("int4")
 
 
 @pytest.mark.parametrize("isa", build.host_isas())
@@ -144,7 +196,7 @@ def test_fused_decoder_step_declines_bf16_and_int8_weights():
 
     ly = layer()
     for m in linears(ly):
-        m.quantize_int8(False)
+        m.quantize_int8("fbgemm")
     assert decoder_step_cpu.decoder_weights([ly]) is None
     ly = layer()
     for m in [*linears(ly), ly.self_attn_layer_norm, ly.encoder_attn_layer_norm, ly.final_layer_norm]:
