@@ -29,7 +29,7 @@ from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
-from encdec.kernels.cpu import decoder_step_cpu, int8_rows_cpu, small_linear_cpu
+from encdec.kernels.cpu import decoder_step_cpu, int8_rows_cpu, small_linear_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.build import cpu_isa
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
@@ -49,6 +49,7 @@ class Linear(nn.Linear):
     panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
     int8: object | None = None  # quantize_int8: the int8 weight as int8_path runs it (forward runs only it)
     int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
+    int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first fused decode step
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32 or bfloat16); False where it
@@ -102,6 +103,12 @@ class Linear(nn.Linear):
             return x.new_empty(*lead, self.out_features)
         run = _int8_onednn if self.int8_path == "onednn" else _int8_fbgemm
         return run(self, x2, act).view(*lead, self.out_features)
+
+    def int8_panel_weight(self) -> small_linear_int8_cpu.PackedInt8:
+        """The int8 weight in the decode step's panels (``small_linear_int8_cpu.pack``; made once, then kept)."""
+        if self.int8_panels is None:
+            self.int8_panels = small_linear_int8_cpu.pack(self.weight, self.weight_scale)
+        return self.int8_panels
 
     def panel_weight(self) -> torch.Tensor:
         """The weight in small_linear_cpu's panels (made once, then kept)."""

@@ -2,14 +2,18 @@
 
 int8 (vLLM's ``quantization`` name; faster-whisper's ``compute_type="int8"``):
 the ``Linear``s of the encoder, decoder and LM head get int8 weights per output
-channel with float32 scales (except Whisper's decoder-layer linears where its
-fused float32 decode step runs them: ``quantize`` says why), quantized at load from the float32 weights
-(``Linear.quantize_int8``); activations are quantized on the fly per call
-(dynamic, as CTranslate2's int8) by fbgemm's ``quantized::linear_dynamic``,
-accumulating in int32 and dequantizing to float32. Everything else (embeddings,
-convolutions, layer norms, attention, softmax, the KV cache) stays float32.
+channel with float32 scales, quantized at load from the float32 weights
+(``Linear.quantize_int8``; on a CPU without VNNI a pre-norm decoder's layers stay
+float32 in its fused decode step: ``quantize`` says why); activations are
+quantized on the fly per row (dynamic, as CTranslate2's int8), the products
+summed in int32 and dequantized to float32 (``int8_path``: oneDNN's s8 x s8
+matmul between our C row passes where oneDNN runs VNNI, fbgemm's
+``quantized::linear_dynamic`` elsewhere; the fused decode step's own VNNI
+matmul for decode steps, ``small_linear_int8_cpu``). Everything else
+(embeddings, convolutions, layer norms, attention, softmax, the KV cache)
+stays float32.
 
-Why fbgemm's op, not ``torch._weight_int8pack_mm`` or a C kernel of ours:
+Why fbgemm's op (where oneDNN's int8 is not exact), not ``torch._weight_int8pack_mm``:
 measured on this project's 2-core AVX-512 (VNNI) host, 2 threads, per call,
 oneDNN float32 prepacked -> fbgemm int8 dynamic:
 384x1536 at 1 row 0.113 -> 0.032 ms, 16 rows 0.212 -> 0.065, 1500 rows (an
@@ -110,10 +114,12 @@ def check_bfloat16(device: torch.device, dtype: torch.dtype) -> None:
 
 def fused_step_linears(model: nn.Module) -> set[int]:
     """ids of the Linears a float32 fused decode step runs (``decoder_step_cpu``:
-    Whisper's decoder layers on CPU, where the kernel is built), else empty."""
-    from encdec.kernels.cpu import decoder_step_cpu
+    the pre-norm decoder layers on CPU, where the kernel is built and the CPU
+    lacks the VNNI its int8 matmuls need), else empty."""
+    from encdec.kernels.cpu import decoder_step_cpu, small_linear_int8_cpu
 
-    if not getattr(model, "fused_decode", False) or not decoder_step_cpu.available():
+    if (not getattr(model, "fused_decode", False) or not decoder_step_cpu.available()
+            or small_linear_int8_cpu.vnni_available()):
         return set()
     return {id(getattr(module, name)) for layer in model.decoder.layers
             for module, names in ((layer.self_attn, ("qkv_proj", "out_proj")),
@@ -123,11 +129,12 @@ def fused_step_linears(model: nn.Module) -> set[int]:
 
 def quantize(model: nn.Module, quantization: str | None) -> int:
     """Quantize the ``Linear``s of ``model`` (weights loaded, on CPU, float32);
-    returns how many. The ones a fused float32 decode step runs stay float32
-    (``fused_step_linears``): measured on tiny.en, a 52 s file sequentially
-    (2 threads, AVX-512, shared host, best of 4): every linear int8, decode
-    steps op by op 3.20 s; decoder layers float32 in the fused C step, encoder,
-    cross K/V and LM head int8 1.81 s; all float32 5.09 s."""
+    returns how many. Without VNNI, the ones a fused float32 decode step runs
+    stay float32 (``fused_step_linears``): measured on tiny.en, a 52 s file
+    sequentially (2 threads, AVX-512, shared host, best of 4): every linear int8,
+    decode steps op by op 3.20 s; decoder layers float32 in the fused C step,
+    encoder, cross K/V and LM head int8 1.81 s; all float32 5.09 s. With VNNI
+    the fused step runs them int8 (``decoder_step_cpu``)."""
     if quantization is None:
         return 0
     path = int8_path()

@@ -59,3 +59,30 @@ def test_pre_norm_families_decode_in_one_call(family, isa, monkeypatch):
 def test_post_norm_families_run_op_by_op(make, tmp_path):
     model = LLM(make(str(tmp_path / "m")), kv_cache_memory=16 << 20).llm_engine.worker.model
     assert model.fused_decode is False
+
+
+def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch):
+    """quantization="int8" on a CPU with VNNI: the fused step runs the decoder's
+    int8 weights (small_linear_int8_cpu), with the same tokens as the int8 layers
+    op by op (the same int8 products; float32 rounding of the scales differs)."""
+    from encdec.kernels.cpu import small_linear_int8_cpu
+
+    if not small_linear_int8_cpu.vnni_available():
+        pytest.skip("the fused int8 step needs AVX512-VNNI (this CPU keeps float32 decoder weights in the step)")
+    llm = LLM(make_random_m2m100(str(tmp_path / "m"), seed=1), kv_cache_memory=32 << 20,
+              enable_encoder_cache=False, quantization="int8")
+    model = llm.llm_engine.worker.model
+    assert all(m.int8 is not None for m in (model.decoder.layers[0].fc1, model.decoder.layers[-1].self_attn.qkv_proj))
+    ran = []
+    real = decoder_step_cpu.decode_step
+    monkeypatch.setattr(decoder_step_cpu, "decode_step", lambda *a, **k: (out := real(*a, **k), ran.append(
+        out is not None))[0])
+    fused = _run(llm, True)
+    assert ran and all(ran) and model._fused_weights.int8_table is not None
+    by_op = _run(llm, False)
+    for (toks_f, lp_f), (toks_o, lp_o) in zip(fused, by_op):
+        assert toks_f == toks_o
+        # An input that differs in its last float32 bit between the paths (the C
+        # LayerNorm sums in double) can round to the next int8 level: a difference
+        # of one quantization step, not of float rounding (seen 0.008 on one of 108)
+        torch.testing.assert_close(torch.tensor(lp_f), torch.tensor(lp_o), atol=0.03, rtol=0)

@@ -104,6 +104,29 @@ def test_int8_row_passes_match_torch(monkeypatch, isa):
     assert torch.allclose(got.double(), acc.double() * (scale.double()[:, None] * w_scale.double()), rtol=1e-6)
 
 
+@pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("rows", [1, 7, 19])
+def test_int8_panel_matmul_matches_the_int8_linear(monkeypatch, isa, rows):
+    """The fused decode step's int8 matmul (small_linear_int8_cpu: VNNI on the
+    AVX-512 build, plain C on the others) gives the op-by-op int8 linear's values:
+    the same int8 products, the scales' float32 rounding aside; widths that leave
+    partial panels and quads."""
+    from encdec.kernels.cpu import small_linear_int8_cpu
+
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    assert small_linear_int8_cpu.path(isa) == ("avx512_vnni" if isa == "avx512" else "none")
+    lin, _, _ = _linear(70, 45, seed=rows)
+    lin.quantize_int8("onednn")  # the int8 weight and scales; the op-by-op path is not run here
+    packed = small_linear_int8_cpu.pack(lin.weight, lin.weight_scale)
+    x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(2)) * 3
+    scale = x.abs().amax(1, keepdim=True) / 127
+    exact = torch.round(x / scale).double() @ lin.weight.double().T * scale.double() * lin.weight_scale.double()
+    for post, f in (("none", lambda t: t), ("relu", torch.relu), ("gelu", torch.nn.functional.gelu)):
+        got = small_linear_int8_cpu.small_linear_int8(x, packed, lin.bias, post=post, isa=isa)
+        assert got is not None and got.shape == (rows, 45)
+        torch.testing.assert_close(got.double(), f(exact + lin.bias.double()), atol=1e-5, rtol=1e-5)
+
+
 def test_onednn_int8_is_chosen_only_where_exact():
     """The oneDNN path needs exact int32 sums: the probe's answer and the path agree."""
     a = torch.full((1, 64), 127, dtype=torch.int8)
@@ -177,7 +200,7 @@ def test_c_kernels_decline_bfloat16():
                          max_initial=None) is None
 
 
-def test_fused_decoder_step_declines_bf16_and_int8_weights():
+def test_fused_decoder_step_takes_int8_weights_with_vnni_only_and_declines_bf16():
     from types import SimpleNamespace
 
     from encdec.kernels.cpu import decoder_step_cpu
@@ -194,9 +217,18 @@ def test_fused_decoder_step_declines_bf16_and_int8_weights():
         return [ly.self_attn.qkv_proj, ly.self_attn.out_proj, ly.encoder_attn.q_proj, ly.encoder_attn.out_proj,
                 ly.fc1, ly.fc2]
 
+    from encdec.kernels.cpu import small_linear_int8_cpu
+
     ly = layer()
     for m in linears(ly):
         m.quantize_int8("fbgemm")
+    weights = decoder_step_cpu.decoder_weights([ly])
+    if small_linear_int8_cpu.vnni_available():  # int8 matmuls in the step
+        assert weights is not None and weights.int8_table is not None and weights.int8_table.shape == (1, 18)
+    else:
+        assert weights is None
+    ly = layer()
+    ly.fc1.quantize_int8("fbgemm")  # some int8, some float32: declined
     assert decoder_step_cpu.decoder_weights([ly]) is None
     ly = layer()
     for m in [*linears(ly), ly.self_attn_layer_norm, ly.encoder_attn_layer_norm, ly.final_layer_norm]:

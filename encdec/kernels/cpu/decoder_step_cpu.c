@@ -29,12 +29,18 @@
  * rounding). GELU is the exact one (vm_gelu, or erff on the portable build).
  * The BART-layout pre-norm families (mBART, M2M100, NLLB) have Whisper's
  * layer, biases included; they differ in the activation alone.
+ *
+ * int8 weights (quantization="int8", qlayers given): each matmul's input rows
+ * are quantized where they are made (the LayerNorm and join phases, and one
+ * phase after fc1) and the matmuls run small_linear_int8_cpu.c. Measured
+ * (tiny.en, one 6-minute file sequentially, Xeon AVX-512 VNNI, 2 threads): see
+ * decoder_step_cpu.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "small_linear_cpu.c"
+#include "small_linear_int8_cpu.c" /* and small_linear_cpu.c */
 #include "paged_attention_cpu.c"
 #include "team.h"
 
@@ -49,6 +55,11 @@ typedef struct {
     const float *ln3_w, *ln3_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
     float *k_cache, *v_cache;
 } layer_t;
+
+/* One layer's int8 matmuls (small_linear_int8_cpu.c), in layer_t's order. */
+typedef struct {
+    qlinear_t qkv, o1, q, o2, fc1, fc2;
+} qlayer_t;
 
 /* x = LN(h) for rows [r0, r1); (M, d). */
 static void layer_norm_rows(float *x, const float *h, const float *w, const float *b, int64_t r0, int64_t r1,
@@ -171,12 +182,15 @@ static int32_t max_len(const int32_t *lens, int64_t M) {
 /* Rows per item of the row-wise phases (LayerNorm, K/V copy, joins). */
 #define ROWS_ITEM 4
 /* The phases of one layer, in order (TEAM_PHASE numbers them l * PHASES + k). */
-enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, FC2, PHASES };
+enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, QF, FC2, PHASES };
 
 /* A step's arguments and scratch, shared by its threads (step_job). */
 typedef struct {
     float *h, *x, *qkv, *q, *a, *f, *part, *scores_all;
     const layer_t *layers;
+    const qlayer_t *qlayers; /* NULL: float32 matmuls */
+    uint8_t *xq;             /* int8: the next matmul's input rows, quantized (small_linear_int8_cpu.c) */
+    float *rs;               /* their scales */
     const int64_t *slots, *self_items, *cross_items, *leader;
     const int32_t *self_tables, *self_lens, *cross_tables, *cross_lens;
     int64_t M, d, H, ffn, num_layers, block_size, self_stride, cross_stride, C, scores_size, n_self, n_cross;
@@ -184,6 +198,23 @@ typedef struct {
     int ffn_post;  /* POST_GELU or POST_RELU: fc1's activation */
     team_t team;
 } step_t;
+
+/* int8: rows [r0, r1) of x (K wide, row stride ldx) quantized into the step's xq. */
+static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int64_t K, int64_t r0, int64_t r1) {
+    if (!s->qlayers) return;
+    const int64_t ldq = 4 * ((K + 3) / 4);
+    for (int64_t m = r0; m < r1; m++) quantize_row_u8(x + m * ldx, K, s->xq + m * ldq, s->rs + m);
+}
+
+/* Item i of y = post(x W^T + b), x (M, K): float32 (W packed in panels), or
+ * int8 (QW) from the rows quantize_step_rows made of x. */
+static void step_matmul(const step_t *s, int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx,
+                        const float *W, const qlinear_t *QW, const float *b, int64_t K, int64_t N, int post) {
+    if (s->qlayers)
+        matmul_item_i8(i, y, ldy, s->xq, 4 * ((K + 3) / 4), s->rs, QW, b, s->M, K, N, post);
+    else
+        matmul_item(i, y, ldy, x, ldx, W, b, s->M, K, N, post);
+}
 
 /* Every layer's phases, in order; tid picks this thread's scores scratch. */
 static void step_job(void *arg, int tid) {
@@ -196,11 +227,16 @@ static void step_job(void *arg, int tid) {
     team_t *team = &s->team;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const layer_t *w = s->layers + l;
+        const qlayer_t *qw = s->qlayers ? s->qlayers + l : NULL;
+#define QW(name) (qw ? &qw->name : NULL)
         const int p = (int)(l * PHASES);
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
-        TEAM_PHASE(team, p + LN1, rows_items, layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps));
+        TEAM_PHASE(team, p + LN1, rows_items, {
+            layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps);
+            quantize_step_rows(s, x, d, d, ROWS(i));
+        });
         TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
-                   matmul_item(i, qkv, 3 * d, x, d, w->qkv_w, w->qkv_b, M, d, 3 * d, POST_NONE));
+                   step_matmul(s, i, qkv, 3 * d, x, d, w->qkv_w, QW(qkv), w->qkv_b, d, 3 * d, POST_NONE));
         TEAM_PHASE(team, p + KV_COPY, M, {
             memcpy(w->k_cache + s->slots[i] * d, qkv + i * 3 * d + d, sizeof(float) * d);
             memcpy(w->v_cache + s->slots[i] * d, qkv + i * 3 * d + 2 * d, sizeof(float) * d);
@@ -208,21 +244,38 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
                    attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
                                s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
-        TEAM_PHASE(team, p + SELF_JOIN, M, join_row(a + i * d, part, i, s->self_lens[i], H, D, C));
-        TEAM_PHASE(team, p + O1, matmul_items(d), matmul_item(i, h, d, a, d, w->o1_w, w->o1_b, M, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN2, rows_items, layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps));
-        TEAM_PHASE(team, p + Q, matmul_items(d), matmul_item(i, q, d, x, d, w->q_w, w->q_b, M, d, d, POST_NONE));
+        TEAM_PHASE(team, p + SELF_JOIN, M, {
+            join_row(a + i * d, part, i, s->self_lens[i], H, D, C);
+            quantize_step_rows(s, a, d, d, i, i + 1);
+        });
+        TEAM_PHASE(team, p + O1, matmul_items(d),
+                   step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
+        TEAM_PHASE(team, p + LN2, rows_items, {
+            layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps);
+            quantize_step_rows(s, x, d, d, ROWS(i));
+        });
+        TEAM_PHASE(team, p + Q, matmul_items(d),
+                   step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
                                s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C));
-        TEAM_PHASE(team, p + CROSS_JOIN, M, join_row(a + i * d, part, i, s->cross_lens[i], H, D, C));
-        TEAM_PHASE(team, p + O2, matmul_items(d), matmul_item(i, h, d, a, d, w->o2_w, w->o2_b, M, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN3, rows_items, layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps));
+        TEAM_PHASE(team, p + CROSS_JOIN, M, {
+            join_row(a + i * d, part, i, s->cross_lens[i], H, D, C);
+            quantize_step_rows(s, a, d, d, i, i + 1);
+        });
+        TEAM_PHASE(team, p + O2, matmul_items(d),
+                   step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
+        TEAM_PHASE(team, p + LN3, rows_items, {
+            layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps);
+            quantize_step_rows(s, x, d, d, ROWS(i));
+        });
         TEAM_PHASE(team, p + FC1, matmul_items(ffn),
-                   matmul_item(i, f, ffn, x, d, w->fc1_w, w->fc1_b, M, d, ffn, s->ffn_post));
+                   step_matmul(s, i, f, ffn, x, d, w->fc1_w, QW(fc1), w->fc1_b, d, ffn, s->ffn_post));
+        TEAM_PHASE(team, p + QF, s->qlayers ? rows_items : 0, quantize_step_rows(s, f, ffn, ffn, ROWS(i)));
         TEAM_PHASE(team, p + FC2, matmul_items(d),
-                   matmul_item(i, h, d, f, ffn, w->fc2_w, w->fc2_b, M, ffn, d, POST_ADD));
+                   step_matmul(s, i, h, d, f, ffn, w->fc2_w, QW(fc2), w->fc2_b, ffn, d, POST_ADD));
 #undef ROWS
+#undef QW
     }
 }
 
@@ -230,13 +283,15 @@ static void step_job(void *arg, int tid) {
  * floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
  * new K/V goes; self tables/lens include the new token. Runs on up to
  * num_threads threads (team.h). ffn_post: fc1's activation, POST_GELU or
- * POST_RELU. Returns 0, or -1 where the scratch could not be allocated, or
- * ffn_post is neither (then nothing was done). */
+ * POST_RELU. qlayers: num_layers of qlayer_t (int8 matmuls; the matmul
+ * weights of layers are then not read), or NULL. Returns 0, or -1 where the
+ * scratch could not be allocated, or ffn_post is neither (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
-    const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post)
+    const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
+    const qlayer_t *qlayers)
 {
     if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
@@ -245,8 +300,10 @@ int decoder_step_f32(
     const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX;
     /* One block: the parts (M * C of H D + 2 H), each thread's scores, both
      * attentions' item lists, the phase counters. */
-    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size);
-    char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + sizeof(atomic_int) * 2 * (P + 1));
+    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size + M);
+    const size_t counter_bytes = sizeof(atomic_int) * 2 * (P + 1);
+    const size_t xq_bytes = qlayers ? (size_t)(M * 4 * (((d > ffn ? d : ffn) + 3) / 4)) : 0;
+    char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + counter_bytes + xq_bytes);
     if (!block) return -1;
     float *part = (float *)block;
     int64_t *self_items = (int64_t *)(block + part_bytes), *cross_items = self_items + M * C;
@@ -263,7 +320,9 @@ int decoder_step_f32(
         .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
-        .ffn_post = ffn_post,
+        .ffn_post = ffn_post, .qlayers = qlayers,
+        .rs = part + M * C * (d + 2 * H) + nt * scores_size,
+        .xq = (uint8_t *)counters + counter_bytes,
         .team = {0, 0, counters, counters + P + 1},
     };
     team_run(step_job, &step, (int)nt);

@@ -1,0 +1,167 @@
+/* x W^T + b for the few rows of a decode step with int8 weights
+ * (quantization="int8"): small_linear_cpu.c's panel matmul, for the fused
+ * decode step (decoder_step_cpu.c) and its tests.
+ *
+ * Why: a decode step of a few rows reads every decoder weight once, so its
+ * matmuls take as long as the weights take to stream; int8 weights are a
+ * quarter of the bytes. (The op-by-op int8 path, oneDNN's matmul per linear,
+ * costs a parallel region and torch's dispatch per op: tiny.en decode steps
+ * ran 1.8x slower that way than in the fused float32 step.)
+ *
+ * Layouts. The weight (N, K), int8 per output channel (Linear.quantize_int8),
+ * in panels of PW = 32 columns, each a run of K4 = ceil(K / 4) quads:
+ * wq[p][kq][c][0..4) = W[32 p + c][4 kq .. 4 kq + 4) (zero past K and N).
+ * The input rows as unsigned bytes: xq[m][k] = q + 128, where q is the row's
+ * symmetric int8 (int8_rows_cpu.c: scale max |x| / 127), 128 past K; with
+ * comp[n] = 128 sum_k W[n][k] the exact product sum is acc - comp[n]:
+ *
+ *     y[m][n] = post((acc[m][n] - comp[n]) * rs[m] * ws[n] + b[n])
+ *
+ * the value the op-by-op path (torch._int_mm on the same int8) gives, up to
+ * float32 rounding of the scale products.
+ *
+ * Paths: AVX-512 VNNI (vpdpbusd: 4 byte products a lane, summed in int32, no
+ * saturation), built for the CPUs that have it (a target attribute; the
+ * caller checks the CPU); plain C elsewhere, for tests only (decoder_step_cpu.py
+ * keeps float32 decoder weights where VNNI is missing).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "small_linear_cpu.c"
+#include "int8_rows_cpu.c" /* quantize_row */
+
+#if defined(__AVX512F__)
+#define INT8_TARGET __attribute__((target("avx512vnni")))
+const char *small_linear_int8_path(void) { return "avx512_vnni"; }
+#else
+#define INT8_TARGET
+const char *small_linear_int8_path(void) { return "none"; }
+#endif
+
+/* One int8 linear as the kernels take it: packed weight, per-column scales
+ * and 128 x column sums (both padded to whole panels). */
+typedef struct {
+    const int8_t *wq;
+    const float *ws;
+    const int32_t *comp;
+} qlinear_t;
+
+/* Row x (K floats) -> xq (K4 * 4 bytes: q + 128, then 128) and its scale. */
+static void quantize_row_u8(const float *x, int64_t K, uint8_t *xq, float *scale) {
+    const int64_t K4 = (K + 3) / 4;
+    quantize_row(x, K, (int8_t *)xq, scale);
+    memset(xq + K, 0, (size_t)(4 * K4 - K));
+    for (int64_t k = 0; k < 4 * K4; k++) xq[k] ^= 0x80; /* int8 q -> q + 128, as a byte */
+}
+
+/* tot[i][0..32) = sum_kq xq[i][4 kq ..] . wp[kq][c][..] for i < MR. */
+static inline __attribute__((always_inline)) INT8_TARGET void tile_i8(const int MR, int32_t tot[][PW],
+                                                                     const uint8_t *xq, int64_t ldq,
+                                                                     const int8_t *wp, int64_t K4) {
+#if defined(__AVX512F__)
+    __m512i acc[MR_MAX][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    for (int64_t kq = 0; kq < K4; kq++) {
+        _mm_prefetch((const char *)(wp + (kq + 16) * 4 * PW), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + (kq + 16) * 4 * PW + 64), _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512((const void *)(wp + kq * 4 * PW));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(wp + kq * 4 * PW + 64));
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * ldq + 4 * kq, sizeof quad);
+            const __m512i xb = _mm512_set1_epi32(quad);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], xb, w0);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], xb, w1);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_si512((void *)tot[i], acc[i][0]);
+        _mm512_storeu_si512((void *)(tot[i] + 16), acc[i][1]);
+    }
+#else
+    for (int i = 0; i < MR; i++) {
+        for (int c = 0; c < PW; c++) tot[i][c] = 0;
+        for (int64_t kq = 0; kq < K4; kq++)
+            for (int c = 0; c < PW; c++)
+                for (int u = 0; u < 4; u++)
+                    tot[i][c] += (int32_t)xq[i * ldq + 4 * kq + u] * (int32_t)wp[(kq * PW + c) * 4 + u];
+    }
+#endif
+}
+
+/* Panels [p0, p1) of y = post(dequantized xq W^T + b), y (M, N) with row stride ldy. */
+static INT8_TARGET void panel_range_i8(float *y, int64_t ldy, const uint8_t *xq, int64_t ldq, const float *rs,
+                                       const qlinear_t *w, const float *b, int64_t M, int64_t K, int64_t N,
+                                       int64_t p0, int64_t p1, int post) {
+    int32_t acc[MR_MAX][PW] __attribute__((aligned(64)));
+    float tot[MR_MAX][PW] __attribute__((aligned(64)));
+    const int64_t K4 = (K + 3) / 4;
+    for (int64_t p = p0; p < p1; p++) {
+        const int8_t *wp = w->wq + p * K4 * 4 * PW;
+        const int64_t n0 = p * PW;
+        const int cols = (int)(N - n0 < PW ? N - n0 : PW);
+        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+            const int rows = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
+            const uint8_t *xr = xq + m0 * ldq;
+            switch (rows) { /* a constant MR per case keeps the tile in registers */
+#if MR_MAX >= 8
+            case 8: tile_i8(8, acc, xr, ldq, wp, K4); break;
+            case 7: tile_i8(7, acc, xr, ldq, wp, K4); break;
+            case 6: tile_i8(6, acc, xr, ldq, wp, K4); break;
+            case 5: tile_i8(5, acc, xr, ldq, wp, K4); break;
+#endif
+#if MR_MAX >= 4
+            case 4: tile_i8(4, acc, xr, ldq, wp, K4); break;
+#endif
+            case 3: tile_i8(3, acc, xr, ldq, wp, K4); break;
+            case 2: tile_i8(2, acc, xr, ldq, wp, K4); break;
+            default: tile_i8(1, acc, xr, ldq, wp, K4); break;
+            }
+            for (int i = 0; i < rows; i++)
+                for (int c = 0; c < PW; c++)
+                    tot[i][c] = (float)(acc[i][c] - w->comp[n0 + c]) * (rs[m0 + i] * w->ws[n0 + c]);
+            write_tile(tot, rows, cols, y + m0 * ldy + n0, ldy, b ? b + n0 : NULL, post);
+        }
+    }
+}
+
+/* Item i (matmul_items(N) of them) of y = post(x W^T + b) from the quantized rows. */
+static INT8_TARGET void matmul_item_i8(int64_t i, float *y, int64_t ldy, const uint8_t *xq, int64_t ldq,
+                                       const float *rs, const qlinear_t *w, const float *b, int64_t M, int64_t K,
+                                       int64_t N, int post) {
+    const int64_t P = (N + PW - 1) / PW, per = panels_item(P), p0 = i * per;
+    panel_range_i8(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p0 + per < P ? p0 + per : P, post);
+}
+
+typedef struct {
+    float *y;
+    const float *x, *b;
+    const qlinear_t *w;
+    uint8_t *xq;
+    float *rs;
+    int64_t M, K, N;
+    int post;
+    team_t team;
+} linear_i8_job_t;
+
+static void linear_i8_job(void *arg, int tid) {
+    linear_i8_job_t *j = arg;
+    const int64_t ldq = 4 * ((j->K + 3) / 4);
+    (void)tid;
+    TEAM_PHASE(&j->team, 0, j->M, quantize_row_u8(j->x + i * j->K, j->K, j->xq + i * ldq, j->rs + i));
+    TEAM_PHASE(&j->team, 1, matmul_items(j->N),
+               matmul_item_i8(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N, j->post));
+}
+
+/* Entry point (tests): y (M, N) = post(x (M, K) W^T + b) with W packed as above;
+ * work: M * (K4 * 4) bytes, then M floats. */
+void small_linear_int8(float *y, const float *x, const int8_t *wq, const float *ws, const int32_t *comp,
+                       const float *b, int64_t M, int64_t K, int64_t N, int post, void *work, int num_threads) {
+    const qlinear_t w = {wq, ws, comp};
+    uint8_t *xq = work;
+    float *rs = (float *)(xq + M * 4 * ((K + 3) / 4));
+    atomic_int counters[6] = {0};  /* next and done of phases 0, 1 and the end (team.h) */
+    linear_i8_job_t job = {y, x, b, &w, xq, rs, M, K, N, post, {0, 0, counters, counters + 3}};
+    team_run(linear_i8_job, &job, num_threads);
+}
