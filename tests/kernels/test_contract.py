@@ -19,7 +19,7 @@ def test_every_c_file_has_a_wrapper_of_its_name():
     import os
 
     sources = sorted(f[:-2] for f in os.listdir(os.path.dirname(build.__file__)) if f.endswith("_cpu.c"))
-    assert sources == WRAPPERS and len(WRAPPERS) == 6
+    assert sources == WRAPPERS and len(WRAPPERS) == 8
 
 
 @pytest.mark.parametrize("name", WRAPPERS)
@@ -40,8 +40,8 @@ def test_available_and_path(name, isa):
 
 def _main_calls(isa: str) -> dict:
     """Each wrapper's main call on inputs it must take, by wrapper name."""
-    from encdec.kernels.cpu import (dense_attention_cpu, greedy_cpu, paged_attention_cpu, small_linear_cpu,
-                                    whisper_rules_cpu)
+    from encdec.kernels.cpu import (dense_attention_cpu, greedy_cpu, int8_rows_cpu, paged_attention_cpu,
+                                    small_linear_cpu, small_linear_int8_cpu, whisper_rules_cpu)
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 2, 64, generator=g)
@@ -54,6 +54,10 @@ def _main_calls(isa: str) -> dict:
         "small_linear_cpu": lambda: small_linear_cpu.small_linear(
             q[0, :, 0], small_linear_cpu.pack(torch.ones(3, 64)), 3, None, isa=isa),
         "greedy_cpu": lambda: greedy_cpu.greedy_logprobs(q[0, :, 0], isa=isa),
+        "int8_rows_cpu": lambda: int8_rows_cpu.quantize_rows(q[0, :, 0], isa=isa),
+        "small_linear_int8_cpu": lambda: small_linear_int8_cpu.small_linear_int8(
+            q[0, :, 0], small_linear_int8_cpu.pack(torch.ones(3, 64, dtype=torch.int8), torch.ones(3)), None,
+            isa=isa),
         "whisper_rules_cpu": lambda: whisper_rules_cpu.whisper_rules(
             q[0, :, 0].clone(), [0] * 4, [0] * 4, None, None, no_timestamps=1, eos=2, timestamp_begin=40,
             max_initial=None, isa=isa),

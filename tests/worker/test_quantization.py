@@ -68,65 +68,6 @@ def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, path, rows)
     assert torch.equal(lin(loud).double()[0], got[0])
 
 
-@pytest.mark.parametrize("isa", build.host_isas())
-def test_int8_row_passes_match_torch(monkeypatch, isa):
-    """int8_rows_cpu's quantization gives torch's bytes (round half to even) and
-    its dequantization torch's floats, on this ISA's path; rows of zeros and a
-    width that leaves a tail past the lanes included."""
-    from encdec.kernels.cpu import int8_rows_cpu
-
-    monkeypatch.setenv(build.ISA_ENV, isa)
-    if not int8_rows_cpu.available(isa):
-        pytest.skip(f"int8_rows_cpu not built for {isa} here (no C compiler)")
-    assert int8_rows_cpu.path(isa) == isa
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(21, 75, generator=g) * 3
-    x[4] = 0
-    q, scale = int8_rows_cpu.quantize_rows(x, isa=isa)
-    ref_scale = x.abs().amax(1) / 127
-    assert torch.equal(scale, ref_scale)
-    inv = torch.where(x.abs().amax(1) > 0, 127 / x.abs().amax(1), torch.zeros(()))
-    assert torch.equal(q, torch.round(x * inv[:, None]).to(torch.int8))
-    strided = torch.randn(9, 150, generator=g)[:, :75]  # rows 150 apart: the row stride is honoured
-    assert strided.stride() == (150, 1)
-    q2, s2 = int8_rows_cpu.quantize_rows(strided, isa=isa)
-    assert torch.equal(s2, strided.abs().amax(1) / 127)
-    assert torch.equal(q2, torch.round(strided / s2[:, None]).to(torch.int8))
-    w_scale = torch.rand(37, generator=g) + 0.5
-    bias = torch.randn(37, generator=g)
-    acc = torch.randint(-50000, 50000, (21, 37), generator=g, dtype=torch.int32)
-    ref = acc.double() * (scale.double()[:, None] * w_scale.double()) + bias.double()
-    for act, f in (("none", lambda t: t), ("relu", torch.relu), ("gelu", torch.nn.functional.gelu)):
-        got = int8_rows_cpu.dequantize_rows(acc.clone(), scale, w_scale, bias, act, isa=isa)
-        assert got.dtype == torch.float32 and got.shape == (21, 37)
-        assert torch.allclose(got.double(), f(ref), rtol=1e-6, atol=1e-6), act
-    got = int8_rows_cpu.dequantize_rows(acc.clone(), scale, w_scale, None, isa=isa)
-    assert torch.allclose(got.double(), acc.double() * (scale.double()[:, None] * w_scale.double()), rtol=1e-6)
-
-
-@pytest.mark.parametrize("isa", build.host_isas())
-@pytest.mark.parametrize("rows", [1, 7, 19])
-def test_int8_panel_matmul_matches_the_int8_linear(monkeypatch, isa, rows):
-    """The fused decode step's int8 matmul (small_linear_int8_cpu: VNNI on the
-    AVX-512 build, plain C on the others) gives the op-by-op int8 linear's values:
-    the same int8 products, the scales' float32 rounding aside; widths that leave
-    partial panels and quads."""
-    from encdec.kernels.cpu import small_linear_int8_cpu
-
-    monkeypatch.setenv(build.ISA_ENV, isa)
-    assert small_linear_int8_cpu.path(isa) == ("avx512_vnni" if isa == "avx512" else "none")
-    lin, _, _ = _linear(70, 45, seed=rows)
-    lin.quantize_int8("onednn")  # the int8 weight and scales; the op-by-op path is not run here
-    packed = small_linear_int8_cpu.pack(lin.weight, lin.weight_scale)
-    x = torch.randn(rows, 70, generator=torch.Generator().manual_seed(2)) * 3
-    scale = x.abs().amax(1, keepdim=True) / 127
-    exact = torch.round(x / scale).double() @ lin.weight.double().T * scale.double() * lin.weight_scale.double()
-    for post, f in (("none", lambda t: t), ("relu", torch.relu), ("gelu", torch.nn.functional.gelu)):
-        got = small_linear_int8_cpu.small_linear_int8(x, packed, lin.bias, post=post, isa=isa)
-        assert got is not None and got.shape == (rows, 45)
-        torch.testing.assert_close(got.double(), f(exact + lin.bias.double()), atol=1e-5, rtol=1e-5)
-
-
 def test_onednn_int8_is_chosen_only_where_exact():
     """The oneDNN path needs exact int32 sums: the probe's answer and the path agree."""
     a = torch.full((1, 64), 127, dtype=torch.int8)

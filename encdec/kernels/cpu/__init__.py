@@ -11,7 +11,8 @@ Every wrapper has the same contract:
   kernel declines every call there (no compiler, ``ENCDEC_DISABLE_C_KERNELS=1``,
   or no portable path). ``available(isa)`` is ``path(isa) != "torch"``.
 - one main call (``dense_attention``, ``paged_decode_attention``,
-  ``small_linear``, ``greedy_logprobs``, ``whisper_rules``, ``decode_step``)
+  ``small_linear``, ``small_linear_int8``, ``quantize_rows``, ``greedy_logprobs``,
+  ``whisper_rules``, ``decode_step``)
   that returns None, having done nothing, to decline: the caller then runs
   its torch path.
 
@@ -27,5 +28,9 @@ The kernels, and who calls them:
 - ``small_linear_cpu``: x W^T + b for a decode step's few rows; ``models.layers.Linear``
 - ``greedy_cpu``: the greedy token, its log-prob and rank; ``sample.sampler``
 - ``whisper_rules_cpu``: Whisper's logits rules; ``models.whisper_processors``
-- ``decoder_step_cpu``: every Whisper decoder layer of a decode step; ``models.whisper``
+- ``decoder_step_cpu``: every pre-norm decoder layer of a decode step (float32 or int8
+  matmuls); ``models.layers.FusedDecodeStep``
+- ``int8_rows_cpu``: per-row quantization before, and dequantization after, an int8
+  matmul; ``models.layers.Linear`` (``quantization="int8"``)
+- ``small_linear_int8_cpu``: the decode step's int8 matmul (VNNI); ``decoder_step_cpu``
 """

@@ -11,7 +11,8 @@ and the model runs its layers op by op (logged once).
 int8 decoder weights (``quantization="int8"``) run in the same step on CPUs with
 AVX512-VNNI (``small_linear_int8_cpu.vnni_available``): the matmuls read a
 quarter of the bytes. Measured on tiny.en, a 6-minute file sequentially (Xeon
-AVX-512 VNNI, 2 threads): INT8_STEP_FIGURES. Elsewhere int8 decoder weights would
+AVX-512 VNNI, 2 threads, 840 steps of one row): the steps 1.26 -> 0.76 s, the
+run 5.0 -> 4.3 s (float32 decoder weights in the step before). Elsewhere int8 decoder weights would
 run op by op, slower than float32 in this step, so ``quantization.quantize``
 keeps them float32 there.
 """

@@ -20,11 +20,11 @@ from encdec.kernels.cpu import build
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FALLBACK = "int8 linears quantize and dequantize in torch ops (slower)"
-_QUANTIZE = build.Kernel("int8_rows_cpu.c", "quantize_rows_s8", [_P, _I64, _I64, _I64, _P, _P, _INT], None,
+_KERNEL = build.Kernel("int8_rows_cpu.c", "quantize_rows_s8", [_P, _I64, _I64, _I64, _P, _P, _INT], None,
                          _FALLBACK, path_symbol="int8_rows_path")
 _DEQUANTIZE = build.Kernel("int8_rows_cpu.c", "dequantize_rows", [_P, _I64, _I64, _P, _P, _P, _INT, _INT], None,
                            _FALLBACK, path_symbol="int8_rows_path")
-available, path = _QUANTIZE.available, _QUANTIZE.path
+available, path = _KERNEL.available, _KERNEL.path
 ACTS = {"none": 0, "gelu": 1, "relu": 3}  # small_linear_cpu.POST's codes
 
 
@@ -32,7 +32,7 @@ def quantize_rows(x: torch.Tensor, *, threads: int | None = None, isa: str | Non
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(R, K) float32 -> (int8 (R, K), float32 scales (R,)): each row on its own
     symmetric scale, ``max |row| / 127``; None where the kernel is not built."""
-    kernel = _QUANTIZE.function(isa)
+    kernel = _KERNEL.function(isa)
     if kernel is None:
         return None
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2

@@ -20,10 +20,12 @@
  * the value the op-by-op path (torch._int_mm on the same int8) gives, up to
  * float32 rounding of the scale products.
  *
- * Paths: AVX-512 VNNI (vpdpbusd: 4 byte products a lane, summed in int32, no
- * saturation), built for the CPUs that have it (a target attribute; the
- * caller checks the CPU); plain C elsewhere, for tests only (decoder_step_cpu.py
- * keeps float32 decoder weights where VNNI is missing).
+ * Paths: AVX-512 VNNI on the AVX-512 build, AVX-VNNI on the AVX2 build
+ * (vpdpbusd: 4 byte products a lane, summed in int32, no saturation), each
+ * compiled by a target attribute for the CPUs that have it (the caller checks
+ * the CPU: small_linear_int8_cpu.vnni_available); plain C on the portable
+ * build, for tests only (decoder_step_cpu.py keeps float32 decoder weights in
+ * the step where VNNI is missing: the AVX2 path without VNNI saturates 16 bits).
  */
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +35,10 @@
 
 #if defined(__AVX512F__)
 #define INT8_TARGET __attribute__((target("avx512vnni")))
-const char *small_linear_int8_path(void) { return "avx512_vnni"; }
+const char *small_linear_int8_path(void) { return "avx512"; } /* with AVX512-VNNI */
+#elif defined(__AVX2__)
+#define INT8_TARGET __attribute__((target("avxvnni")))
+const char *small_linear_int8_path(void) { return "avx2"; } /* with AVX-VNNI */
 #else
 #define INT8_TARGET
 const char *small_linear_int8_path(void) { return "none"; }
@@ -79,6 +84,28 @@ static inline __attribute__((always_inline)) INT8_TARGET void tile_i8(const int 
         _mm512_storeu_si512((void *)tot[i], acc[i][0]);
         _mm512_storeu_si512((void *)(tot[i] + 16), acc[i][1]);
     }
+#elif defined(__AVX2__)
+    /* 12 accumulators, 3 broadcasts and one weight vector at a time: the 16 ymm
+     * registers (small_linear_cpu.c's AVX2 tile) */
+    __m256i acc[MR_MAX][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+    for (int64_t kq = 0; kq < K4; kq++) {
+        _mm_prefetch((const char *)(wp + (kq + 16) * 4 * PW), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + (kq + 16) * 4 * PW + 64), _MM_HINT_T0);
+        __m256i xb[MR_MAX];
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, xq + i * ldq + 4 * kq, sizeof quad);
+            xb[i] = _mm256_set1_epi32(quad);
+        }
+        for (int j = 0; j < 4; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + kq * 4 * PW + 32 * j));
+            for (int i = 0; i < MR; i++) acc[i][j] = _mm256_dpbusd_avx_epi32(acc[i][j], xb[i], w);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(tot[i] + 8 * j), acc[i][j]);
 #else
     for (int i = 0; i < MR; i++) {
         for (int c = 0; c < PW; c++) tot[i][c] = 0;

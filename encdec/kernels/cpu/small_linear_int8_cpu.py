@@ -2,10 +2,11 @@
 with int8 weights (``quantization="int8"``), from a weight packed once
 (``pack``); the fused decode step (``decoder_step_cpu``) runs it per layer.
 
-``path(isa)`` is "avx512_vnni" for the AVX-512 build (its caller checks the CPU
-has VNNI: ``vnni_available``) and "none" (plain C) for the others, which the
-engine does not run (the decoder keeps float32 weights in the fused step there)
-and the tests do.
+``path(isa)``: "avx512" (with AVX512-VNNI), "avx2" (with AVX-VNNI), or "none"
+(plain C). The vector builds need their VNNI, which their caller checks
+(``vnni_available``); the engine runs none of them where it is missing, nor the
+portable build (the decoder keeps float32 weights in the fused step there); the
+tests run them all.
 """
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ PANEL = small_linear_cpu.PANEL
 _KERNEL = build.Kernel("small_linear_int8_cpu.c", "small_linear_int8",
                        [_P] * 6 + [_I64] * 3 + [ctypes.c_int, _P, ctypes.c_int], None,
                        "int8 decoder weights run op by op", path_symbol="small_linear_int8_path")
-path = _KERNEL.path
+available, path = _KERNEL.available, _KERNEL.path
+
+
+_VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}  # a vector path -> the CPU flag it needs
 
 
 def vnni_available(isa: str | None = None) -> bool:
-    """Whether the int8 panel matmul runs VNNI here: the AVX-512 build on a CPU with AVX512-VNNI."""
-    return _KERNEL.path(isa) == "avx512_vnni" and "avx512_vnni" in build.cpu_flags()
+    """Whether the int8 panel matmul runs VNNI here: the AVX-512 build on a CPU
+    with AVX512-VNNI, or the AVX2 build on one with AVX-VNNI."""
+    return _VNNI_FLAG.get(_KERNEL.path(isa), "-") in build.cpu_flags()
 
 
 @dataclass(frozen=True)
