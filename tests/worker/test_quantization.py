@@ -68,6 +68,21 @@ def test_int8_linear_within_its_quantization_bound(monkeypatch, isa, path, rows)
     assert torch.equal(lin(loud).double()[0], got[0])
 
 
+def test_int8_linear_without_the_c_row_passes_gives_the_same_values(monkeypatch):
+    """No compiler: the oneDNN path's row passes run in torch ops, the same values
+    up to float32 rounding of the scale products."""
+    from encdec.kernels.cpu import int8_rows_cpu
+
+    lin, _, _ = _linear(96, 200, seed=4)
+    lin.quantize_int8("onednn")
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(3)) * 2
+    with_c = {act: lin.forward_act(x, act) for act in ("none", "relu", "gelu")}
+    monkeypatch.setattr(int8_rows_cpu, "quantize_rows", lambda *a, **k: None)
+    monkeypatch.setattr(int8_rows_cpu, "dequantize_rows", lambda *a, **k: None)
+    for act, ref in with_c.items():
+        torch.testing.assert_close(lin.forward_act(x, act), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_onednn_int8_is_chosen_only_where_exact():
     """The oneDNN path needs exact int32 sums: the probe's answer and the path agree."""
     a = torch.full((1, 64), 127, dtype=torch.int8)

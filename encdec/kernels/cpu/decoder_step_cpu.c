@@ -206,6 +206,19 @@ static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int
     for (int64_t m = r0; m < r1; m++) quantize_row_u8(x + m * ldx, K, s->xq + m * ldq, s->rs + m);
 }
 
+/* x = LN(h) for rows [r0, r1), and the rows quantized for an int8 matmul. */
+static void norm_rows(const step_t *s, const float *w, const float *b, int64_t r0, int64_t r1) {
+    layer_norm_rows(s->x, s->h, w, b, r0, r1, s->d, s->eps);
+    quantize_step_rows(s, s->x, s->d, s->d, r0, r1);
+}
+
+/* Row m of an attention's output a from its parts, and the row quantized for an int8 matmul. */
+static void join_rows(const step_t *s, const int32_t *lens, int64_t m) {
+    const int64_t d = s->d;
+    join_row(s->a + m * d, s->part, m, lens[m], s->H, d / s->H, s->C);
+    quantize_step_rows(s, s->a, d, d, m, m + 1);
+}
+
 /* Item i of y = post(x W^T + b), x (M, K): float32 (W packed in panels), or
  * int8 (QW) from the rows quantize_step_rows made of x. */
 static void step_matmul(const step_t *s, int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx,
@@ -223,7 +236,7 @@ static void step_job(void *arg, int tid) {
     float *scores = s->scores_all + tid * s->scores_size;
     const int64_t M = s->M, d = s->d, H = s->H, D = d / H, ffn = s->ffn, block_size = s->block_size, C = s->C;
     const int64_t rows_items = (M + ROWS_ITEM - 1) / ROWS_ITEM;
-    const float eps = s->eps, scale = s->scale;
+    const float scale = s->scale;
     team_t *team = &s->team;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const layer_t *w = s->layers + l;
@@ -231,10 +244,7 @@ static void step_job(void *arg, int tid) {
 #define QW(name) (qw ? &qw->name : NULL)
         const int p = (int)(l * PHASES);
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
-        TEAM_PHASE(team, p + LN1, rows_items, {
-            layer_norm_rows(x, h, w->ln1_w, w->ln1_b, ROWS(i), d, eps);
-            quantize_step_rows(s, x, d, d, ROWS(i));
-        });
+        TEAM_PHASE(team, p + LN1, rows_items, norm_rows(s, w->ln1_w, w->ln1_b, ROWS(i)));
         TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
                    step_matmul(s, i, qkv, 3 * d, x, d, w->qkv_w, QW(qkv), w->qkv_b, d, 3 * d, POST_NONE));
         TEAM_PHASE(team, p + KV_COPY, M, {
@@ -244,31 +254,19 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
                    attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
                                s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
-        TEAM_PHASE(team, p + SELF_JOIN, M, {
-            join_row(a + i * d, part, i, s->self_lens[i], H, D, C);
-            quantize_step_rows(s, a, d, d, i, i + 1);
-        });
+        TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
         TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN2, rows_items, {
-            layer_norm_rows(x, h, w->ln2_w, w->ln2_b, ROWS(i), d, eps);
-            quantize_step_rows(s, x, d, d, ROWS(i));
-        });
+        TEAM_PHASE(team, p + LN2, rows_items, norm_rows(s, w->ln2_w, w->ln2_b, ROWS(i)));
         TEAM_PHASE(team, p + Q, matmul_items(d),
                    step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
                                s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C));
-        TEAM_PHASE(team, p + CROSS_JOIN, M, {
-            join_row(a + i * d, part, i, s->cross_lens[i], H, D, C);
-            quantize_step_rows(s, a, d, d, i, i + 1);
-        });
+        TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
         TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN3, rows_items, {
-            layer_norm_rows(x, h, w->ln3_w, w->ln3_b, ROWS(i), d, eps);
-            quantize_step_rows(s, x, d, d, ROWS(i));
-        });
+        TEAM_PHASE(team, p + LN3, rows_items, norm_rows(s, w->ln3_w, w->ln3_b, ROWS(i)));
         TEAM_PHASE(team, p + FC1, matmul_items(ffn),
                    step_matmul(s, i, f, ffn, x, d, w->fc1_w, QW(fc1), w->fc1_b, d, ffn, s->ffn_post));
         TEAM_PHASE(team, p + QF, s->qlayers ? rows_items : 0, quantize_step_rows(s, f, ffn, ffn, ROWS(i)));

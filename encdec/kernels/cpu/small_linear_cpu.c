@@ -68,6 +68,23 @@ enum { POST_NONE = 0, POST_GELU = 1, POST_ADD = 2, POST_RELU = 3 };
 
 const char *small_linear_path(void) { return VM_PATH; }
 
+/* CALL(MR) with MR = rows (1 .. MR_MAX), a constant per case: the tile's
+ * accumulators then stay in registers. */
+#if MR_MAX >= 8
+#define ROWS_8_TO_5(CALL) case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; \
+    case 5: CALL(5); break;
+#else
+#define ROWS_8_TO_5(CALL)
+#endif
+#if MR_MAX >= 4
+#define ROWS_4(CALL) case 4: CALL(4); break;
+#else
+#define ROWS_4(CALL)
+#endif
+#define SWITCH_ROWS(rows, CALL) \
+    switch (rows) { ROWS_8_TO_5(CALL) ROWS_4(CALL) case 3: CALL(3); break; case 2: CALL(2); break; \
+                    default: CALL(1); break; }
+
 /* tot[i][0..32) = sum_k x[i][k] wp[k][0..32) for i < MR. */
 static inline __attribute__((always_inline)) void tile(const int MR, float tot[][PW], const float *x,
                                                        int64_t ldx, const float *wp, int64_t K) {
@@ -174,20 +191,9 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
             const int rows = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
             const float *xr = x + m0 * ldx;
-            switch (rows) { /* a constant MR per case keeps the tile in registers */
-#if MR_MAX >= 8
-            case 8: tile(8, tot, xr, ldx, w, K); break;
-            case 7: tile(7, tot, xr, ldx, w, K); break;
-            case 6: tile(6, tot, xr, ldx, w, K); break;
-            case 5: tile(5, tot, xr, ldx, w, K); break;
-#endif
-#if MR_MAX >= 4
-            case 4: tile(4, tot, xr, ldx, w, K); break;
-#endif
-            case 3: tile(3, tot, xr, ldx, w, K); break;
-            case 2: tile(2, tot, xr, ldx, w, K); break;
-            default: tile(1, tot, xr, ldx, w, K); break;
-            }
+#define TILE_F32(MR) tile(MR, tot, xr, ldx, w, K)
+            SWITCH_ROWS(rows, TILE_F32);
+#undef TILE_F32
             write_tile(tot, rows, cols, y + m0 * ldy + n0, ldy, b ? b + n0 : NULL, post);
         }
     }

@@ -131,20 +131,9 @@ static INT8_TARGET void panel_range_i8(float *y, int64_t ldy, const uint8_t *xq,
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
             const int rows = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
             const uint8_t *xr = xq + m0 * ldq;
-            switch (rows) { /* a constant MR per case keeps the tile in registers */
-#if MR_MAX >= 8
-            case 8: tile_i8(8, acc, xr, ldq, wp, K4); break;
-            case 7: tile_i8(7, acc, xr, ldq, wp, K4); break;
-            case 6: tile_i8(6, acc, xr, ldq, wp, K4); break;
-            case 5: tile_i8(5, acc, xr, ldq, wp, K4); break;
-#endif
-#if MR_MAX >= 4
-            case 4: tile_i8(4, acc, xr, ldq, wp, K4); break;
-#endif
-            case 3: tile_i8(3, acc, xr, ldq, wp, K4); break;
-            case 2: tile_i8(2, acc, xr, ldq, wp, K4); break;
-            default: tile_i8(1, acc, xr, ldq, wp, K4); break;
-            }
+#define TILE_I8(MR) tile_i8(MR, acc, xr, ldq, wp, K4)
+            SWITCH_ROWS(rows, TILE_I8);
+#undef TILE_I8
             for (int i = 0; i < rows; i++)
                 for (int c = 0; c < PW; c++)
                     tot[i][c] = (float)(acc[i][c] - w->comp[n0 + c]) * (rs[m0 + i] * w->ws[n0 + c]);
