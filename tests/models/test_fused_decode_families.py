@@ -61,14 +61,17 @@ def test_post_norm_families_run_op_by_op(make, tmp_path):
     assert model.fused_decode is False
 
 
-def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch):
-    """quantization="int8" on a CPU with VNNI: the fused step runs the decoder's
-    int8 weights (small_linear_int8_cpu), with the same tokens as the int8 layers
-    op by op (the same int8 products; float32 rounding of the scales differs)."""
+@pytest.mark.parametrize("isa", build.host_isas())
+def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch, isa):
+    """quantization="int8" where the kernels' ISA has VNNI: the fused step runs the
+    decoder's int8 weights (small_linear_int8_cpu), with the same tokens as the
+    int8 layers op by op (the same int8 products; float32 rounding of the scales differs)."""
     from encdec.kernels.cpu import small_linear_int8_cpu
 
+    monkeypatch.setenv(build.ISA_ENV, isa)
     if not small_linear_int8_cpu.vnni_available():
-        pytest.skip("the fused int8 step needs AVX512-VNNI (this CPU keeps float32 decoder weights in the step)")
+        pytest.skip(f"the fused int8 step needs VNNI on the {isa} path (AVX512-VNNI, AVX-VNNI); "
+                    "without it the decoder keeps float32 weights in the step")
     llm = LLM(make_random_m2m100(str(tmp_path / "m"), seed=1), kv_cache_memory=32 << 20,
               enable_encoder_cache=False, quantization="int8")
     model = llm.llm_engine.worker.model
