@@ -14,7 +14,8 @@ With ``--compute-type int8`` (or ``bfloat16``) our run takes ``quantization="int
 (``dtype="bfloat16"``); our float32 run and CTranslate2 (if installed) at that
 ``compute_type`` on the same weights, in padded batches as HF, are timed beside
 it, with the share of tokens equal to our float32 run's (random weights: a
-test of agreement, not of quality).
+test of agreement, not of quality). With ``--family``, ``--compute-type int8``
+runs ours int8 against HF float32 and CTranslate2 int8.
 
 With ``--background-load N`` both sides also run with N busy processes taking
 cores, printed beside the idle figures.
@@ -184,10 +185,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap = _parser(prog)
     args = ap.parse_args(argv)
-    if args.family != "bart" and (args.beams > 1 or args.compute_type != "float32" or args.background_load
+    if args.family != "bart" and (args.beams > 1 or args.compute_type == "bfloat16" or args.background_load
                                   or args.repeats > 1 or args.profile):
-        ap.error("--family other than bart runs greedy float32 once, idle: no --beams, --compute-type, "
-                 "--background-load, --repeats or --profile")
+        ap.error("--family other than bart runs greedy once, idle, float32 or int8: no --beams, "
+                 "--compute-type bfloat16, --background-load, --repeats or --profile")
     levels = load_levels(args.background_load)
 
     import torch
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, "
               f"output tokens {sum(out_lens)}, threads {torch.get_num_threads()}, {allocator_for_both_sides()}")
         print(isa_header())
-        run_family_bench(args.family, model_dir, (enc, out_lens), hf_batch=args.hf_batch, skip_hf=args.skip_hf)
+        run_family_bench(args.family, model_dir, (enc, out_lens), hf_batch=args.hf_batch, skip_hf=args.skip_hf,
+                         compute_type=args.compute_type)
         return
     from encdec.testing import make_random_bart
 

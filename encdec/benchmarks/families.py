@@ -82,32 +82,37 @@ def run_hf_family(model_dir: str, enc, out_lens, batch: int, pad: int) -> tuple[
     return useful, time.perf_counter() - t0
 
 
-def run_family_bench(family: str, model_dir: str, enc_out, *, hf_batch: int, skip_hf: bool) -> None:
+def run_family_bench(family: str, model_dir: str, enc_out, *, hf_batch: int, skip_hf: bool,
+                     compute_type: str = "float32") -> None:
     """Ours, HF's and CTranslate2's tokens/s on one family's ``model_dir``
-    (``family_checkpoint``), and the ratios."""
+    (``family_checkpoint``), and the ratios. ``compute_type`` "int8": ours with
+    ``quantization="int8"`` and CTranslate2 int8 (HF stays float32)."""
+    from encdec.engine.arg_utils import compute_type_options
+
     from .bart_bench import run_ct2, run_ours
 
     fam = FAMILIES[family]
     enc, out_lens = enc_out
+    ct = "" if compute_type == "float32" else f" {compute_type}"
     print(f"family {family}: random weights at {fam.checkpoint}")
     with OtherCPUMonitor() as mon:
-        useful, t_ours = run_ours(model_dir, enc, out_lens, False)
+        useful, t_ours = run_ours(model_dir, enc, out_lens, False, compute_type_options(compute_type))
     ours = useful / t_ours
-    print(f"{load_label(0)} encdec: {useful} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; {mon.summary()}")
+    print(f"{load_label(0)} encdec{ct}: {useful} tokens in {t_ours:.1f} s = {ours:.1f} tok/s; {mon.summary()}")
     if not skip_hf:
         with OtherCPUMonitor() as mon:
             useful_hf, t_hf = run_hf_family(model_dir, enc, out_lens, hf_batch, fam.pad)
         hf = useful_hf / t_hf
         print(f"HF generate (batches of {hf_batch}): {useful_hf} tokens in {t_hf:.1f} s = {hf:.1f} tok/s; "
               f"{mon.summary()}")
-        print(f"ratio encdec / HF: {ours / hf:.2f}x (target >= 3)")
+        print(f"ratio encdec{ct} / HF: {ours / hf:.2f}x" + (" (target >= 3)" if not ct else ""))
     try:
         with OtherCPUMonitor() as mon:
-            useful_ct2, t_ct2, _ = run_ct2(model_dir, enc, out_lens, hf_batch, "float32", prefix=())
+            useful_ct2, t_ct2, _ = run_ct2(model_dir, enc, out_lens, hf_batch, compute_type, prefix=())
     except ImportError:
         print("ctranslate2 not installed: its row skipped")
         return
     ct2 = useful_ct2 / t_ct2
-    print(f"CTranslate2 float32 (batches of {hf_batch}): {useful_ct2} tokens in {t_ct2:.1f} s = {ct2:.1f} tok/s; "
-          f"{mon.summary()}")
-    print(f"ratio encdec / CTranslate2: {ours / ct2:.2f}x (target >= 1.5)")
+    print(f"CTranslate2 {compute_type} (batches of {hf_batch}): {useful_ct2} tokens in {t_ct2:.1f} s = "
+          f"{ct2:.1f} tok/s; {mon.summary()}")
+    print(f"ratio encdec{ct} / CTranslate2{ct}: {ours / ct2:.2f}x (target >= 1.5)")
