@@ -367,7 +367,7 @@ def load_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], r
 
 class FusedDecodeStep:
     """For a model whose ``decoder.layers`` are pre-norm layers (Whisper's; the
-    pre-norm BART families'): a decode-only CPU step runs every layer in one C
+    pre-norm BART families'; T5's non-gated ones): a decode-only CPU step runs every layer in one C
     call (``decoder_step_cpu``: the same math, one parallel region, no per-op
     overhead). ``fused_decode`` False runs them op by op (tests compare the two);
     ``fused_activation`` names the FFN's activation. The weights are checked,
@@ -378,14 +378,22 @@ class FusedDecodeStep:
     _fused_weights: Any = None  # decoder_step_cpu.DecoderWeights, or None: the kernel cannot run these weights
     _fused_checked: bool = False
 
-    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> bool:
-        """``h`` updated in place by every decoder layer; False, having done
-        nothing, where that does not apply."""
+    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata,
+                           position_bias: PositionBias | None = None) -> bool:
+        """``h`` updated in place by every decoder layer (T5: ``position_bias`` in
+        self-attention); False, having done nothing, where that does not apply."""
         if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
             return False
         if not self._fused_checked:
             self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers), self.fused_activation)
             self._fused_checked = True
-        return self._fused_weights is not None and decoder_step_cpu.decode_step(
+        if self._fused_weights is None:
+            return False
+        table = None
+        if position_bias is not None:
+            from encdec.attention.backends.torch_sdpa import distance_table
+
+            table = distance_table(position_bias, md.decode_metadata.max_decode_seq_len)
+        return decoder_step_cpu.decode_step(
             h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
-            md.cross_block_tables, md.encoder_seq_lens_tensor) is not None
+            md.cross_block_tables, md.encoder_seq_lens_tensor, position_bias=table) is not None

@@ -33,7 +33,8 @@ from torch import nn
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
 from encdec.models.bart import BartForConditionalGeneration
-from encdec.models.layers import FUSED_ACTIVATIONS, Linear, MultiHeadAttention, load_fused
+from encdec.kernels.cpu import decoder_step_cpu
+from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 
 DEFAULT_MAX_POSITIONS = 512  # T5's training length; a checkpoint's n_positions wins
 # Relative positions have no table to run out of: ``max_model_len`` may exceed the
@@ -213,8 +214,10 @@ def rename(name: str) -> str | None:
     return f"{side}.{rest}"
 
 
-class T5ForConditionalGeneration(nn.Module):
-    """Runner-facing interface as ``BartForConditionalGeneration``'s."""
+class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
+    """Runner-facing interface as ``BartForConditionalGeneration``'s. Decode steps
+    run every decoder layer in one C call (``FusedDecodeStep``) where the FFN is
+    not gated and its activation one the kernel runs (T5's ReLU; not v1.1's gated GELU)."""
 
     build_encoder_inputs = BartForConditionalGeneration.build_encoder_inputs
 
@@ -233,6 +236,8 @@ class T5ForConditionalGeneration(nn.Module):
         self.num_cache_layers = cfg.num_decoder_layers
         self.num_kv_heads = cfg.num_heads
         self.head_size = cfg.d_kv
+        self.fused_decode = not cfg.is_gated_act and cfg.dense_act_fn in decoder_step_cpu.ACTIVATIONS
+        self.fused_activation = cfg.dense_act_fn
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         h = self.shared(ids)  # (num_encoder_tokens, d_model)
@@ -249,6 +254,8 @@ class T5ForConditionalGeneration(nn.Module):
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
         h = self.shared(input_ids)  # (num_tokens, d_model)
         bias = self.decoder.position_bias()
+        if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata, bias):
+            return self.decoder.final_layer_norm(h)
         for i, layer in enumerate(self.decoder.layers):
             h = layer(h, kv_caches[i], attn_metadata, enc, bias)
         return self.decoder.final_layer_norm(h)

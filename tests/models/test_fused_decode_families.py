@@ -1,7 +1,9 @@
 """The pre-norm BART families (mBART: GELU; M2M100 and NLLB: ReLU) have Whisper's
-decoder layer, so their decode-only CPU steps run every layer in one C call
+decoder layer, and T5's (ReLU, RMSNorm, no biases, a position bias) is the same
+with those changes, so their decode-only CPU steps run every layer in one C call
 (``decoder_step_cpu``): the same tokens and log-probabilities as op by op, for
-each ISA build this CPU runs. Post-norm families (BART, Marian) run op by op."""
+each ISA build this CPU runs. Post-norm families (BART, Marian) and T5 v1.1's
+gated FFN run op by op."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +11,15 @@ import torch
 
 from encdec import LLM, SamplingParams, TokensPrompt
 from encdec.kernels.cpu import build, decoder_step_cpu
-from encdec.testing import make_random_bart, make_random_marian, make_random_mbart, make_random_m2m100
+from encdec.testing import make_random_bart, make_random_marian, make_random_mbart, make_random_m2m100, make_random_t5
 
-PRE_NORM = {"m2m100": (make_random_m2m100, "relu"), "mbart": (make_random_mbart, "gelu")}
+
+def _t5(path: str, seed: int) -> str:
+    # 4 heads x 16 = d_model, the kernel's shape; at 1.5x T5's init (5x amplifies float32 rounding)
+    return make_random_t5(path, seed=seed, d_kv=16, init_factor=1.5)
+
+
+PRE_NORM = {"m2m100": (make_random_m2m100, "relu"), "mbart": (make_random_mbart, "gelu"), "t5": (_t5, "relu")}
 
 
 @pytest.fixture(scope="module", params=sorted(PRE_NORM))
@@ -55,10 +63,19 @@ def test_pre_norm_families_decode_in_one_call(family, isa, monkeypatch):
         torch.testing.assert_close(torch.tensor(lp_f), torch.tensor(lp_o), atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("make", [make_random_bart, make_random_marian])
-def test_post_norm_families_run_op_by_op(make, tmp_path):
+@pytest.mark.parametrize("make", [make_random_bart, make_random_marian,
+                                  lambda p: make_random_t5(p, style="t5-v1.1", d_kv=16)])
+def test_post_norm_families_and_gated_t5_run_op_by_op(make, tmp_path):
     model = LLM(make(str(tmp_path / "m")), kv_cache_memory=16 << 20).llm_engine.worker.model
     assert model.fused_decode is False
+
+
+def test_t5_with_heads_narrower_than_d_model_runs_op_by_op(tmp_path):
+    """flan-t5-small's shape (heads x d_kv != d_model): the kernel declines it."""
+    llm = LLM(make_random_t5(str(tmp_path / "m"), d_kv=12), kv_cache_memory=16 << 20)
+    model = llm.llm_engine.worker.model
+    assert model.fused_decode is True
+    assert _run(llm, True) and model._fused_checked and model._fused_weights is None
 
 
 @pytest.mark.parametrize("isa", build.host_isas())

@@ -30,6 +30,11 @@
  * The BART-layout pre-norm families (mBART, M2M100, NLLB) have Whisper's
  * layer, biases included; they differ in the activation alone.
  *
+ * T5's layer (rms_norm, no biases: NULL, scale 1, a ReLU FFN) is the same
+ * layer with RMSNorm (x * rsqrt(mean(x^2) + eps) * w, no mean, no bias) and
+ * its relative position bias in self-attention (a per-step distance table,
+ * paged_attention_cpu.c's header).
+ *
  * int8 weights (quantization="int8", qlayers given): each matmul's input rows
  * are quantized where they are made (the LayerNorm and join phases, and one
  * phase after fc1) and the matmuls run small_linear_int8_cpu.c. Measured
@@ -60,6 +65,18 @@ typedef struct {
 typedef struct {
     qlinear_t qkv, o1, q, o2, fc1, fc2;
 } qlayer_t;
+
+/* x = RMSNorm(h) for rows [r0, r1); (M, d): T5's, the mean square summed in double. */
+static void rms_norm_rows(float *x, const float *h, const float *w, int64_t r0, int64_t r1, int64_t d, float eps) {
+    for (int64_t m = r0; m < r1; m++) {
+        const float *hr = h + m * d;
+        float *xr = x + m * d;
+        double sq = 0.0;
+        for (int64_t i = 0; i < d; i++) sq += (double)hr[i] * hr[i];
+        const float rstd = (float)(1.0 / sqrt(sq / (double)d + (double)eps));
+        for (int64_t i = 0; i < d; i++) xr[i] = w[i] * (hr[i] * rstd);
+    }
+}
 
 /* x = LN(h) for rows [r0, r1); (M, d). */
 static void layer_norm_rows(float *x, const float *h, const float *w, const float *b, int64_t r0, int64_t r1,
@@ -124,11 +141,12 @@ static int64_t list_items(int64_t *items, const int32_t *lens, const int64_t *le
  * it leads (each slot's K and V read once for all of them), not yet normalised,
  * into their parts: part (m, c) at part + (m * C + c) * (H D + 2 H) holds
  * o (H, D), mx (H), sum (H) (attend_range). q rows lie q_stride apart;
- * scores: this thread's scratch, CHUNK * H * GROUP_MAX floats. */
+ * scores: this thread's scratch, CHUNK * H * GROUP_MAX floats. bias: a
+ * distance table (H, bias_stride) for self-attention (no leader), or NULL. */
 static void attend_item(int64_t item, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
                         int64_t M, int64_t H, int64_t D, int64_t block_size, float scale, float *scores,
-                        float *part, int64_t C) {
+                        float *part, int64_t C, const float *bias, int64_t bias_stride) {
     const int64_t stride = H * D + 2 * H, l = item / C, c = item % C;
     const int32_t t0 = (int32_t)(c * CHUNK), t1 = (int32_t)(t0 + CHUNK < lens[l] ? t0 + CHUNK : lens[l]);
     const int32_t *table = tables + l * table_stride;
@@ -142,13 +160,14 @@ static void attend_item(int64_t item, const float *q, int64_t q_stride, const fl
         sum[G] = mx[G] + H;
         qs[G++] = q + m * q_stride;
         if (G == GROUP_MAX) {
-            attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx,
-                         sum);
+            attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale,
+                                scores, mx, sum, bias, bias_stride, lens[l] - 1);
             G = 0;
         }
     }
     if (G)
-        attend_range(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx, sum);
+        attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores,
+                            mx, sum, bias, bias_stride, lens[l] - 1);
 }
 
 /* Row m's attention output a (H * D) from its parts, joined in chunk order:
@@ -196,6 +215,9 @@ typedef struct {
     int64_t M, d, H, ffn, num_layers, block_size, self_stride, cross_stride, C, scores_size, n_self, n_cross;
     float eps, scale;
     int ffn_post;  /* POST_GELU or POST_RELU: fc1's activation */
+    int rms_norm;  /* T5: RMSNorm (the norms' biases unused) */
+    const float *bias;  /* T5: self-attention's distance table (H, bias_stride), or NULL */
+    int64_t bias_stride;
     team_t team;
 } step_t;
 
@@ -208,7 +230,10 @@ static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int
 
 /* x = LN(h) for rows [r0, r1), and the rows quantized for an int8 matmul. */
 static void norm_rows(const step_t *s, const float *w, const float *b, int64_t r0, int64_t r1) {
-    layer_norm_rows(s->x, s->h, w, b, r0, r1, s->d, s->eps);
+    if (s->rms_norm)
+        rms_norm_rows(s->x, s->h, w, r0, r1, s->d, s->eps);
+    else
+        layer_norm_rows(s->x, s->h, w, b, r0, r1, s->d, s->eps);
     quantize_step_rows(s, s->x, s->d, s->d, r0, r1);
 }
 
@@ -253,7 +278,8 @@ static void step_job(void *arg, int tid) {
         });
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
                    attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
-                               s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C));
+                               s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C, s->bias,
+                               s->bias_stride));
         TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
         TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
@@ -262,7 +288,7 @@ static void step_job(void *arg, int tid) {
                    step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
-                               s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C));
+                               s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C, NULL, 0));
         TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
         TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
@@ -282,14 +308,17 @@ static void step_job(void *arg, int tid) {
  * new K/V goes; self tables/lens include the new token. Runs on up to
  * num_threads threads (team.h). ffn_post: fc1's activation, POST_GELU or
  * POST_RELU. qlayers: num_layers of qlayer_t (int8 matmuls; the matmul
- * weights of layers are then not read), or NULL. Returns 0, or -1 where the
- * scratch could not be allocated, or ffn_post is neither (then nothing was done). */
+ * weights of layers are then not read), or NULL. rms_norm: T5's norms (their
+ * biases unused); bias: self-attention's distance table (H, bias_stride,
+ * bias_stride >= the longest self length), or NULL. Biases of matmuls may be
+ * NULL (none). Returns 0, or -1 where the scratch could not be allocated, or
+ * ffn_post is neither (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
-    const qlayer_t *qlayers)
+    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride)
 {
     if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
@@ -318,7 +347,7 @@ int decoder_step_f32(
         .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
-        .ffn_post = ffn_post, .qlayers = qlayers,
+        .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .bias = bias, .bias_stride = bias_stride,
         .rs = part + M * C * (d + 2 * H) + nt * scores_size,
         .xq = (uint8_t *)counters + counter_bytes,
         .team = {0, 0, counters, counters + P + 1},

@@ -32,7 +32,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # table once; past this the work buffers grow and the step runs op by op.
 MAX_ROWS = 256
 _ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int,
-         ctypes.c_int, _P]
+         ctypes.c_int, _P, ctypes.c_int, _P, _I64]
 ACTIVATIONS = {act: small_linear_cpu.POST[act] for act in ("gelu", "relu")}  # the FFN activations the kernel runs
 _KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
                        "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
@@ -54,6 +54,7 @@ class DecoderWeights:
     tensors: list[torch.Tensor]
     weight_ptrs: list[list[int]]  # per layer, 18 addresses
     int8_table: torch.Tensor | None = None  # (layers, 18) int64: the C qlayer_t array, or None (float32)
+    rms_norm: bool = False  # T5's RMSNorm (no mean, no bias) in place of LayerNorm
     _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False)
 
     def table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -67,13 +68,14 @@ class DecoderWeights:
 
 def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
     """The arguments of ``decode_step`` for ``layers`` (pre-norm decoder layers:
-    ``WhisperDecoderLayer``s, or ``BartDecoderLayer``s of a pre-norm family) whose
-    FFN applies ``activation`` (exact "gelu" or "relu"), or None where the kernel
-    cannot run them (another activation; no build; a weight not float32 (or
-    int8 from ``Linear.quantize_int8`` on a CPU with VNNI), CPU, contiguous; a
-    bias missing; layers shaped differently; self and cross attention shaped
-    differently)."""
-    if not layers or activation not in ACTIVATIONS or not available():
+    ``WhisperDecoderLayer``s, ``BartDecoderLayer``s of a pre-norm family, or
+    ``T5DecoderLayer``s with a non-gated FFN: RMSNorm, no biases) whose FFN
+    applies ``activation`` (exact "gelu" or "relu"), or None where the kernel
+    cannot run them (another activation; a gated FFN; no build; a weight not
+    float32 (or int8 from ``Linear.quantize_int8`` on a CPU with VNNI), CPU,
+    contiguous; layers shaped differently; self and cross attention shaped
+    differently; heads x head size other than d_model, as in flan-t5-small)."""
+    if not layers or activation not in ACTIVATIONS or not available() or any(_ffn(ly) is None for ly in layers):
         return None
     int8 = {getattr(m, "int8", None) is not None for layer in layers for m in _linears(layer)}
     if int8 == {True} and not small_linear_int8_cpu.vnni_available():
@@ -81,62 +83,77 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
     if len(int8) != 1:  # some int8, some not
         return None
     int8_rows = [] if int8 == {True} else None
-    tensors, ptrs, shapes = [], [], set()
+    tensors, ptrs, shapes, rms = [], [], set(), set()
     for layer in layers:
         sa, ca = layer.self_attn, layer.encoder_attn
         norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
-        mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], layer.fc1,
-                layer.fc2)
+        fc1, fc2 = _ffn(layer)
+        mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], fc1, fc2)
+        rms.update(not isinstance(n, torch.nn.LayerNorm) for n in norms)
         plain = [t for m in mods for t in ((m.bias,) if int8_rows is not None and m in _linears(layer)
-                                           else (m.weight, m.bias))]
-        if not (all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                    for t in plain)
-                and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1):
+                                           else (m.weight, getattr(m, "bias", None))) if t is not None]
+        if not (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in plain)
+                and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1
+                and len(rms) == 1 and sa.num_heads * sa.head_dim == fc2.out_features == ca.q_proj.out_features):
             return None
         row = []
         for m in mods:
-            if isinstance(m, torch.nn.LayerNorm):
+            if m in norms:
                 w = m.weight
             elif int8_rows is not None:
                 w = None  # the C step reads the int8 panels (int8_table) instead
             else:
                 w = m.panel_weight()  # shared with op by op
-            tensors += [t for t in (w, m.bias) if t is not None]
-            row += [0 if w is None else w.data_ptr(), m.bias.data_ptr()]
+            b = getattr(m, "bias", None)  # None: T5's (no biases; RMSNorm)
+            tensors += [t for t in (w, b) if t is not None]
+            row += [0 if w is None else w.data_ptr(), 0 if b is None else b.data_ptr()]
         ptrs.append(row)
         if int8_rows is not None:
             packed = [m.int8_panel_weight() for m in _linears(layer)]
             tensors += [t for pk in packed for t in (pk.wq, pk.ws, pk.comp)]
             int8_rows.append([a for pk in packed for a in pk.ptrs()])
-        shapes.add((layer.fc2.out_features, sa.num_heads, layer.fc1.out_features, norms[0].eps, sa.scale))
+        shapes.add((fc2.out_features, sa.num_heads, fc1.out_features, norms[0].eps, sa.scale))
     if len(shapes) != 1:
         return None
     d, heads, ffn, eps, scale = shapes.pop()
     table = None if int8_rows is None else torch.tensor(int8_rows, dtype=torch.int64)
-    return DecoderWeights(d, heads, ffn, eps, scale, activation, tensors, ptrs, table)
+    return DecoderWeights(d, heads, ffn, eps, scale, activation, tensors, ptrs, table, rms.pop())
+
+
+def _ffn(layer) -> tuple | None:
+    """A layer's two FFN matmuls (fc1, fc2; T5's wi, wo), or None for a gated FFN (T5 v1.1)."""
+    if hasattr(layer, "fc1"):
+        return layer.fc1, layer.fc2
+    ffn = layer.ffn
+    return None if ffn.gated else (ffn.wi, ffn.wo)
 
 
 def _linears(layer) -> tuple:
     """A layer's six matmuls, in the C qlayer_t order."""
     sa, ca = layer.self_attn, layer.encoder_attn
-    return sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, layer.fc1, layer.fc2
+    return (sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, *_ffn(layer))
 
 
 def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.Tensor],
                 slots: torch.Tensor, self_tables: torch.Tensor, self_lens: torch.Tensor,
-                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None
-                ) -> torch.Tensor | None:
+                cross_tables: torch.Tensor, cross_lens: torch.Tensor, *, isa: str | None = None,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run every layer of ``weights`` (with its cache in ``kv_caches``) on ``h``
     (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64) of
     each cache (2, blocks, block_size, H, D); self and cross tables (int32,
-    row-major) and lengths (int32) are the attention metadata's. Returns ``h``;
+    row-major) and lengths (int32) are the attention metadata's; ``position_bias``
+    (T5): self-attention's (H, >= longest self length) float32 distance table
+    (``torch_sdpa.distance_table``). Returns ``h``;
     None, having done nothing, where the step does not qualify: no build for
     ``isa``, more than ``MAX_ROWS`` rows, a cache or metadata tensor of another
     layout."""
     m = h.shape[0]
     index = (slots, self_tables, self_lens, cross_tables, cross_lens)
     if not (0 < m <= MAX_ROWS and h.is_contiguous() and len(kv_caches) == len(weights.weight_ptrs)
-            and _index_ok(m, *index) and all(_cache_ok(c, weights.num_heads) for c in kv_caches)):
+            and _index_ok(m, *index) and all(_cache_ok(c, weights.num_heads) for c in kv_caches)
+            and (position_bias is None or (position_bias.dtype == torch.float32 and position_bias.is_contiguous()
+                                           and position_bias.shape[0] == weights.num_heads
+                                           and position_bias.shape[1] >= int(self_lens.max())))):
         return None
     kernel = _KERNEL.function(isa)
     if kernel is None:
@@ -148,7 +165,9 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
         h.data_ptr(), work.data_ptr(), m, w.d, w.num_heads, w.ffn, w.eps, w.scale, table.data_ptr(),
         table.shape[0], kv_caches[0].shape[2], slots.data_ptr(), self_tables.data_ptr(), self_tables.stride(0),
         self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads,
-        ACTIVATIONS[w.activation], None if w.int8_table is None else w.int8_table.data_ptr())
+        ACTIVATIONS[w.activation], None if w.int8_table is None else w.int8_table.data_ptr(), int(w.rms_norm),
+        None if position_bias is None else position_bias.data_ptr(),
+        0 if position_bias is None else position_bias.shape[1])
     if rc != 0:
         raise MemoryError("decoder step kernel could not allocate its scratch")
     return h
