@@ -94,7 +94,7 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
                                            else (m.weight, getattr(m, "bias", None))) if t is not None]
         if not (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in plain)
                 and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1
-                and len(rms) == 1 and sa.num_heads * sa.head_dim == fc2.out_features == ca.q_proj.out_features):
+                and len(rms) == 1 and sa.qkv_proj.out_features == 3 * fc2.out_features == 3 * ca.q_proj.out_features):
             return None
         row = []
         for m in mods:
