@@ -58,9 +58,9 @@ def int8_path() -> str:
     """How int8 linears multiply here (``Linear.quantize_int8``): "onednn" where
     oneDNN's s8 x s8 matmul is exact (it runs VNNI), else fbgemm ("fbgemm-7bit"
     where the CPU lacks VNNI)."""
-    if not reduce_range() and _onednn_int8_exact():
-        return "onednn"
-    return "fbgemm-7bit" if reduce_range() else "fbgemm"
+    if reduce_range():
+        return "fbgemm-7bit"
+    return "onednn" if _onednn_int8_exact() else "fbgemm"
 
 
 @functools.cache
@@ -121,10 +121,10 @@ def fused_step_linears(model: nn.Module) -> set[int]:
     if (not getattr(model, "fused_decode", False) or not decoder_step_cpu.available()
             or small_linear_int8_cpu.vnni_available()):
         return set()
-    return {id(getattr(module, name)) for layer in model.decoder.layers
-            for module, names in ((layer.self_attn, ("qkv_proj", "out_proj")),
-                                  (layer.encoder_attn, ("q_proj", "out_proj")), (layer, ("fc1", "fc2")))
-            for name in names}
+    per_layer = [decoder_step_cpu.decoder_linears(layer) for layer in model.decoder.layers]
+    if any(linears is None for linears in per_layer):  # a gated FFN (T5 v1.1): the step declines the layers
+        return set()
+    return {id(m) for linears in per_layer for m in linears}
 
 
 def quantize(model: nn.Module, quantization: str | None) -> int:

@@ -234,3 +234,24 @@ def test_compute_type_maps_to_engine_options():
         compute_type_options("int8_float16")
     with pytest.raises(ValueError, match="contradicts dtype"):
         compute_type_options("bfloat16", {"dtype": "float32"})
+
+
+@pytest.mark.parametrize("style", ["t5", "t5-v1.1"])
+def test_quantize_without_vnni_keeps_a_fused_t5_decoder_float32(tmp_path, monkeypatch, style):
+    """Without VNNI the decoder layers the fused float32 step runs stay float32:
+    T5's too (its FFN is ``ffn.wi``/``ffn.wo``); a gated FFN (v1.1), which the step
+    declines, is quantized everywhere."""
+    from encdec import LLM
+    from encdec.kernels.cpu import decoder_step_cpu, small_linear_int8_cpu
+    from encdec.testing import make_random_t5
+
+    if not decoder_step_cpu.available():
+        pytest.skip("no fused decode step built here")
+    monkeypatch.setattr(small_linear_int8_cpu, "vnni_available", lambda isa=None: False)
+    path = make_random_t5(str(tmp_path / "m"), style=style, d_kv=16, init_factor=1.5)
+    model = LLM(path, kv_cache_memory=16 << 20, quantization="int8").llm_engine.worker.model
+    layer = model.decoder.layers[0]
+    fc1 = layer.ffn.wi_0 if style == "t5-v1.1" else layer.ffn.wi
+    assert model.encoder.layers[0].ffn.wo.int8 is not None
+    assert (fc1.int8 is None) == (style == "t5")
+    assert (layer.self_attn.qkv_proj.int8 is None) == (style == "t5")

@@ -75,9 +75,10 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
     float32 (or int8 from ``Linear.quantize_int8`` on a CPU with VNNI), CPU,
     contiguous; layers shaped differently; self and cross attention shaped
     differently; heads x head size other than d_model, as in flan-t5-small)."""
-    if not layers or activation not in ACTIVATIONS or not available() or any(_ffn(ly) is None for ly in layers):
+    if (not layers or activation not in ACTIVATIONS or not available()
+            or any(decoder_linears(ly) is None for ly in layers)):
         return None
-    int8 = {getattr(m, "int8", None) is not None for layer in layers for m in _linears(layer)}
+    int8 = {getattr(m, "int8", None) is not None for layer in layers for m in decoder_linears(layer)}
     if int8 == {True} and not small_linear_int8_cpu.vnni_available():
         return None
     if len(int8) != 1:  # some int8, some not
@@ -90,7 +91,7 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
         fc1, fc2 = _ffn(layer)
         mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], fc1, fc2)
         rms.update(not isinstance(n, torch.nn.LayerNorm) for n in norms)
-        plain = [t for m in mods for t in ((m.bias,) if int8_rows is not None and m in _linears(layer)
+        plain = [t for m in mods for t in ((m.bias,) if int8_rows is not None and m in decoder_linears(layer)
                                            else (m.weight, getattr(m, "bias", None))) if t is not None]
         if not (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in plain)
                 and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1
@@ -109,7 +110,7 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
             row += [0 if w is None else w.data_ptr(), 0 if b is None else b.data_ptr()]
         ptrs.append(row)
         if int8_rows is not None:
-            packed = [m.int8_panel_weight() for m in _linears(layer)]
+            packed = [m.int8_panel_weight() for m in decoder_linears(layer)]
             tensors += [t for pk in packed for t in (pk.wq, pk.ws, pk.comp)]
             int8_rows.append([a for pk in packed for a in pk.ptrs()])
         shapes.add((fc2.out_features, sa.num_heads, fc1.out_features, norms[0].eps, sa.scale))
@@ -128,10 +129,11 @@ def _ffn(layer) -> tuple | None:
     return None if ffn.gated else (ffn.wi, ffn.wo)
 
 
-def _linears(layer) -> tuple:
-    """A layer's six matmuls, in the C qlayer_t order."""
-    sa, ca = layer.self_attn, layer.encoder_attn
-    return (sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, *_ffn(layer))
+def decoder_linears(layer) -> tuple | None:
+    """A layer's six matmuls, in the C qlayer_t order; None for a layer the step
+    cannot run (a gated FFN). Also what ``quantization`` keeps float32 without VNNI."""
+    sa, ca, ffn = layer.self_attn, layer.encoder_attn, _ffn(layer)
+    return None if ffn is None else (sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, *ffn)
 
 
 def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.Tensor],
