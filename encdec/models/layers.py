@@ -75,9 +75,10 @@ class Linear(nn.Linear):
         """Int8 weight per output channel (symmetric, scale = max |w| / 127, float32);
         the float weight is dropped (an LM head tied to its embedding unties: the
         embedding keeps its own). ``forward`` then quantizes each call's activations
-        per row on the fly, and multiplies by ``path`` (``quantization.INT8_PATHS``):
-        "onednn" (``torch._int_mm``, s8 x s8 with VNNI), "fbgemm", or "fbgemm-7bit"
-        (activations in 7 bits, for CPUs whose int8 products saturate 16 bits)."""
+        per row on the fly, and multiplies by ``path`` (one of ``INT8_PATHS``, as
+        ``quantization.int8_path`` picks): "onednn" (``torch._int_mm``, s8 x s8 with
+        VNNI), "fbgemm", or "fbgemm-7bit" (activations in 7 bits, for CPUs whose
+        int8 products saturate 16 bits)."""
         if path not in INT8_PATHS:
             raise ValueError(f"Linear.quantize_int8: path must be one of {INT8_PATHS}, got {path!r}")
         w = self.weight.detach().float()
