@@ -113,6 +113,7 @@ def test_tiny_en_fp32_greedy_is_token_identical_to_hf(ct2_dir, whisper_tiny_hf_d
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from encdec import LLM, SamplingParams, TextPrompt
+    from encdec.benchmarks.gpu_bench import same_transcript
 
     _, _, wavs = speech_clips
     llm = LLM(str(ct2_dir), device="cuda", dtype="float32", kv_cache_memory=1 << 30)
@@ -128,8 +129,6 @@ def test_tiny_en_fp32_greedy_is_token_identical_to_hf(ct2_dir, whisper_tiny_hf_d
         feats = proc.feature_extractor([w], sampling_rate=16000, return_tensors="pt").input_features.cuda()
         with torch.inference_mode():
             seq = model.generate(feats, max_new_tokens=96, do_sample=False, num_beams=1)[0].tolist()
-        seq = [t for t in seq if t <= eos]  # tiny.en: the decoder prompt's ids are all above eos
-        ref.append(seq[: seq.index(eos)] if eos in seq else seq)
-    strip = lambda ids: ids[:-1] if ids and ids[-1] == eos else ids  # noqa: E731
-    mismatches = [i for i, (a, b) in enumerate(zip(ours, ref)) if strip(a) != b]
+        ref.append(seq)
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, ref)) if not same_transcript(a, b, eos)]
     assert not mismatches, f"{len(mismatches)}/{len(wavs)} transcripts differ from HF: {mismatches[:5]}"

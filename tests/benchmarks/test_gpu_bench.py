@@ -29,3 +29,15 @@ def test_each_part_runs_with_the_other_options():
     returned in-process on an H100): every option but --parts reaches each."""
     argv = ["--parts", "bart,beams", "--quick", "--parts=whisper", "--workdir", "/tmp/x", "--profile"]
     assert gpu_bench._without_parts(argv) == ["--quick", "--workdir", "/tmp/x", "--profile"]
+
+
+def test_same_transcript_compares_text_tokens_only():
+    """tiny.en: eos 50256, decoder prompt 50257+. HF's row holds the prompt and,
+    in a padded batch, eos padding; ours ends at its eos. The H100 check printed
+    0/32 equal when ours kept its eos and HF's did not."""
+    eos = 50256
+    hf_row = [50257, 50362, 11, 22, 33, eos, eos, eos]
+    assert gpu_bench.same_transcript([11, 22, 33, eos], hf_row, eos)
+    assert gpu_bench.same_transcript([11, 22, 33], [50257, 50362, 11, 22, 33], eos)  # both cut at max tokens
+    assert not gpu_bench.same_transcript([11, 22, eos], hf_row, eos)
+    assert not gpu_bench.same_transcript([11, 22, 50300, 33, eos], hf_row, eos)  # a special token of ours counts
