@@ -28,11 +28,15 @@ class SchedulerConfig:
     max_encoder_len: int | None = None  # longest encoder prompt; None = max_model_len
     preemption_mode: PreemptionMode | None = None  # None: swap (encoder/decoder default)
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # While sequences decode, admit waiting ones only once this many fit (or all
+    # that wait): fewer, larger prefill steps. 1 admits whenever one fits.
+    min_admission: int = 1
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len)
+        _positive("min_admission", self.min_admission)
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 

@@ -10,7 +10,9 @@ Each ``schedule()``, most urgent first ("urgent": fcfs = earliest arrival;
   2. if nothing was preempted in 1, swapped groups come back before anything
      new is admitted;
   3. waiting groups are admitted while the block manager, ``max_num_seqs`` and
-     the prefill token budget (encoder + decoder tokens) allow.
+     the prefill token budget (encoder + decoder tokens) allow; while groups
+     decode, only once ``min_admission`` sequences fit (or all that wait), under
+     the fcfs policy.
 A request that can never fit (too big for the whole cache, more sequences than
 ``max_num_seqs``, nowhere to preempt it to) finishes with ``error`` set and is
 returned in ``ignored_seq_groups``; the others go on. New prefills and running
@@ -230,6 +232,8 @@ class Scheduler(Preemption):
         cfg = self.scheduler_config
         budget = cfg.max_num_batched_tokens
         admitted: list[SequenceGroup] = []
+        if not self._admission_due():
+            return admitted
         if self._by_priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._key))
         while self.waiting:
@@ -267,6 +271,23 @@ class Scheduler(Preemption):
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.time()
         return admitted
+
+    def _admission_due(self) -> bool:
+        """Where a step with prefills costs far more than a decode step (CUDA: a
+        decode step replays a graph, a step with prefills runs eagerly), admitting
+        each request as one finishes makes nearly every step the costly kind. So
+        while groups decode, admission waits until ``min_admission`` sequences
+        fit in ``max_num_seqs`` (fewer if fewer wait). Never under the priority
+        policy: an urgent request goes in at once."""
+        want = self.scheduler_config.min_admission
+        if want <= 1 or self._by_priority or not self.running or not self.waiting:
+            return True
+        waiting = 0
+        for group in self.waiting:
+            waiting += group.num_seqs(SequenceStatus.WAITING)
+            if waiting >= want:
+                break
+        return self.scheduler_config.max_num_seqs - self._num_running_seqs() >= min(want, waiting)
 
     def _cross_kv_cached(self, group: SequenceGroup) -> bool:
         """Whether a prefill reuses its cross table's KV (no encoder pass); counts

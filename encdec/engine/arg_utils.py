@@ -59,6 +59,10 @@ class EngineArgs:
     max_num_seqs: int = 256  # decoder sequences running at once
     max_num_batched_tokens: int | None = None  # tokens of one step's prefills; default: max(32768, one request)
     max_model_len: int | None = None  # longest decoder sequence; default: the model's decoder positions
+    # While sequences decode, admit waiting ones only once this many fit (fewer,
+    # larger prefill steps); default: max_num_seqs // 8 where CUDA graphs replay
+    # decode steps (a step with prefills runs eagerly), else 1 (whenever one fits).
+    min_admission: int | None = None
     # What a preempted request gives up: swap (its KV blocks go to CPU) or recompute; default: swap.
     preemption_mode: str | None = field(default=None, metadata={"choices": ("swap", "recompute")})
     # Admission order: fcfs, or priority (generate(..., priority=[...]), smallest number first).
@@ -100,6 +104,9 @@ class EngineArgs:
             raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.min_admission is not None and (isinstance(self.min_admission, bool)
+                                               or not isinstance(self.min_admission, int) or self.min_admission < 1):
+            raise ValueError(f"min_admission must be a positive int or None, got {self.min_admission!r}")
         # Cache options are validated by CacheConfig itself.
         self.cache_config()
 

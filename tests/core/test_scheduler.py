@@ -17,11 +17,12 @@ BS = 4  # tokens per block
 
 
 def make_scheduler(num_gpu: int, num_cpu: int = 64, *, mode: str | None = None, policy: str = "fcfs",
-                   max_num_seqs: int = 16) -> Scheduler:
+                   max_num_seqs: int = 16, min_admission: int = 1) -> Scheduler:
     cache = CacheConfig(block_size=BS)
     cache.num_gpu_blocks, cache.num_cpu_blocks = num_gpu, num_cpu
     cfg = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_num_seqs, max_model_len=256,
-                          preemption_mode=PreemptionMode(mode) if mode else None, policy=policy)
+                          preemption_mode=PreemptionMode(mode) if mode else None, policy=policy,
+                          min_admission=min_admission)
     return Scheduler(cfg, cache)
 
 
@@ -344,3 +345,36 @@ def test_admitted_at_step_keeps_only_recent_admissions(monkeypatch):
         sched.add_seq_group(make_group(str(i), arrival=float(i)))
         step(sched)
     assert list(sched.stats.admitted_at_step.items()) == [("2", 2), ("3", 3), ("4", 4)]
+
+
+# -- min_admission -----------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,min_admission,held_back", [
+    ("fcfs", 2, True),       # one free slot while groups decode: wait for two
+    ("fcfs", 1, False),      # the default: whenever one fits
+    ("priority", 2, False),  # an urgent request is never held back
+])
+def test_min_admission_waits_for_room_while_groups_decode(policy, min_admission, held_back):
+    sched = make_scheduler(256, max_num_seqs=4, policy=policy, min_admission=min_admission)
+    for i in range(7):
+        sched.add_seq_group(make_group(f"r{i}", arrival=float(i)))
+    _, out = step(sched)
+    assert out.num_prefill_groups == 4  # nothing decodes yet: admitted at once
+    sched.abort_seq_group("r0")
+    _, out = step(sched)
+    assert out.num_prefill_groups == (0 if held_back else 1)
+    assert len(out.scheduled_seq_groups) - out.num_prefill_groups == 3  # the decodes go on
+    if held_back:
+        sched.abort_seq_group("r1")
+        _, out = step(sched)
+        assert ids(g.seq_group for g in out.scheduled_seq_groups[:out.num_prefill_groups]) == ["r4", "r5"]
+        sched.abort_seq_group("r2")  # one waits, one slot: all that wait fit
+        _, out = step(sched)
+        assert ids(g.seq_group for g in out.scheduled_seq_groups[:out.num_prefill_groups]) == ["r6"]
+    sched.abort_seq_group([f"r{i}" for i in range(7)])
+    assert_all_free(sched)
+
+
+def test_min_admission_must_be_positive():
+    with pytest.raises(ValueError, match="min_admission"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=8, min_admission=0)
