@@ -262,9 +262,12 @@ class SequenceGroup:
         return self.encoder_seq
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        seqs = self.seqs
         if status is None:
-            return self.seqs
-        return [s for s in self.seqs if s.status == status]
+            return seqs
+        if len(seqs) == 1:  # most groups; called several times per sequence per step
+            return [seqs[0]] if seqs[0].status == status else []
+        return [s for s in seqs if s.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished()]
