@@ -17,8 +17,10 @@ its inputs copied into the bucket's static buffers and padded::
 Padded rows compute garbage in rows nobody reads; the LM head takes real rows
 only. Only the torch_native backend is captured: its decode metadata is plain
 tensors of fixed shape once padded (the xFormers backend builds per-step bias
-objects, torch_sdpa loops over sequences). Prefill and mixed steps, and steps
-past the largest bucket, run eagerly. ``enforce_eager=True`` turns graphs off;
+objects, torch_sdpa loops over sequences). Prefill-only steps and steps past
+the largest bucket run eagerly; a step that mixes prefills with decodes runs
+its prefills eagerly and its decode rows through a graph (the runner's
+``_hidden``). ``enforce_eager=True`` turns graphs off;
 CPU never uses them.
 
 Everything except ``capture`` and ``replay`` is plain tensor bookkeeping,

@@ -286,13 +286,7 @@ class EncoderDecoderModelRunner:
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
         small = (self.device.type == "cpu" and inp.attn_metadata.num_prefill_tokens == 0
                  and len(rows) <= SMALL_STEP_ROWS)
-        bucket = self.graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if self.graphs else None
-        if bucket is not None:
-            hidden = self.graphs.replay(inp.input_ids, inp.positions, inp.attn_metadata, bucket)
-        else:
-            with single_thread(small):
-                hidden = self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
-                                    **inp.encoder_inputs)
+        hidden = self._hidden(metas, inp, small)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call
@@ -316,6 +310,34 @@ class EncoderDecoderModelRunner:
                    for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i].seq_id not in beam_seqs]
         return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
                                  prompt_token_logprobs=token_lps, beam_candidates=candidates)
+
+    def _eager(self, inp: ModelInput) -> torch.Tensor:
+        return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
+                          **inp.encoder_inputs)
+
+    def _hidden(self, metas: list[SequenceGroupMetadata], inp: ModelInput, small: bool) -> torch.Tensor:
+        """The step's hidden states. With CUDA graphs a decode step replays its
+        bucket's graph, and a step that also admits requests runs only its
+        prefills eagerly and its decode rows through the graph: ``prepare``
+        packs prefills first, so the two parts concatenate into ``inp``'s
+        layout. Eager, that step's decode part cost as much as a whole step's
+        launches again. Anything else (no graphs, CPU) runs ``inp`` eagerly."""
+        graphs = self.graphs
+        if graphs is not None:
+            md = inp.attn_metadata
+            bucket = graphs.bucket(md, len(inp.input_ids))
+            if bucket is not None:
+                return graphs.replay(inp.input_ids, inp.positions, md, bucket)
+            n = md.num_prefills
+            if 0 < n < len(metas):
+                dec = self.prepare(metas[n:])
+                bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
+                if bucket is not None:
+                    head = self._eager(self.prepare(metas[:n]))
+                    tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
+                    return torch.cat([head, tail])
+        with single_thread(small):
+            return self._eager(inp)
 
     def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:

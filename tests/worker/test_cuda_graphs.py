@@ -142,3 +142,56 @@ def test_graphs_replay_and_match_eager_on_cuda(tiny_bart, monkeypatch):
     b = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     assert a == b
     assert replays and set(replays) <= set(graphs.sizes)
+
+
+class _EagerGraph:
+    """A captured graph's stand-in on CPU: replay runs the bucket's padded
+    inputs eagerly into the bucket's output, which is what a replay computes."""
+
+    def __init__(self, graphs: DecodeGraphs, bucket: int):
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        self.graphs.outputs[self.bucket] = self.graphs._run(self.bucket)
+
+
+def test_a_step_that_admits_replays_its_decode_rows(tiny_bart, monkeypatch):
+    """Requests admitted while others decode: the step's prefills run eagerly,
+    its decode rows through the graph, and the tokens are those of an engine
+    without graphs."""
+    from encdec import LLM, SamplingParams
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(10)]
+    params = [SamplingParams(max_tokens=2 + 3 * (i % 4), min_tokens=2 + 3 * (i % 4), temperature=0.0)
+              for i in range(10)]
+
+    def engine():
+        return LLM(tiny_bart, device="cpu", attention_backend="torch_native", kv_cache_memory=8 << 20,
+                   max_num_seqs=4)
+
+    want = [o.outputs[0].token_ids for o in engine().generate(prompts, params, use_tqdm=False)]
+    llm = engine()
+    graphs = _graphs(llm)
+    graphs.graphs = {b: _EagerGraph(graphs, b) for b in graphs.sizes}
+    runner = llm.llm_engine.worker.model_runner
+    runner.graphs = graphs
+    replays, real = [], graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda ids, *a: replays.append(len(ids)) or real(ids, *a))
+    steps, model_calls, forward = [], [], runner.model.forward
+
+    def counted(input_ids, positions, kv, md, **kw):
+        model_calls.append((md.num_prefills, md.num_decode_tokens))
+        return forward(input_ids, positions, kv, md, **kw)
+
+    monkeypatch.setattr(runner.model, "forward", counted)
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda metas, sched: steps.append(sched.num_prefill_groups) or
+                        execute(metas, sched))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sum(1 for n in steps if n) > 1  # steps admitted requests while others decoded
+    # No forward mixed prefills with decode rows: those rows were replayed.
+    assert not [c for c in model_calls if c[0] and c[1]]
+    assert sum(1 for c in model_calls if c[0]) == sum(1 for n in steps if n)
+    assert len(replays) == len(steps) - 1  # every step but the first replayed its decode rows
