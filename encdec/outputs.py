@@ -134,7 +134,9 @@ class Detokenizer:
             seq.read_offset = len(seq.tokens)
         new_tokens = self._to_tokens([seq.get_last_token_id()], skip)
         seq.tokens.extend(new_tokens)
-        prefix = self._to_string(seq.tokens[seq.prefix_offset: seq.read_offset], params)
+        # Empty after every token that produced text (the common case): no decoder call.
+        prefix = (self._to_string(seq.tokens[seq.prefix_offset: seq.read_offset], params)
+                  if seq.read_offset > seq.prefix_offset else "")
         text = self._to_string(seq.tokens[seq.prefix_offset:], params)
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             added = text[len(prefix):]

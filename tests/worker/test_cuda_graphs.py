@@ -158,19 +158,27 @@ class _EagerGraph:
 def test_a_step_that_admits_replays_its_decode_rows(tiny_bart, monkeypatch):
     """Requests admitted while others decode: the step's prefills run eagerly,
     its decode rows through the graph, and the tokens are those of an engine
-    without graphs."""
+    without graphs: greedy, n=2 rows sharing a cross table, beams, encoder-cache hits."""
     from encdec import LLM, SamplingParams
+    from encdec.sampling_params import BeamSearchParams
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(10)]
+
+    prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(10)] + ["prompt number 3 " * 4] * 2
     params = [SamplingParams(max_tokens=2 + 3 * (i % 4), min_tokens=2 + 3 * (i % 4), temperature=0.0)
               for i in range(10)]
+    params[4] = SamplingParams(max_tokens=7, min_tokens=7, n=2, temperature=1.0, seed=3)  # rows share a cross table
+    params[6] = BeamSearchParams(2, 6)  # beams
+    params += [SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)] * 2  # encoder-cache hits
 
     def engine():
         return LLM(tiny_bart, device="cpu", attention_backend="torch_native", kv_cache_memory=8 << 20,
                    max_num_seqs=4)
 
-    want = [o.outputs[0].token_ids for o in engine().generate(prompts, params, use_tqdm=False)]
+    def tokens(outs):
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    want = tokens(engine().generate(prompts, params, use_tqdm=False))
     llm = engine()
     graphs = _graphs(llm)
     graphs.graphs = {b: _EagerGraph(graphs, b) for b in graphs.sizes}
@@ -186,12 +194,12 @@ def test_a_step_that_admits_replays_its_decode_rows(tiny_bart, monkeypatch):
 
     monkeypatch.setattr(runner.model, "forward", counted)
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda metas, sched: steps.append(sched.num_prefill_groups) or
-                        execute(metas, sched))
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(runner, "execute", lambda metas, sched: steps.append(
+        (sched.num_prefill_groups, len(metas) - sched.num_prefill_groups)) or execute(metas, sched))
+    got = tokens(llm.generate(prompts, params, use_tqdm=False))
     assert got == want
-    assert sum(1 for n in steps if n) > 1  # steps admitted requests while others decoded
+    assert sum(1 for p, d in steps if p and d) > 1  # steps admitted requests while others decoded
     # No forward mixed prefills with decode rows: those rows were replayed.
     assert not [c for c in model_calls if c[0] and c[1]]
-    assert sum(1 for c in model_calls if c[0]) == sum(1 for n in steps if n)
-    assert len(replays) == len(steps) - 1  # every step but the first replayed its decode rows
+    assert sum(1 for c in model_calls if c[0]) == sum(1 for p, _ in steps if p)
+    assert len(replays) == sum(1 for _, d in steps if d)  # every step's decode rows
