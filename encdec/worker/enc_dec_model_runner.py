@@ -320,8 +320,8 @@ class EncoderDecoderModelRunner:
         bucket's graph, and a step that also admits requests runs only its
         prefills eagerly and its decode rows through the graph: ``prepare``
         packs prefills first, so the two parts concatenate into ``inp``'s
-        layout. Eager, that step's decode part cost as much as a whole step's
-        launches again. Anything else (no graphs, CPU) runs ``inp`` eagerly."""
+        layout (eagerly, those rows would pay every layer's launches again).
+        Anything else (no graphs, CPU) runs ``inp`` eagerly."""
         graphs = self.graphs
         if graphs is not None:
             md = inp.attn_metadata
