@@ -139,8 +139,8 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
               profile: bool = False) -> dict:
     """Each side first runs a whole workload of the same size drawn from another
     seed, untimed: on an H100 HF's first padded batches ran 3x slower than later
-    ones (one-time costs per new shape, cuDNN's attention plans among them), and a short warm-up left that
-    in HF's time (7.7x at 64 requests against 2.0x at 512)."""
+    ones (one-time costs per new shape, likely cuDNN's attention plans), and a
+    short warm-up left that in HF's time (7.7x at 64 requests, 2.0x at 512)."""
     import torch
     from transformers import BartForConditionalGeneration
 
