@@ -15,7 +15,8 @@ Parts (random checkpoints come from ``encdec.testing``-style configs; no downloa
 
 HF runs padded batches of ``--hf-batch`` in input order, as a user would; a batch
 runs until its longest request is done and only each request's own tokens count.
-Each part prints one line: ours, HF, the ratio; the last line names the GPU and dtype.
+Each part prints one line: ours, HF, the ratio (BART's with our step count and how many
+steps admitted requests, eager ones); the last line names the GPU and dtype.
 """
 from __future__ import annotations
 
@@ -58,6 +59,14 @@ def _timed(fn):
     out = fn()
     _sync()
     return out, time.perf_counter() - t0
+
+
+def _step_counts(llm, first_step: int) -> str:
+    """Our steps since ``first_step`` and how many admitted requests: those run
+    their prefills eagerly, the rest replay CUDA graphs (min_admission)."""
+    eng = llm.llm_engine
+    admitting = len({s for s in eng.stats.admitted_at_step.values() if s >= first_step})
+    return f"ours: {eng.scheduler.num_steps - first_step} steps, {admitting} admitting"
 
 
 def _profile(fn, label: str) -> None:
@@ -150,7 +159,9 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     warm_enc, warm_lens, warm_prompts, warm_params = _bart_requests(n, seed + 1, beams)
     llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE)
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
+    first_step = llm.llm_engine.scheduler.num_steps
     outs, t_ours = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    steps = _step_counts(llm, first_step)
     assert all(len(o.outputs[0].token_ids) == m for o, m in zip(outs, out_lens))
     if profile:
         _profile(lambda: llm.generate(prompts[:64], params[:64], use_tqdm=False), f"encdec bart beams={beams}")
@@ -178,7 +189,8 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     _free()
     tokens = sum(out_lens)
     return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend,
-                what=f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else ""))
+                what=f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else "")
+                + f"; {steps}")
 
 
 # -- Whisper ------------------------------------------------------------------------
@@ -194,7 +206,9 @@ def _our_whisper(model_dir: str, dtype_name: str, wavs, params, profile: str | N
     prompts = [TextPrompt(prompt=prompt, multi_modal_data={"audio": (w, 16000)}) for w in wavs]
     warm = [TextPrompt(prompt=prompt, multi_modal_data={"audio": (w[::-1].copy(), 16000)}) for w in wavs]
     llm.generate(warm, params, use_tqdm=False)
+    first_step = llm.llm_engine.scheduler.num_steps
     outs, seconds = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    print(f"whisper {_step_counts(llm, first_step)}", flush=True)
     if profile:
         _profile(lambda: llm.generate(warm[:32], params, use_tqdm=False), profile)
     return [o.outputs[0].token_ids for o in outs], seconds, llm.llm_engine.worker.backend.get_name()

@@ -41,3 +41,15 @@ def test_same_transcript_compares_text_tokens_only():
     assert gpu_bench.same_transcript([11, 22, 33], [50257, 50362, 11, 22, 33], eos)  # both cut at max tokens
     assert not gpu_bench.same_transcript([11, 22, eos], hf_row, eos)
     assert not gpu_bench.same_transcript([11, 22, 50300, 33, eos], hf_row, eos)  # a special token of ours counts
+
+
+def test_step_counts_read_the_engine(tiny_bart):
+    """What the bench prints beside our rate: steps of the timed run and how many admitted requests."""
+    from encdec import LLM, SamplingParams
+
+    llm = LLM(tiny_bart, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=2)
+    llm.generate(["warm"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    first = llm.llm_engine.scheduler.num_steps
+    llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=3, min_tokens=3, temperature=0.0), use_tqdm=False)
+    # 3 requests over 2 slots: two admitted at once, the third when one finishes; 3 tokens each
+    assert gpu_bench._step_counts(llm, first) == "ours: 6 steps, 2 admitting"
