@@ -225,7 +225,7 @@ def _int8_fbgemm(lin: Linear, x2: torch.Tensor, act: str) -> torch.Tensor:
 
 @functools.cache
 def _pin_rows(k: int) -> torch.Tensor:
-    """Two rows of width ``k`` holding 1 and -1 (``Linear._int8``)."""
+    """Two rows of width ``k`` holding 1 and -1 (``_int8_fbgemm``)."""
     pin = torch.zeros(2, k)
     pin[0, 0], pin[1, 0] = 1.0, -1.0
     return pin

@@ -224,7 +224,7 @@ typedef struct {
 /* int8: rows [r0, r1) of x (K wide, row stride ldx) quantized into the step's xq. */
 static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int64_t K, int64_t r0, int64_t r1) {
     if (!s->qlayers) return;
-    const int64_t ldq = 4 * ((K + 3) / 4);
+    const int64_t ldq = quad_row_bytes(K);
     for (int64_t m = r0; m < r1; m++) quantize_row_u8(x + m * ldx, K, s->xq + m * ldq, s->rs + m);
 }
 
@@ -249,7 +249,7 @@ static void join_rows(const step_t *s, const int32_t *lens, int64_t m) {
 static void step_matmul(const step_t *s, int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx,
                         const float *W, const qlinear_t *QW, const float *b, int64_t K, int64_t N, int post) {
     if (s->qlayers)
-        matmul_item_i8(i, y, ldy, s->xq, 4 * ((K + 3) / 4), s->rs, QW, b, s->M, K, N, post);
+        matmul_item_i8(i, y, ldy, s->xq, quad_row_bytes(K), s->rs, QW, b, s->M, K, N, post);
     else
         matmul_item(i, y, ldy, x, ldx, W, b, s->M, K, N, post);
 }
@@ -329,7 +329,7 @@ int decoder_step_f32(
      * attentions' item lists, the phase counters. */
     const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size + M);
     const size_t counter_bytes = sizeof(atomic_int) * 2 * (P + 1);
-    const size_t xq_bytes = qlayers ? (size_t)(M * 4 * (((d > ffn ? d : ffn) + 3) / 4)) : 0;
+    const size_t xq_bytes = qlayers ? (size_t)(M * quad_row_bytes(d > ffn ? d : ffn)) : 0;
     char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + counter_bytes + xq_bytes);
     if (!block) return -1;
     float *part = (float *)block;

@@ -75,23 +75,25 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
     float32 (or int8 from ``Linear.quantize_int8`` on a CPU with VNNI), CPU,
     contiguous; layers shaped differently; self and cross attention shaped
     differently; heads x head size other than d_model, as in flan-t5-small)."""
-    if (not layers or activation not in ACTIVATIONS or not available()
-            or any(decoder_linears(ly) is None for ly in layers)):
+    if not layers or activation not in ACTIVATIONS or not available():
         return None
-    int8 = {getattr(m, "int8", None) is not None for layer in layers for m in decoder_linears(layer)}
+    linears = [decoder_linears(ly) for ly in layers]
+    if any(lin is None for lin in linears):
+        return None
+    int8 = {getattr(m, "int8", None) is not None for lin in linears for m in lin}
     if int8 == {True} and not small_linear_int8_cpu.vnni_available():
         return None
     if len(int8) != 1:  # some int8, some not
         return None
     int8_rows = [] if int8 == {True} else None
     tensors, ptrs, shapes, rms = [], [], set(), set()
-    for layer in layers:
+    for layer, lin in zip(layers, linears):
         sa, ca = layer.self_attn, layer.encoder_attn
         norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
-        fc1, fc2 = _ffn(layer)
+        fc1, fc2 = lin[4:]
         mods = (norms[0], sa.qkv_proj, sa.out_proj, norms[1], ca.q_proj, ca.out_proj, norms[2], fc1, fc2)
         rms.update(not isinstance(n, torch.nn.LayerNorm) for n in norms)
-        plain = [t for m in mods for t in ((m.bias,) if int8_rows is not None and m in decoder_linears(layer)
+        plain = [t for m in mods for t in ((m.bias,) if int8_rows is not None and m in lin
                                            else (m.weight, getattr(m, "bias", None))) if t is not None]
         if not (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in plain)
                 and sa.scale == ca.scale and sa.num_heads == ca.num_heads and len({n.eps for n in norms}) == 1
@@ -110,7 +112,7 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
             row += [0 if w is None else w.data_ptr(), 0 if b is None else b.data_ptr()]
         ptrs.append(row)
         if int8_rows is not None:
-            packed = [m.int8_panel_weight() for m in decoder_linears(layer)]
+            packed = [m.int8_panel_weight() for m in lin]
             tensors += [t for pk in packed for t in (pk.wq, pk.ws, pk.comp)]
             int8_rows.append([a for pk in packed for a in pk.ptrs()])
         shapes.add((fc2.out_features, sa.num_heads, fc1.out_features, norms[0].eps, sa.scale))

@@ -104,15 +104,17 @@ typedef struct {
     team_t team;
 } quantize_job_t;
 
+/* ROW_CALL for every row r < R, ROWS_PER_ITEM rows an item of a team phase. */
+#define FOR_ROWS(team, R, ROW_CALL)                                                              \
+    TEAM_PHASE(team, 0, ((R) + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM, {                             \
+        const int64_t end = (i + 1) * ROWS_PER_ITEM < (R) ? (i + 1) * ROWS_PER_ITEM : (R);       \
+        for (int64_t r = i * ROWS_PER_ITEM; r < end; r++) ROW_CALL;                              \
+    })
+
 static void quantize_job(void *arg, int tid) {
     quantize_job_t *j = arg;
     (void)tid;
-    const int64_t items = (j->R + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    TEAM_PHASE(&j->team, 0, items, {
-        const int64_t end = (i + 1) * ROWS_PER_ITEM < j->R ? (i + 1) * ROWS_PER_ITEM : j->R;
-        for (int64_t r = i * ROWS_PER_ITEM; r < end; r++)
-            quantize_row(j->x + r * j->stride, j->K, j->q + r * j->K, j->scale + r);
-    });
+    FOR_ROWS(&j->team, j->R, quantize_row(j->x + r * j->stride, j->K, j->q + r * j->K, j->scale + r));
 }
 
 /* x: (R, K) floats, rows ``stride`` apart; q: (R, K) int8, contiguous; scale: (R,). */
@@ -133,12 +135,7 @@ typedef struct {
 static void dequantize_job(void *arg, int tid) {
     dequantize_job_t *j = arg;
     (void)tid;
-    const int64_t items = (j->R + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    TEAM_PHASE(&j->team, 0, items, {
-        const int64_t end = (i + 1) * ROWS_PER_ITEM < j->R ? (i + 1) * ROWS_PER_ITEM : j->R;
-        for (int64_t r = i * ROWS_PER_ITEM; r < end; r++)
-            dequantize_row(j->acc + r * j->N, j->N, j->rs[r], j->ws, j->bias, j->act);
-    });
+    FOR_ROWS(&j->team, j->R, dequantize_row(j->acc + r * j->N, j->N, j->rs[r], j->ws, j->bias, j->act));
 }
 
 /* acc: (R, N) int32, contiguous, overwritten by the float32 result; rs: (R,)

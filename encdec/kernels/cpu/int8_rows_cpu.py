@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from encdec.cpu_threads import kernel_threads
-from encdec.kernels.cpu import build
+from encdec.kernels.cpu import build, small_linear_cpu
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FALLBACK = "int8 linears quantize and dequantize in torch ops (slower)"
@@ -25,7 +25,7 @@ _KERNEL = build.Kernel("int8_rows_cpu.c", "quantize_rows_s8", [_P, _I64, _I64, _
 _DEQUANTIZE = build.Kernel("int8_rows_cpu.c", "dequantize_rows", [_P, _I64, _I64, _P, _P, _P, _INT, _INT], None,
                            _FALLBACK, path_symbol="int8_rows_path")
 available, path = _KERNEL.available, _KERNEL.path
-ACTS = {"none": 0, "gelu": 1, "relu": 3}  # small_linear_cpu.POST's codes
+ACTS = {act: small_linear_cpu.POST[act] for act in ("none", "gelu", "relu")}  # the activations dequantize_rows runs
 
 
 def quantize_rows(x: torch.Tensor, *, threads: int | None = None, isa: str | None = None

@@ -212,12 +212,20 @@ static int64_t matmul_items(int64_t N) {
     return (P + panels_item(P) - 1) / panels_item(P);
 }
 
+/* Item i's panels [*p0, *p1) of a matmul of N columns (matmul_items(N) items). */
+static inline void item_panels(int64_t i, int64_t N, int64_t *p0, int64_t *p1) {
+    const int64_t P = (N + PW - 1) / PW, per = panels_item(P);
+    *p0 = i * per;
+    *p1 = *p0 + per < P ? *p0 + per : P;
+}
+
 /* Item i of y = post(x W^T + b), y (M, N) with row stride ldy, x (M, K) with
  * row stride ldx: its panels. */
 static void matmul_item(int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp,
                         const float *b, int64_t M, int64_t K, int64_t N, int post) {
-    const int64_t P = (N + PW - 1) / PW, per = panels_item(P), p0 = i * per;
-    panel_range(y, ldy, x, ldx, wp, b, M, K, N, p0, p0 + per < P ? p0 + per : P, post);
+    int64_t p0, p1;
+    item_panels(i, N, &p0, &p1);
+    panel_range(y, ldy, x, ldx, wp, b, M, K, N, p0, p1, post);
 }
 
 typedef struct {

@@ -52,6 +52,9 @@ typedef struct {
     const int32_t *comp;
 } qlinear_t;
 
+/* Bytes of one quantized input row: K padded to whole quads (xq's row stride). */
+static inline int64_t quad_row_bytes(int64_t K) { return 4 * ((K + 3) / 4); }
+
 /* Row x (K floats) -> xq (K4 * 4 bytes: q + 128, then 128) and its scale. */
 static void quantize_row_u8(const float *x, int64_t K, uint8_t *xq, float *scale) {
     const int64_t K4 = (K + 3) / 4;
@@ -146,8 +149,9 @@ static INT8_TARGET void panel_range_i8(float *y, int64_t ldy, const uint8_t *xq,
 static INT8_TARGET void matmul_item_i8(int64_t i, float *y, int64_t ldy, const uint8_t *xq, int64_t ldq,
                                        const float *rs, const qlinear_t *w, const float *b, int64_t M, int64_t K,
                                        int64_t N, int post) {
-    const int64_t P = (N + PW - 1) / PW, per = panels_item(P), p0 = i * per;
-    panel_range_i8(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p0 + per < P ? p0 + per : P, post);
+    int64_t p0, p1;
+    item_panels(i, N, &p0, &p1);
+    panel_range_i8(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p1, post);
 }
 
 typedef struct {
@@ -163,7 +167,7 @@ typedef struct {
 
 static void linear_i8_job(void *arg, int tid) {
     linear_i8_job_t *j = arg;
-    const int64_t ldq = 4 * ((j->K + 3) / 4);
+    const int64_t ldq = quad_row_bytes(j->K);
     (void)tid;
     TEAM_PHASE(&j->team, 0, j->M, quantize_row_u8(j->x + i * j->K, j->K, j->xq + i * ldq, j->rs + i));
     TEAM_PHASE(&j->team, 1, matmul_items(j->N),
@@ -176,7 +180,7 @@ void small_linear_int8(float *y, const float *x, const int8_t *wq, const float *
                        const float *b, int64_t M, int64_t K, int64_t N, int post, void *work, int num_threads) {
     const qlinear_t w = {wq, ws, comp};
     uint8_t *xq = work;
-    float *rs = (float *)(xq + M * 4 * ((K + 3) / 4));
+    float *rs = (float *)(xq + M * quad_row_bytes(K));
     atomic_int counters[6] = {0};  /* next and done of phases 0, 1 and the end (team.h) */
     linear_i8_job_t job = {y, x, b, &w, xq, rs, M, K, N, post, {0, 0, counters, counters + 3}};
     team_run(linear_i8_job, &job, num_threads);
