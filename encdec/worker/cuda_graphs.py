@@ -20,7 +20,7 @@ tensors of fixed shape once padded (the xFormers backend builds per-step bias
 objects, torch_sdpa loops over sequences). Prefill-only steps and steps past
 the largest bucket run eagerly; a step that mixes prefills with decodes runs
 its prefills eagerly and its decode rows through a graph (the runner's
-``_hidden``). ``enforce_eager=True`` turns graphs off;
+``_forward``). ``enforce_eager=True`` turns graphs off;
 CPU never uses them.
 
 Everything except ``capture`` and ``replay`` is plain tensor bookkeeping,

@@ -281,12 +281,10 @@ class EncoderDecoderModelRunner:
         if not metas:
             self._update_batch(sched, [])
             return ModelRunnerOutput(samples=[])
-        inp = self.prepare(metas)
-        rows = inp.sampled_rows
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
-        small = (self.device.type == "cpu" and inp.attn_metadata.num_prefill_tokens == 0
-                 and len(rows) <= SMALL_STEP_ROWS)
-        hidden = self._hidden(metas, inp, small)
+        small = (self.device.type == "cpu" and not metas[0].is_prompt
+                 and sum(len(m.seq_data) for m in metas) <= SMALL_STEP_ROWS)
+        rows, hidden = self._forward(metas, small)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call
@@ -315,29 +313,32 @@ class EncoderDecoderModelRunner:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
                           **inp.encoder_inputs)
 
-    def _hidden(self, metas: list[SequenceGroupMetadata], inp: ModelInput, small: bool) -> torch.Tensor:
-        """The step's hidden states. With CUDA graphs a decode step replays its
-        bucket's graph, and a step that also admits requests runs only its
-        prefills eagerly and its decode rows through the graph: ``prepare``
-        packs prefills first, so the two parts concatenate into ``inp``'s
-        layout (eagerly, those rows would pay every layer's launches again).
-        Anything else (no graphs, CPU) runs ``inp`` eagerly."""
+    def _forward(self, metas: list[SequenceGroupMetadata], small: bool) -> tuple[list[SampledRow], torch.Tensor]:
+        """The step's sampled rows and hidden states. With CUDA graphs a decode
+        step replays its bucket's graph, and a step that also admits requests
+        runs only its prefills eagerly and its decode rows through the graph,
+        each part packed on its own: ``prepare`` packs prefills first, so the two
+        concatenate into the whole step's layout (eagerly, those rows would pay
+        every layer's launches again). Anything else (no graphs, CPU) runs the
+        packed step eagerly (``small``: on one thread)."""
         graphs = self.graphs
-        if graphs is not None:
-            md = inp.attn_metadata
-            bucket = graphs.bucket(md, len(inp.input_ids))
+        n = sum(m.is_prompt for m in metas)
+        if graphs is not None and 0 < n < len(metas):
+            dec = self.prepare(metas[n:])
+            bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
             if bucket is not None:
-                return graphs.replay(inp.input_ids, inp.positions, md, bucket)
-            n = md.num_prefills
-            if 0 < n < len(metas):
-                dec = self.prepare(metas[n:])
-                bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
-                if bucket is not None:
-                    head = self._eager(self.prepare(metas[:n]))
-                    tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
-                    return torch.cat([head, tail])
+                pre = self.prepare(metas[:n])
+                offset = len(pre.input_ids)
+                rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
+                tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
+                return rows, torch.cat([self._eager(pre), tail])
+        inp = self.prepare(metas)
+        md = inp.attn_metadata
+        bucket = graphs.bucket(md, len(inp.input_ids)) if graphs is not None else None
+        if bucket is not None:
+            return inp.sampled_rows, graphs.replay(inp.input_ids, inp.positions, md, bucket)
         with single_thread(small):
-            return self._eager(inp)
+            return inp.sampled_rows, self._eager(inp)
 
     def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
                          hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
