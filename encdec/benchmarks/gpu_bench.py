@@ -61,12 +61,41 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def _step_counts(llm, first_step: int) -> str:
-    """Our steps since ``first_step`` and how many admitted requests: those run
-    their prefills eagerly, the rest replay CUDA graphs (min_admission)."""
-    eng = llm.llm_engine
-    admitting = len({s for s in eng.stats.admitted_at_step.values() if s >= first_step})
-    return f"ours: {eng.scheduler.num_steps - first_step} steps, {admitting} admitting"
+class StepClock:
+    """Each engine step's wall time during one run, split into steps that
+    admitted requests (their prefills run eagerly; Whisper's encoder is there)
+    and decode-only ones (CUDA graph replays): on a lease the split says where
+    a run's time went without a profiler's overhead. A step returns sampled
+    tokens to the host, so its wall time includes its GPU work."""
+
+    def __init__(self, llm):
+        self.engine = llm.llm_engine
+        self.first_step = self.engine.scheduler.num_steps
+        self.seconds: dict[int, float] = {}
+
+    def run(self, fn):
+        eng, step = self.engine, self.engine.step
+
+        def timed_step():
+            n, t0 = eng.scheduler.num_steps, time.perf_counter()
+            out = step()
+            self.seconds[n] = time.perf_counter() - t0
+            return out
+
+        eng.step = timed_step  # an instance attribute: LLM.generate calls engine.step()
+        try:
+            return fn()
+        finally:
+            del eng.step
+
+    def summary(self) -> str:
+        admitted = {s for s in self.engine.stats.admitted_at_step.values() if s >= self.first_step}
+        adm = [t for n, t in self.seconds.items() if n in admitted]
+        dec = sorted(t for n, t in self.seconds.items() if n not in admitted)
+        median = 1e3 * dec[len(dec) // 2] if dec else 0.0
+        return (f"ours: {len(self.seconds)} steps in {sum(self.seconds.values()):.2f} s, "
+                f"{len(adm)} admitting ({sum(adm):.2f} s), {len(dec)} decode-only "
+                f"({sum(dec):.2f} s, median {median:.1f} ms)")
 
 
 def _profile(fn, label: str) -> None:
@@ -76,14 +105,18 @@ def _profile(fn, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         _sync()
+        wall = time.perf_counter() - t0
     table = prof.key_averages()
     for key in ("self_cuda_time_total", "self_cpu_time_total"):
         print(f"-- profile {label}, by {key} --")
         print(table.table(sort_by=key, row_limit=18, max_name_column_width=60))
-    kernels = sum(e.count for e in table if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"-- profile {label}: {kernels} GPU kernel launches --", flush=True)
+    gpu = [e for e in table if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in gpu) / 1e6
+    print(f"-- profile {label}: {sum(e.count for e in gpu)} GPU kernel launches, {busy:.2f} s of kernel time "
+          f"in {wall:.2f} s (host-bound where far below; the profiler slows the host) --", flush=True)
 
 
 def bart_large_dir(root: str) -> str:
@@ -145,7 +178,7 @@ def _bart_requests(n: int, seed: int, beams: int):
 
 
 def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int, seed: int,
-              profile: bool = False) -> dict:
+              profile: bool = False, engine: dict | None = None, hf_side: bool = True) -> dict:
     """Each side first runs a whole workload of the same size drawn from another
     seed, untimed: on an H100 HF's first padded batches ran 3x slower than later
     ones (one-time costs per new shape, likely cuDNN's attention plans), and a
@@ -157,17 +190,22 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
 
     enc, out_lens, prompts, params = _bart_requests(n, seed, beams)
     warm_enc, warm_lens, warm_prompts, warm_params = _bart_requests(n, seed + 1, beams)
-    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE)
+    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE, **(engine or {}))
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
-    first_step = llm.llm_engine.scheduler.num_steps
-    outs, t_ours = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    steps = _step_counts(llm, first_step)
+    clock = StepClock(llm)
+    outs, t_ours = _timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    steps = clock.summary()
     assert all(len(o.outputs[0].token_ids) == m for o, m in zip(outs, out_lens))
     if profile:
-        _profile(lambda: llm.generate(prompts[:64], params[:64], use_tqdm=False), f"encdec bart beams={beams}")
+        _profile(lambda: llm.generate(prompts, params, use_tqdm=False), f"encdec bart beams={beams}")
     backend = llm.llm_engine.worker.backend.get_name()
     del llm
     _free()
+    tokens = sum(out_lens)
+    what = (f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else "")
+            + f"; {steps}")
+    if not hf_side:
+        return dict(unit="tok/s", ours=tokens / t_ours, hf=None, backend=backend, what=what)
 
     dtype = getattr(torch, dtype_name)
     model = BartForConditionalGeneration.from_pretrained(model_dir, torch_dtype=dtype).to("cuda").eval()
@@ -187,30 +225,28 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
         _profile(lambda: hf(enc, out_lens, 0, hf_batch), f"HF bart beams={beams}")
     del model
     _free()
-    tokens = sum(out_lens)
-    return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend,
-                what=f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else "")
-                + f"; {steps}")
+    return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend, what=what)
 
 
 # -- Whisper ------------------------------------------------------------------------
 
 
-def _our_whisper(model_dir: str, dtype_name: str, wavs, params, profile: str | None = None):
+def _our_whisper(model_dir: str, dtype_name: str, wavs, params, profile: str | None = None,
+                 engine: dict | None = None):
     """Warmed up on every window reversed: audio the timed run lacks (no
     encoder-cache hits), as many windows (as bart_part's warm-up, for the same reason)."""
     from encdec import LLM, TextPrompt
 
-    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE)
+    llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE, **(engine or {}))
     prompt = "<|startoftranscript|><|notimestamps|>"
     prompts = [TextPrompt(prompt=prompt, multi_modal_data={"audio": (w, 16000)}) for w in wavs]
     warm = [TextPrompt(prompt=prompt, multi_modal_data={"audio": (w[::-1].copy(), 16000)}) for w in wavs]
     llm.generate(warm, params, use_tqdm=False)
-    first_step = llm.llm_engine.scheduler.num_steps
-    outs, seconds = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    print(f"whisper {_step_counts(llm, first_step)}", flush=True)
+    clock = StepClock(llm)
+    outs, seconds = _timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    print(f"whisper {clock.summary()}", flush=True)
     if profile:
-        _profile(lambda: llm.generate(warm[:32], params, use_tqdm=False), profile)
+        _profile(lambda: llm.generate(warm, params, use_tqdm=False), profile)
     return [o.outputs[0].token_ids for o in outs], seconds, llm.llm_engine.worker.backend.get_name()
 
 
@@ -227,7 +263,7 @@ def _hf_transcribe(model, proc, wavs, batch: int, dtype, **gen) -> list[list[int
 
 
 def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, seed: int,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, engine: dict | None = None, hf_side: bool = True) -> dict:
     import numpy as np
     import torch
 
@@ -236,8 +272,12 @@ def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, s
     rng = np.random.default_rng(seed)
     wavs = [(0.1 * rng.standard_normal(30 * 16000)).astype(np.float32) for _ in range(windows)]
     params = SamplingParams(temperature=0.0, max_tokens=WHISPER_TOKENS, ignore_eos=True)
-    _, t_ours, backend = _our_whisper(model_dir, dtype_name, wavs, params, "encdec whisper" if profile else None)
+    _, t_ours, backend = _our_whisper(model_dir, dtype_name, wavs, params, "encdec whisper" if profile else None,
+                                      engine)
     _free()
+    what = f"{windows} windows of 30 s, {WHISPER_TOKENS} tokens each"
+    if not hf_side:
+        return dict(unit="windows/s", ours=windows / t_ours, hf=None, backend=backend, what=what)
     dtype = getattr(torch, dtype_name)
     model, proc = _hf_whisper(model_dir, dtype)
     gen = dict(max_new_tokens=WHISPER_TOKENS, min_new_tokens=WHISPER_TOKENS)
@@ -247,8 +287,7 @@ def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, s
         _profile(lambda: _hf_transcribe(model, proc, wavs[:32], hf_batch, dtype, **gen), "HF whisper")
     del model
     _free()
-    return dict(unit="windows/s", ours=windows / t_ours, hf=windows / t_hf, backend=backend,
-                what=f"{windows} windows of 30 s, {WHISPER_TOKENS} tokens each")
+    return dict(unit="windows/s", ours=windows / t_ours, hf=windows / t_hf, backend=backend, what=what)
 
 
 def same_transcript(ours, hf_seq, eos: int) -> bool:
@@ -302,6 +341,25 @@ def _without_parts(argv: list[str]) -> list[str]:
     return out
 
 
+def engine_options(pairs: list[str], error) -> dict:
+    """``KEY=VALUE`` words as LLM options; a value reads as an int, a float,
+    true/false, else a string; ``error`` (argparse's) for a word without ``=``."""
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            error(f"--engine takes KEY=VALUE, got {pair!r}")
+        value: object = {"true": True, "false": False}.get(raw.lower(), raw)
+        for kind in (int, float):
+            try:
+                value = kind(raw)
+                break
+            except ValueError:
+                pass
+        out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -315,7 +373,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the BART and Whisper turbo parts, print torch.profiler tables of one run of ours and of HF's")
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written (default: a temp dir)")
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine option for our side (repeatable), e.g. max_num_seqs=512: a lease tries a setting")
+    ap.add_argument("--ours-only", action="store_true", help="skip HF's side (a setting's rate against an earlier baseline)")
     args = ap.parse_args(argv)
+    engine = engine_options(args.engine, ap.error)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -355,16 +417,19 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     for part in parts:
         if part in ("bart", "beams"):
             results[part] = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
-                                      beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile)
+                                      beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile,
+                                      engine=engine, hf_side=not args.ours_only)
         elif part == "whisper":
             results[part] = whisper_part(whisper_turbo_dir(root, tiny_hf), args.windows, args.hf_batch,
-                                         args.dtype, args.seed, profile=args.profile)
+                                         args.dtype, args.seed, profile=args.profile, engine=engine,
+                                         hf_side=not args.ours_only)
         else:
             results[part] = tiny_part(tiny_hf, args.clips, args.hf_batch, args.dtype)
         r = results[part]
-        print(f"{part}: encdec ({r['backend']}) {r['ours']:.1f} {r['unit']}, HF generate (batches of "
-              f"{args.hf_batch}) {r['hf']:.1f} {r['unit']}, ratio {r['ours'] / r['hf']:.2f}x; {r['what']}",
-              flush=True)
+        hf = ("HF skipped" if r["hf"] is None else f"HF generate (batches of {args.hf_batch}) "
+              f"{r['hf']:.1f} {r['unit']}, ratio {r['ours'] / r['hf']:.2f}x")
+        setting = f" with {engine}" if engine else ""
+        print(f"{part}: encdec ({r['backend']}){setting} {r['ours']:.1f} {r['unit']}, {hf}; {r['what']}", flush=True)
     print(f"GPU: {gpu}, dtype {args.dtype}, torch {torch.__version__}")
 
 

@@ -43,13 +43,30 @@ def test_same_transcript_compares_text_tokens_only():
     assert not gpu_bench.same_transcript([11, 22, 50300, 33, eos], hf_row, eos)  # a special token of ours counts
 
 
-def test_step_counts_read_the_engine(tiny_bart):
-    """What the bench prints beside our rate: steps of the timed run and how many admitted requests."""
+def test_step_clock_reads_the_engine(tiny_bart):
+    """What the bench prints beside our rate: the timed run's steps, how many
+    admitted requests, and each kind's time."""
     from encdec import LLM, SamplingParams
 
     llm = LLM(tiny_bart, device="cpu", kv_cache_memory=16 << 20, max_num_seqs=2)
     llm.generate(["warm"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
-    first = llm.llm_engine.scheduler.num_steps
-    llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=3, min_tokens=3, temperature=0.0), use_tqdm=False)
+    clock = gpu_bench.StepClock(llm)
+    outs = clock.run(lambda: llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=3, min_tokens=3,
+                                                                                temperature=0.0), use_tqdm=False))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]
+    assert "step" not in vars(llm.llm_engine)  # the engine's own step is back
     # 3 requests over 2 slots: two admitted at once, the third when one finishes; 3 tokens each
-    assert gpu_bench._step_counts(llm, first) == "ours: 6 steps, 2 admitting"
+    assert len(clock.seconds) == 6 and all(t > 0 for t in clock.seconds.values())
+    summary = clock.summary()
+    assert summary.startswith("ours: 6 steps in ") and ", 2 admitting (" in summary and "4 decode-only (" in summary
+
+
+def test_engine_options_parse_values():
+    def error(msg):
+        raise SystemExit(msg)
+
+    assert gpu_bench.engine_options(["max_num_seqs=512", "gpu_memory_utilization=0.5", "enforce_eager=true",
+                                     "attention_backend=torch_native"], error) == {
+        "max_num_seqs": 512, "gpu_memory_utilization": 0.5, "enforce_eager": True, "attention_backend": "torch_native"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        gpu_bench.engine_options(["max_num_seqs"], error)
