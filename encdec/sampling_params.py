@@ -255,7 +255,14 @@ class SamplingParams:
         self._bad_words_token_ids = ids
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A copy sharing no container with this one. Only the containers are
+        deep-copied (every other field is immutable): ``copy.deepcopy`` of the
+        whole object was a fifth of processing 512 prompts with params each."""
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, dict, set)):
+                setattr(new, name, copy.deepcopy(value))
+        return new
 
 
 # Re-export (API.md): BeamSearchParams lives with the beam search code.
