@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.device_tensors import to_device
 from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 
@@ -191,8 +192,8 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
         flat = [t for ids in encoder_token_ids for t in ids]
         positions = [p for ids in encoder_token_ids for p in range(len(ids))]
         return {
-            "encoder_input_ids": torch.tensor(flat, dtype=torch.long, device=device),
-            "encoder_positions": torch.tensor(positions, dtype=torch.long, device=device),
+            "encoder_input_ids": to_device(flat, torch.long, device),
+            "encoder_positions": to_device(positions, torch.long, device),
         }
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from encdec.device_tensors import to_device
 from encdec.kernels.cpu import build, whisper_rules_cpu
 from encdec.kernels.cpu.whisper_rules_cpu import BEGIN, FIRST, LAST_TS, PENULT_TS, SUPPRESS, TIMESTAMPS
 from encdec.models.whisper_tokens import WhisperSpecialTokens
@@ -151,7 +152,7 @@ class WhisperLogitsProcessor(LogitsProcessor):
         if len(rows) == logits.shape[0]:
             logits.index_fill_(1, ids, _NEG_INF)
         else:
-            logits[torch.tensor(rows, device=logits.device).unsqueeze(-1), ids] = _NEG_INF
+            logits[to_device(rows, torch.long, logits.device).unsqueeze(-1), ids] = _NEG_INF
 
     def _timestamp_rules(self, logits: torch.Tensor, ts_rows: list[int], outputs: list[list[int]]) -> None:
         """HF ``WhisperTimeStampLogitsProcessor``, row by row (begin_index = first output)."""
@@ -175,7 +176,7 @@ class WhisperLogitsProcessor(LogitsProcessor):
         # Monotonic: timestamps below each row's low. Masked on the timestamp columns
         # only (1501 of ~51865): three vocab-wide ops fewer per decode step.
         ts_ids = torch.arange(tb, vocab, device=sub.device)
-        low_t = torch.tensor(lows, device=sub.device).unsqueeze(-1)
+        low_t = to_device(lows, torch.long, sub.device).unsqueeze(-1)
         sub[:, tb:].masked_fill_(ts_ids < low_t, _NEG_INF)
         # HF compares log-softmaxed values: logsumexp(timestamps) - Z > max(text) - Z.
         # Z cancels, so the raw logits decide, without a vocab-wide log-softmax

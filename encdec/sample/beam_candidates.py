@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from encdec.beam_search.rows import BeamRowParams
+from encdec.device_tensors import to_device
 from encdec.sequence import SequenceGroupMetadata
 
 
@@ -53,7 +54,7 @@ def find_beam_rows(metas: list[SequenceGroupMetadata], batch_rows: dict[int, int
     if not beam_metas:
         return None
     rows = [batch_rows[sid] for m in beam_metas for sid in m.seq_data]
-    return BeamRows(beam_metas, torch.tensor(rows, dtype=torch.long, device=device),
+    return BeamRows(beam_metas, to_device(rows, torch.long, device),
                     {sid for m in beam_metas for sid in m.seq_data})
 
 
@@ -71,10 +72,9 @@ def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, 
         buckets.setdefault((len(m.seq_data), num_candidates(m.sampling_params)), []).append(g)
     out: dict[str, BeamCandidates] = {}
     for (k, num_cand), groups in buckets.items():
-        index = torch.tensor([starts[g] + j for g in groups for j in range(k)], device=logprobs.device)
-        running = torch.tensor([sd.cumulative_logprob for g in groups
-                                for sd in beam_rows.metas[g].seq_data.values()],
-                               dtype=torch.float32, device=logprobs.device)
+        index = to_device([starts[g] + j for g in groups for j in range(k)], torch.long, logprobs.device)
+        running = to_device([sd.cumulative_logprob for g in groups for sd in beam_rows.metas[g].seq_data.values()],
+                            torch.float32, logprobs.device)
         rows = logprobs.index_select(0, index).view(len(groups), k, vocab)
         scores = rows + running.view(-1, k, 1)
         values, flat = torch.topk(scores.view(len(groups), k * vocab), k=min(num_cand, k * vocab))

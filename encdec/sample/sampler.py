@@ -7,6 +7,7 @@ from itertools import chain
 import torch
 from torch import nn
 
+from encdec.device_tensors import to_device
 from encdec.kernels.cpu.greedy_cpu import greedy_logprobs
 from encdec.sample.metadata import SamplingMetadata
 
@@ -80,9 +81,9 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     output only (OpenAI's)."""
     num_reqs, vocab = logits.shape
     outs = md.output_token_ids
-    lens = torch.tensor([len(o) for o in outs], device=logits.device)  # (num_reqs,)
-    cols = torch.tensor(list(chain.from_iterable(outs)), dtype=torch.long, device=logits.device)
-    rows = torch.repeat_interleave(torch.arange(num_reqs, device=logits.device), lens)
+    lens = to_device([len(o) for o in outs], torch.long, logits.device)  # (num_reqs,)
+    cols = to_device(list(chain.from_iterable(outs)), torch.long, logits.device)
+    rows = torch.repeat_interleave(torch.arange(num_reqs, device=logits.device), lens, output_size=len(cols))
     counts = logits.new_zeros(num_reqs, vocab)  # (num_reqs, vocab) output token counts
     counts.index_put_((rows, cols), torch.ones_like(cols, dtype=logits.dtype), accumulate=True)
     output_mask = counts > 0

@@ -37,14 +37,14 @@ from encdec.attention.backends.torch_native import MAX_GROUP_ROWS, PagedGroups, 
 
 logger = logging.getLogger(__name__)
 
-MAX_CAPTURE_SIZE = 256  # rows; larger decode steps run eagerly (as vLLM's max_seq_len_to_capture)
+MAX_CAPTURE_SIZE = 512  # rows; larger decode steps run eagerly (vLLM's default largest capture size)
 
 
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
-    """Buckets: 1, 2, 4, then multiples of 8, up to the first that holds
-    ``max_num_seqs`` rows (``max_size`` at most; a multiple of 8)."""
+    """Buckets as vLLM's: 1, 2, 4, multiples of 8 to 256, then of 16, up to the
+    first that holds ``max_num_seqs`` rows (``max_size`` at most; a multiple of 16)."""
     top = min(max_num_seqs, max_size)
-    candidates = [1, 2, 4] + list(range(8, max_size + 1, 8))
+    candidates = [1, 2, 4] + list(range(8, min(max_size, 256) + 1, 8)) + list(range(272, max_size + 1, 16))
     return [s for s in candidates if s < top] + [next(s for s in candidates if s >= top)]
 
 

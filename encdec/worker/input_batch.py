@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from encdec.device_tensors import to_device
 from encdec.sample.logits_processor import BatchUpdateBuilder, LogitsProcessors, MoveDirectionality
 from encdec.sample.metadata import SamplingMetadata
 from encdec.sampling_params import SamplingType, derive_seed
@@ -215,7 +216,7 @@ class InputBatch:
         n = self.num_reqs
         rows: list[_Row] = self._rows  # type: ignore[assignment]  # contiguous after condense
 
-        def to_device(t: torch.Tensor) -> torch.Tensor:
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # the pinned buffers: queued, like to_device's
             return t[:n].to(self.device, non_blocking=self.is_pin_memory, copy=True)
 
         all_greedy, no_penalties = not self._random, not self._penalties
@@ -223,27 +224,27 @@ class InputBatch:
         if not no_penalties:
             longest = max((len(r[1]) for r in rows), default=0)
             padded = [r[1] + [self.vocab_size] * (longest - len(r[1])) for r in rows]
-            prompt_ids = torch.tensor(padded, dtype=torch.int64).reshape(n, longest).to(self.device)
+            prompt_ids = to_device(padded, torch.int64, self.device).reshape(n, longest)
         allowed = self._allowed_mask_cpu
         return SamplingMetadata(
-            temperature=None if all_greedy else to_device(self.temperature_cpu),
+            temperature=None if all_greedy else rows_of(self.temperature_cpu),
             all_greedy=all_greedy,
             all_random=not self._greedy,
-            top_p=to_device(self.top_p_cpu) if self._top_p else None,
-            top_k=to_device(self.top_k_cpu) if self._top_k else None,
+            top_p=rows_of(self.top_p_cpu) if self._top_p else None,
+            top_k=rows_of(self.top_k_cpu) if self._top_k else None,
             generators={self.req_id_to_index[r]: g for r, g in self._generators.items()},
             max_num_logprobs=max(self._num_logprobs.values()) if self._num_logprobs else None,
-            processed_logprobs_rows=torch.tensor(sorted(self.req_id_to_index[r] for r in self._processed_logprobs),
-                                                 dtype=torch.int64, device=self.device)
+            processed_logprobs_rows=to_device(sorted(self.req_id_to_index[r] for r in self._processed_logprobs),
+                                                     torch.int64, self.device)
             if self._processed_logprobs else None,
             raw_logprobs=len(self._num_logprobs) > len(self._processed_logprobs),
             no_penalties=no_penalties,
             prompt_token_ids=prompt_ids,
-            frequency_penalties=to_device(self.frequency_penalties_cpu),
-            presence_penalties=to_device(self.presence_penalties_cpu),
-            repetition_penalties=to_device(self.repetition_penalties_cpu),
+            frequency_penalties=rows_of(self.frequency_penalties_cpu),
+            presence_penalties=rows_of(self.presence_penalties_cpu),
+            repetition_penalties=rows_of(self.repetition_penalties_cpu),
             output_token_ids=[r[2] for r in rows],
-            allowed_token_ids_mask=to_device(allowed) if self._allowed and allowed is not None else None,
+            allowed_token_ids_mask=rows_of(allowed) if self._allowed and allowed is not None else None,
             bad_words_token_ids={self.req_id_to_index[r]: w for r, w in self._bad_words.items()},
             logitsprocs=self.logitsprocs,
         )

@@ -187,6 +187,31 @@ def test_per_sequence_fallback_equals_flex(causal):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len,kv_len,causal", [(1500, 1500, False), (2, 2, True), (3, 1500, False), (1, 7, False)],
+                         ids=["whisper_encoder", "decoder_prompts", "cross", "cross_one_query"])
+def test_equal_lengths_run_one_batched_sdpa(q_len, kv_len, causal):
+    """Sequences of one length (Whisper's 1500-frame windows) skip flex for one
+    batched SDPA call (FlashAttention on CUDA): the same result as one call per
+    sequence, with 2 KV heads under 4 query heads."""
+    g = torch.Generator().manual_seed(3)
+    q_lens, kv_lens = [q_len] * 3, [kv_len] * 3
+    mask = tn.flex_mask(q_lens, kv_lens, causal=causal, device=torch.device("cpu"))
+    q = torch.randn(sum(q_lens), 4, 16, generator=g)
+    k, v = (torch.randn(sum(kv_lens), 2, 16, generator=g) for _ in range(2))
+    batched = tn.uniform_batch(q, k, v, mask, 0.25)
+    assert batched is not None and batched.shape == q.shape
+    torch.testing.assert_close(batched, tn.per_sequence(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tn.flex(q, k, v, mask, 0.25), batched)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,causal", [([4, 5], [4, 5], True), ([3, 3], [7, 8], False),
+                                                   ([2, 3], [9, 9], False)], ids=["causal", "keys", "queries"])
+def test_unequal_lengths_go_to_flex(q_lens, kv_lens, causal):
+    mask = tn.flex_mask(q_lens, kv_lens, causal=causal, device=torch.device("cpu"))
+    q, k, v = torch.randn(sum(q_lens), 2, 8), torch.randn(sum(kv_lens), 2, 8), torch.randn(sum(kv_lens), 2, 8)
+    assert tn.uniform_batch(q, k, v, mask, 0.25) is None
+
+
 def test_shared_table_groups():
     a, b = [4, 5, 6], [7, 8]
     tables = [a, list(a), a, b, a, b, b]

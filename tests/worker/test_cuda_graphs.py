@@ -24,7 +24,9 @@ def test_capture_sizes_and_buckets():
     assert capture_sizes(1) == [1]
     assert capture_sizes(3) == [1, 2, 4]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
-    assert capture_sizes(10_000)[-1] == 256 and len(capture_sizes(10_000)) == 35
+    assert capture_sizes(256)[-1] == 256 and len(capture_sizes(256)) == 35
+    assert capture_sizes(300)[-3:] == [272, 288, 304]  # past 256 rows, every 16 (as vLLM)
+    assert capture_sizes(10_000)[-1] == 512 and len(capture_sizes(10_000)) == 51
     sizes = capture_sizes(64)
     assert [bucket_for(n, sizes) for n in (1, 3, 5, 8, 9, 63, 64)] == [1, 4, 8, 8, 16, 64, 64]
     assert bucket_for(65, sizes) is None
@@ -194,8 +196,8 @@ def test_a_step_that_admits_replays_its_decode_rows(tiny_bart, monkeypatch):
 
     monkeypatch.setattr(runner.model, "forward", counted)
     execute = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda metas, sched: steps.append(
-        (sched.num_prefill_groups, len(metas) - sched.num_prefill_groups)) or execute(metas, sched))
+    monkeypatch.setattr(runner, "execute", lambda metas, sched, *rest: steps.append(
+        (sched.num_prefill_groups, len(metas) - sched.num_prefill_groups)) or execute(metas, sched, *rest))
     got = tokens(llm.generate(prompts, params, use_tqdm=False))
     assert got == want
     assert sum(1 for p, d in steps if p and d) > 1  # steps admitted requests while others decoded

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from encdec.device_tensors import to_device
+
 
 class AttentionType(str, enum.Enum):
     DECODER = "decoder"  # decoder self-attention, causal
@@ -301,7 +303,7 @@ def packed_slots(block_tables: torch.Tensor, lens: list[int], block_size: int) -
     Built from Python lengths, so no device sync."""
     device = block_tables.device
     total = sum(lens)
-    lens_t = torch.tensor(lens, dtype=torch.long, device=device)  # (B,)
+    lens_t = to_device(lens, torch.long, device)  # (B,)
     row = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t, output_size=total)
     starts = torch.cumsum(lens_t, 0) - lens_t  # (B,)
     pos = torch.arange(total, device=device) - starts[row]  # (total,) position inside its sequence

@@ -46,6 +46,7 @@ from encdec.attention.backends.abstract import (
     cache_slots,
     write_to_cache,
 )
+from encdec.device_tensors import to_device
 from encdec.kernels.triton.paged_attention import paged_attention
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class PagedGroups(NamedTuple):
 
 
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return to_device(values, torch.int32, device)
 
 
 def shared_table_groups(tables: list[list[int]], lens: list[int],
@@ -91,7 +92,7 @@ class FlexMask(NamedTuple):
 
 
 def _positions(lens: list[int], device: torch.device) -> torch.Tensor:
-    n = torch.tensor(lens, device=device)
+    n = to_device(lens, torch.long, device)
     starts = torch.cumsum(n, 0) - n
     return torch.arange(sum(lens), device=device) - torch.repeat_interleave(starts, n, output_size=sum(lens))
 
@@ -108,10 +109,10 @@ def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
     Each query tile's key tiles are the span of the sequences it touches."""
     Q, KV = sum(q_lens), sum(kv_lens)
     q_doc = torch.repeat_interleave(torch.arange(len(q_lens), device=device),
-                                    torch.tensor(q_lens, device=device), output_size=Q)  # (Q,)
+                                    to_device(q_lens, torch.long, device), output_size=Q)  # (Q,)
     kv_doc = torch.repeat_interleave(torch.arange(len(kv_lens), device=device),
-                                     torch.tensor(kv_lens, device=device), output_size=KV)  # (KV,)
-    kv_start = torch.tensor([0] + kv_lens, device=device).cumsum(0)  # (num_seqs + 1,)
+                                     to_device(kv_lens, torch.long, device), output_size=KV)  # (KV,)
+    kv_start = to_device([0] + kv_lens, torch.long, device).cumsum(0)  # (num_seqs + 1,)
     nq, nkv = -(-Q // FLEX_BLOCK), -(-KV // FLEX_BLOCK)
     tile_first = torch.arange(nq, device=device) * FLEX_BLOCK  # first query of each tile
     tile_last = (tile_first + FLEX_BLOCK - 1).clamp(max=Q - 1)
@@ -173,7 +174,7 @@ class TorchNativeMetadata(AttentionMetadata):
             tables = tables[n:] if tables is not None else self.cross_block_tables[n:].tolist()
             enc = self.encoder_seq_lens[n:]
             starts = shared_table_groups(tables, enc)
-            first = torch.tensor(starts[:-1], dtype=torch.long, device=dev)
+            first = to_device(starts[:-1], torch.long, dev)
             self.decode_cross = PagedGroups(
                 self.cross_block_tables[n:][first], _i32(starts, dev), self.encoder_seq_lens_tensor[n:][first],
                 max(b - a for a, b in zip(starts, starts[1:])), max(enc))
@@ -250,11 +251,35 @@ def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMa
     return out
 
 
+def uniform_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask,
+                  scale: float) -> torch.Tensor | None:
+    """``flex``'s result by one batched SDPA call when every sequence has the same
+    query length and the same key length (Whisper's encoder: 1500 frames a
+    window; its decoder prompts), None otherwise. There the packed tokens are a
+    (B, L, H, D) batch with no mask but causality, and SDPA runs FlashAttention on
+    CUDA, which tiles 1500-token windows without flex's partial mask tiles."""
+    lq, lk = mask.q_lens[0], mask.kv_lens[0]
+    if mask.q_lens.count(lq) != len(mask.q_lens) or mask.kv_lens.count(lk) != len(mask.kv_lens) \
+            or (mask.causal and lq != lk):
+        return None
+    b = len(mask.q_lens)
+    out = F.scaled_dot_product_attention(
+        q.view(b, lq, *q.shape[1:]).transpose(1, 2), k.view(b, lk, *k.shape[1:]).transpose(1, 2),
+        v.view(b, lk, *v.shape[1:]).transpose(1, 2), is_causal=mask.causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])  # (B, H, Lq, D)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
          bias: PositionBias | None = None) -> torch.Tensor:
     """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call.
+    Sequences of one length: one batched SDPA call (``uniform_batch``). Otherwise
     CUDA: compiled (a compile failure is logged once and the step falls back to
     ``per_sequence``); CPU: eager, the reference path."""
+    if bias is None:
+        out = uniform_batch(q, k, v, mask, scale)
+        if out is not None:
+            return out
     if q.is_cuda and not _flex_failure:
         try:
             return compiled_flex(q, k, v, mask, scale, bias)

@@ -1,0 +1,34 @@
+"""Host values to device tensors without waiting for the device.
+
+A blocking copy to a CUDA device (``torch.tensor(..., device="cuda")``,
+``.to("cuda")``) from pageable memory ends in a stream synchronization: it waits
+for every kernel queued before it. A step packs ~20
+small tensors (token ids, positions, lengths, block tables, sampling rows), so
+on an H100 each step waited on the GPU over and over: 3523 stream
+synchronizations in 224 BART-large decode steps, with the GPU busy 0.56 s of a
+3.27 s run (torch.profiler, 2026-11-27). Staged in pinned memory (torch's
+caching host allocator, which keeps a block until its copy has run) and copied
+``non_blocking``, a copy queues behind the kernels instead, and the host goes
+on packing while the GPU works. Other devices (CPU) take the plain path.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)``, queued on CUDA."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array as a tensor on ``device`` (shared with ``array`` on CPU), queued on CUDA."""
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
