@@ -42,7 +42,7 @@ def append_samples(samples: list[Any], sched: SchedulerOutputs, block_manager: B
     for sample in samples:
         seq, group = seqs[sample.seq_id]
         seq.append_token_id(sample.token_id, sample.logprobs)
-        stop_checker.check(seq, group.sampling_params)
+        stop_checker.check(seq, group.sampling_params, defer_text=True)
         if seq.is_finished():
             block_manager.free(seq)
 

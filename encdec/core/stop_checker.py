@@ -29,14 +29,43 @@ class StopChecker:
         self.get_tokenizer_len = get_tokenizer_len
         self.detokenizer = detokenizer
         self.eos_token_id = eos_token_id
+        self._pending_text: list[tuple[Any, SamplingParams]] = []  # (seq, params): last token's text owed
 
-    def check(self, seq: Any, sampling_params: SamplingParams) -> None:
+    def check(self, seq: Any, sampling_params: SamplingParams, *, defer_text: bool = False) -> None:
         """The token just appended to ``seq``: its text (when the request wants
-        text and a detokenizer was given), then whether it ends the sequence."""
-        added = 0
-        if self.detokenizer is not None and sampling_params.detokenize:
-            added = self.detokenizer.decode_sequence_inplace(seq, sampling_params)
-        self.maybe_stop_sequence(seq, added, sampling_params, self.eos_token_id)
+        text and a detokenizer was given), then whether it ends the sequence.
+
+        ``defer_text``: a request with no stop strings is decided by token ids
+        alone, so a token that does not end its sequence may leave its text to
+        ``flush_text``, which the engine calls while the next step's kernels run
+        (on a GPU a decode step's host work otherwise waits for nothing: ~1 ms of
+        detokenizing at 256 rows). A token that ends it is decoded now: the
+        request's output is made from this step's text."""
+        params = sampling_params
+        if self.detokenizer is None or not params.detokenize:
+            self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
+            return
+        if defer_text and not params.stop:
+            self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
+            if not seq.is_finished():
+                self._pending_text.append((seq, params))
+                return
+            from encdec.sequence import SequenceStatus
+
+            added = self.detokenizer.decode_sequence_inplace(seq, params)
+            if seq.status == SequenceStatus.FINISHED_STOPPED:  # eos or a stop token id: as maybe_stop_sequence
+                self._trim_token_text(seq, added, params)
+            return
+        added = self.detokenizer.decode_sequence_inplace(seq, params)
+        self.maybe_stop_sequence(seq, added, params, self.eos_token_id)
+
+    def flush_text(self) -> None:
+        """Decode every token ``check`` left without its text. Before a pending
+        sequence appends its next token (the engine calls this at the start of
+        each update too) and before anything reads its text."""
+        pending, self._pending_text = self._pending_text, []
+        for seq, params in pending:
+            self.detokenizer.decode_sequence_inplace(seq, params)
 
     def maybe_stop_sequence(self, seq: Any, new_char_count: int, sampling_params: SamplingParams,
                             eos_token_id: int | None = None) -> None:

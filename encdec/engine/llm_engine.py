@@ -197,11 +197,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled forward; returns the requests that finished in it."""
         metas, sched = self.scheduler.schedule()
-        output = self.worker.execute_model(metas, sched)
+        output = self.worker.execute_model(metas, sched, while_device_runs=self.stop_checker.flush_text)
         return self._update(sched, output)
 
     def _update(self, sched: SchedulerOutputs, output: Any) -> list[RequestOutput]:
         """Counters, beam decisions, then the scheduler applies the step."""
+        self.stop_checker.flush_text()  # a step with nothing to run called no while_device_runs
         for s in sched.scheduled_seq_groups[: sched.num_prefill_groups]:
             self.num_prompt_tokens += s.token_chunk_size + s.seq_group.encoder_seq.get_len()
         self.num_generated_tokens += len(output.samples)
@@ -237,6 +238,7 @@ class LLMEngine:
         """What the given unfinished requests have produced so far (``step`` returns
         finished requests only); streaming servers read this after each step."""
         groups = self.groups
+        self.stop_checker.flush_text()  # the last step's text, left for the next step's kernels
         return {rid: RequestOutput.from_seq_group(groups[rid]) for rid in request_ids if rid in groups}
 
     def get_request_progress(self) -> dict[str, tuple[int, float]]:

@@ -13,6 +13,7 @@ here; the engine above sees only configs and ``execute_model``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -308,5 +309,7 @@ class Worker:
         """The logits processors' own checks of a request's params (ValueError)."""
         self.input_batch.logitsprocs.validate_params(params)
 
-    def execute_model(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> ModelRunnerOutput:
-        return self.model_runner.execute(metas, sched)
+    def execute_model(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs,
+                      while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
+        """``while_device_runs``: see ``EncoderDecoderModelRunner.execute``."""
+        return self.model_runner.execute(metas, sched, while_device_runs)

@@ -111,3 +111,70 @@ def test_token_past_the_tokenizer_stops() -> None:
     checker = StopChecker(100, get_tokenizer_len=lambda: 12)
     seq, step = _feed(checker, SamplingParams(), WORDS)
     assert (step, seq.status, seq.stop_reason) == (3, SequenceStatus.FINISHED_STOPPED, 12)
+
+
+# -- text left for the next step's kernels (check(defer_text=True), flush_text) ---------
+
+
+class FakeDetok:
+    """Appends each token's text from a table; counts its calls."""
+
+    def __init__(self, texts: dict[int, str]) -> None:
+        self.texts, self.calls = texts, 0
+
+    def decode_sequence_inplace(self, seq, params) -> int:
+        self.calls += 1
+        text = self.texts[seq.get_last_token_id()]
+        seq.output_text += text
+        return len(text)
+
+
+class FakeSeqWithStatus(FakeSeq):
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+
+def _run(params: SamplingParams, tokens: list[int], defer: bool) -> tuple[FakeSeqWithStatus, int]:
+    """The engine's order: pending text flushed before each append, then the check."""
+    texts = {t: s for t, s in WORDS} | {EOS: "</s>"}
+    detok = FakeDetok(texts)
+    checker = StopChecker(100, detokenizer=detok, eos_token_id=EOS)
+    seq = FakeSeqWithStatus()
+    pending_seen = 0
+    for token in tokens:
+        checker.flush_text()
+        seq.output.append(token)
+        checker.check(seq, params, defer_text=defer)
+        pending_seen += len(checker._pending_text)
+        if seq.is_finished():
+            break
+    checker.flush_text()
+    return seq, pending_seen
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(stop_token_ids=[12]),
+                                    SamplingParams(stop_token_ids=[12], include_stop_str_in_output=True),
+                                    SamplingParams(max_tokens=3), SamplingParams(ignore_eos=True, max_tokens=4),
+                                    SamplingParams(stop=[" wor"])],
+                         ids=["eos", "stop_id", "stop_id_kept", "max_tokens", "ignore_eos", "stop_string"])
+def test_deferred_text_ends_as_immediate_text(params: SamplingParams) -> None:
+    tokens = [10, 11, 12, EOS, 13, 14]
+    now, _ = _run(params, tokens, defer=False)
+    later, pending = _run(params, tokens, defer=True)
+    assert (later.output_text, later.status, later.stop_reason) == (now.output_text, now.status, now.stop_reason)
+    # Text waits only where no stop string needs it; the token that ends the sequence never waits.
+    assert (pending > 0) == (not params.stop)
+
+
+def test_a_finishing_token_is_decoded_at_once() -> None:
+    detok = FakeDetok({10: "Hello", EOS: "</s>"})
+    checker = StopChecker(100, detokenizer=detok, eos_token_id=EOS)
+    seq = FakeSeqWithStatus()
+    seq.output.append(10)
+    checker.check(seq, SamplingParams(), defer_text=True)
+    assert (seq.output_text, detok.calls) == ("", 0)  # left for flush_text
+    checker.flush_text()
+    seq.output.append(EOS)
+    checker.check(seq, SamplingParams(), defer_text=True)
+    assert seq.status == SequenceStatus.FINISHED_STOPPED
+    assert (seq.output_text, detok.calls, checker._pending_text) == ("Hello", 2, [])  # eos text trimmed
