@@ -305,6 +305,8 @@ class BlockSpaceManager:
 
     def _grow(self, table: list[int], num_blocks: int) -> None:
         """Append GPU blocks up to ``num_blocks``, each after its predecessor when free."""
+        if len(table) >= num_blocks:  # most decode steps: the last block has room
+            return
         gpu = self.gpu_allocator
         self.cross.make_room(num_blocks - len(table))
         while len(table) < num_blocks:
