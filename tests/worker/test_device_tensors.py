@@ -21,10 +21,12 @@ def test_cuda_copies_queue_behind_running_kernels():
     """A blocking copy would wait for the sleeping kernel; these return while it
     runs (the stream is still busy) and the values arrive in order."""
     dev = torch.device("cuda")
+    values, array = list(range(1000)), np.full((4, 5), 7, dtype=np.int32)
+    to_device(values, torch.long, dev), array_to_device(array, dev)  # pinned blocks allocated (and cached) first
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
-    t = to_device(list(range(1000)), torch.long, dev)
-    a = array_to_device(np.full((4, 5), 7, dtype=np.int32), dev)
+    t = to_device(values, torch.long, dev)
+    a = array_to_device(array, dev)
     busy = not torch.cuda.current_stream().query()
     assert busy, "to_device waited for the GPU"
     assert t.sum().item() == sum(range(1000)) and a.sum().item() == 140
