@@ -6,10 +6,10 @@
 #               bars at reduced sizes; tiny through GPU_BENCH_ARGS: each part is its own
 #               process, and an engine's start on CUDA took tens of seconds there)
 # Each part has its own time limit; one summary line per part at the end.
-# Measured on an H100 (torch 2.11+cu130, 2026-11-27, second lease): cuda 86 s,
-# parity 84 s (tiny.en included), the bench's parts 60-90 s each at the old quick
-# sizes (64 requests, 32 windows, a short warm-up); each side now warms up on a
-# whole workload of the timed size first, at 256 requests and 64 windows. The packages and weights the
+# Measured on an H100 (torch 2.11+cu130, 2026-11-27, the day's last lease): cuda 87 s,
+# parity 62 s (tiny.en included), and the bench at full size with
+# GPU_BENCH_ARGS="--parts bart,whisper --workdir DIR" 157 s (each side warms up on a
+# whole workload of the timed size first; --quick: 256 requests, 64 windows). The packages and weights the
 # GPU image lacks: benchmarks/gpu_carry.sh prepares them and says how to carry them.
 # Usage: benchmarks/gpu_check.sh [PYTHON]   (default: .venv/bin/python, else python3)
 # Environment: GPU_CHECK_LOG (log folder), GPU_BENCH_ARGS (default --quick --parts bart,beams,whisper),
