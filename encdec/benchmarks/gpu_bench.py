@@ -27,96 +27,14 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 
 from .bart_bench import make_workload, padded
+from .gpu_timing import StepClock, engine_options, free_gpu, profile_run, timed
 
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
 PARTS = ("bart", "beams", "whisper", "tiny")
 WHISPER_TOKENS = 64
 GPU_SHARE = 0.7  # our engine's gpu_memory_utilization: HF loads beside what a finished run leaves
-
-
-def _free() -> None:
-    """Give the previous engine's or model's GPU memory back before the next one loads."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _sync():
-    import torch
-
-    torch.cuda.synchronize()
-
-
-def _timed(fn):
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - t0
-
-
-class StepClock:
-    """Each engine step's wall time during one run, split into steps that
-    admitted requests (their prefills run eagerly; Whisper's encoder is there)
-    and decode-only ones (CUDA graph replays): on a lease the split says where
-    a run's time went without a profiler's overhead. A step returns sampled
-    tokens to the host, so its wall time includes its GPU work."""
-
-    def __init__(self, llm):
-        self.engine = llm.llm_engine
-        self.first_step = self.engine.scheduler.num_steps
-        self.seconds: dict[int, float] = {}
-
-    def run(self, fn):
-        eng, step = self.engine, self.engine.step
-
-        def timed_step():
-            n, t0 = eng.scheduler.num_steps, time.perf_counter()
-            out = step()
-            self.seconds[n] = time.perf_counter() - t0
-            return out
-
-        eng.step = timed_step  # an instance attribute: LLM.generate calls engine.step()
-        try:
-            return fn()
-        finally:
-            del eng.step
-
-    def summary(self) -> str:
-        admitted = {s for s in self.engine.stats.admitted_at_step.values() if s >= self.first_step}
-        adm = [t for n, t in self.seconds.items() if n in admitted]
-        dec = sorted(t for n, t in self.seconds.items() if n not in admitted)
-        median = 1e3 * dec[len(dec) // 2] if dec else 0.0
-        return (f"ours: {len(self.seconds)} steps in {sum(self.seconds.values()):.2f} s, "
-                f"{len(adm)} admitting ({sum(adm):.2f} s), {len(dec)} decode-only "
-                f"({sum(dec):.2f} s, median {median:.1f} ms)")
-
-
-def _profile(fn, label: str) -> None:
-    """Where a run's time goes, GPU kernels and host side: a bench line says how
-    fast, this says why, in the same lease (GPU time is scarce)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        wall = time.perf_counter() - t0
-    table = prof.key_averages()
-    for key in ("self_cuda_time_total", "self_cpu_time_total"):
-        print(f"-- profile {label}, by {key} --")
-        print(table.table(sort_by=key, row_limit=18, max_name_column_width=60))
-    gpu = [e for e in table if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.self_device_time_total for e in gpu) / 1e6
-    print(f"-- profile {label}: {sum(e.count for e in gpu)} GPU kernel launches, {busy:.2f} s of kernel time "
-          f"in {wall:.2f} s (host-bound where far below; the profiler slows the host) --", flush=True)
 
 
 def bart_large_dir(root: str) -> str:
@@ -193,14 +111,14 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     llm = LLM(model_dir, device="cuda", dtype=dtype_name, gpu_memory_utilization=GPU_SHARE, **(engine or {}))
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
     clock = StepClock(llm)
-    outs, t_ours = _timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    outs, t_ours = timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
     steps = clock.summary()
     assert all(len(o.outputs[0].token_ids) == m for o, m in zip(outs, out_lens))
     if profile:
-        _profile(lambda: llm.generate(prompts, params, use_tqdm=False), f"encdec bart beams={beams}")
+        profile_run(lambda: llm.generate(prompts, params, use_tqdm=False), f"encdec bart beams={beams}")
     backend = llm.llm_engine.worker.backend.get_name()
     del llm
-    _free()
+    free_gpu()
     tokens = sum(out_lens)
     what = (f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else "")
             + f"; {steps}")
@@ -220,11 +138,11 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
                                forced_bos_token_id=0, no_repeat_ngram_size=0, early_stopping=False)
 
     hf(warm_enc, warm_lens)
-    _, t_hf = _timed(lambda: hf(enc, out_lens))
+    _, t_hf = timed(lambda: hf(enc, out_lens))
     if profile:
-        _profile(lambda: hf(enc, out_lens, 0, hf_batch), f"HF bart beams={beams}")
+        profile_run(lambda: hf(enc, out_lens, 0, hf_batch), f"HF bart beams={beams}")
     del model
-    _free()
+    free_gpu()
     return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend, what=what)
 
 
@@ -243,10 +161,10 @@ def _our_whisper(model_dir: str, dtype_name: str, wavs, params, profile: str | N
     warm = [TextPrompt(prompt=prompt, multi_modal_data={"audio": (w[::-1].copy(), 16000)}) for w in wavs]
     llm.generate(warm, params, use_tqdm=False)
     clock = StepClock(llm)
-    outs, seconds = _timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    outs, seconds = timed(lambda: clock.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
     print(f"whisper {clock.summary()}", flush=True)
     if profile:
-        _profile(lambda: llm.generate(warm, params, use_tqdm=False), profile)
+        profile_run(lambda: llm.generate(warm, params, use_tqdm=False), profile)
     return [o.outputs[0].token_ids for o in outs], seconds, llm.llm_engine.worker.backend.get_name()
 
 
@@ -274,7 +192,7 @@ def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, s
     params = SamplingParams(temperature=0.0, max_tokens=WHISPER_TOKENS, ignore_eos=True)
     _, t_ours, backend = _our_whisper(model_dir, dtype_name, wavs, params, "encdec whisper" if profile else None,
                                       engine)
-    _free()
+    free_gpu()
     what = f"{windows} windows of 30 s, {WHISPER_TOKENS} tokens each"
     if not hf_side:
         return dict(unit="windows/s", ours=windows / t_ours, hf=None, backend=backend, what=what)
@@ -282,11 +200,11 @@ def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, s
     model, proc = _hf_whisper(model_dir, dtype)
     gen = dict(max_new_tokens=WHISPER_TOKENS, min_new_tokens=WHISPER_TOKENS)
     _hf_transcribe(model, proc, [w[::-1].copy() for w in wavs], hf_batch, dtype, **gen)  # warm-up
-    _, t_hf = _timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, **gen))
+    _, t_hf = timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, **gen))
     if profile:
-        _profile(lambda: _hf_transcribe(model, proc, wavs[:32], hf_batch, dtype, **gen), "HF whisper")
+        profile_run(lambda: _hf_transcribe(model, proc, wavs[:32], hf_batch, dtype, **gen), "HF whisper")
     del model
-    _free()
+    free_gpu()
     return dict(unit="windows/s", ours=windows / t_ours, hf=windows / t_hf, backend=backend, what=what)
 
 
@@ -316,15 +234,15 @@ def tiny_part(tiny_hf: str, clips: int, hf_batch: int, dtype_name: str) -> dict:
     wavs = (wavs * (clips // len(wavs) + 1))[:clips]
     params = SamplingParams(temperature=0.0, max_tokens=128)
     ours, t_ours, backend = _our_whisper(tiny_hf, dtype_name, wavs, params)
-    _free()
+    free_gpu()
     dtype = getattr(torch, dtype_name)
     model, proc = _hf_whisper(tiny_hf, dtype)
     eos = model.generation_config.eos_token_id
     _hf_transcribe(model, proc, [w[::-1].copy() for w in wavs], hf_batch, dtype, max_new_tokens=128)  # warm-up
-    seqs, t_hf = _timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, max_new_tokens=128))
+    seqs, t_hf = timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, max_new_tokens=128))
     same = sum(same_transcript(a, b, eos) for a, b in zip(ours, seqs))
     del model
-    _free()
+    free_gpu()
     return dict(unit="windows/s", ours=clips / t_ours, hf=clips / t_hf, backend=backend,
                 what=f"real tiny.en, {clips} clips, {same}/{clips} transcripts equal to HF's")
 
@@ -338,25 +256,6 @@ def _without_parts(argv: list[str]) -> list[str]:
             skip = True
         elif not a.startswith("--parts="):
             out.append(a)
-    return out
-
-
-def engine_options(pairs: list[str], error) -> dict:
-    """``KEY=VALUE`` words as LLM options; a value reads as an int, a float,
-    true/false, else a string; ``error`` (argparse's) for a word without ``=``."""
-    out = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            error(f"--engine takes KEY=VALUE, got {pair!r}")
-        value: object = {"true": True, "false": False}.get(raw.lower(), raw)
-        for kind in (int, float):
-            try:
-                value = kind(raw)
-                break
-            except ValueError:
-                pass
-        out[key] = value
     return out
 
 

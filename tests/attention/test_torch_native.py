@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from encdec.attention import AttentionType  # noqa: E402
+from encdec.attention.backends import packed_prefill as pp  # noqa: E402
 from encdec.attention.backends import torch_native as tn  # noqa: E402
 from encdec.attention.backends.torch_native import TorchNativeBackend, doc_block_mask, shared_table_groups  # noqa: E402
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
@@ -167,7 +168,7 @@ def test_compiled_flex_compiles_once_per_mask_kind():
         mask = tn.flex_mask(q_lens, kv_lens, causal=causal, device=torch.device("cpu"))
         q = torch.randn(sum(q_lens), 4, 64, generator=g)
         k, v = (torch.randn(sum(kv_lens), 4, 64, generator=g) for _ in range(2))
-        torch.testing.assert_close(tn.compiled_flex(q, k, v, mask, 0.125), tn.per_sequence(q, k, v, mask, 0.125),
+        torch.testing.assert_close(pp.compiled_flex(q, k, v, mask, 0.125), tn.per_sequence(q, k, v, mask, 0.125),
                                    rtol=1e-5, atol=1e-5)
     graphs = counters["stats"]["unique_graphs"] - before
     print(f"{len(steps)} prefill steps compiled {graphs} graph(s)")
@@ -371,8 +372,8 @@ def test_a_torch_without_the_size_option_compiles_as_before(monkeypatch):
 
     import torch.fx.experimental
 
-    assert not isinstance(tn._size_generic(), contextlib.nullcontext)  # this torch has it
+    assert not isinstance(pp._size_generic(), contextlib.nullcontext)  # this torch has it
     monkeypatch.setattr(torch.fx.experimental, "_config", types.SimpleNamespace(), raising=False)
-    with tn._size_generic() as entered:
+    with pp._size_generic() as entered:
         assert entered is None
-    assert isinstance(tn._size_generic(), contextlib.nullcontext)
+    assert isinstance(pp._size_generic(), contextlib.nullcontext)

@@ -15,27 +15,20 @@ A mixed step runs its prefill call and its decode launch. Every mask and group
 table is built once per step by ``make_metadata`` from the runner's host lists
 (no device sync) and shared by all layers; no forward loops over sequences.
 
-The block masks are built directly from the sequence boundaries (each query
-tile's range of key tiles), never by evaluating the mask over all
-(query, key) pairs: a batch of 64 Whisper windows is 96,000 encoder tokens.
+The prefill calls (flex_attention, or one batched SDPA call where every
+sequence has the same length) live in ``packed_prefill``.
 
 Where the Triton kernel declines (a CPU tensor without ``TRITON_INTERPRET=1``,
 cache blocks not a power of two of 16+ keys) decode gathers each group's keys
 with one index op and one masked SDPA call: the same math, for tests and CPU.
-On CPU flex_attention runs eagerly; on CUDA it is compiled once.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from encdec.attention.backends.abstract import (
     AttentionBackend,
@@ -46,12 +39,18 @@ from encdec.attention.backends.abstract import (
     cache_slots,
     write_to_cache,
 )
+from encdec.attention.backends.packed_prefill import (  # noqa: F401  (FLEX_BLOCK, uniform_batch, ...: tests and callers read them here)
+    FLEX_BLOCK,
+    FlexMask,
+    doc_block_mask,
+    flex,
+    flex_mask,
+    per_sequence,
+    uniform_batch,
+)
 from encdec.device_tensors import to_device
 from encdec.kernels.triton.paged_attention import paged_attention
 
-logger = logging.getLogger(__name__)
-
-FLEX_BLOCK = 128  # flex_attention's query/key tile
 MAX_GROUP_ROWS = 16  # decode rows per shared-cross-table group: one query tile of the kernel
 
 
@@ -78,60 +77,6 @@ def shared_table_groups(tables: list[list[int]], lens: list[int],
         if not starts or t != tables[i - 1] or n != lens[i - 1] or i - starts[-1] >= max_rows:
             starts.append(i)
     return starts + [len(tables)]
-
-
-class FlexMask(NamedTuple):
-    """A prefill call's block mask and the sequence lengths it was built from."""
-
-    block_mask: BlockMask
-    q_lens: list[int]  # query tokens per sequence, packed in this order
-    kv_lens: list[int]  # key tokens per sequence
-    causal: bool
-    q_pos: torch.Tensor  # (sum(q_lens),) int64, each query's position in its sequence
-    kv_pos: torch.Tensor  # (sum(kv_lens),) int64, each key's
-
-
-def _positions(lens: list[int], device: torch.device) -> torch.Tensor:
-    n = to_device(lens, torch.long, device)
-    starts = torch.cumsum(n, 0) - n
-    return torch.arange(sum(lens), device=device) - torch.repeat_interleave(starts, n, output_size=sum(lens))
-
-
-def flex_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool, device: torch.device) -> FlexMask:
-    return FlexMask(doc_block_mask(q_lens, kv_lens, causal=causal, device=device), q_lens, kv_lens, causal,
-                    _positions(q_lens, device), _positions(kv_lens, device))
-
-
-def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
-                   device: torch.device) -> BlockMask:
-    """flex_attention's mask for packed sequences: query token of sequence i sees
-    the key tokens of sequence i (and, causal, only those at or before it).
-    Each query tile's key tiles are the span of the sequences it touches."""
-    Q, KV = sum(q_lens), sum(kv_lens)
-    q_doc = torch.repeat_interleave(torch.arange(len(q_lens), device=device),
-                                    to_device(q_lens, torch.long, device), output_size=Q)  # (Q,)
-    kv_doc = torch.repeat_interleave(torch.arange(len(kv_lens), device=device),
-                                     to_device(kv_lens, torch.long, device), output_size=KV)  # (KV,)
-    kv_start = to_device([0] + kv_lens, torch.long, device).cumsum(0)  # (num_seqs + 1,)
-    nq, nkv = -(-Q // FLEX_BLOCK), -(-KV // FLEX_BLOCK)
-    tile_first = torch.arange(nq, device=device) * FLEX_BLOCK  # first query of each tile
-    tile_last = (tile_first + FLEX_BLOCK - 1).clamp(max=Q - 1)
-    lo = kv_start[q_doc[tile_first]] // FLEX_BLOCK  # (nq,) first key tile
-    end = kv_start[q_doc[tile_last] + 1]  # one past the last key the tile's sequences own
-    if causal:  # a query sees keys up to itself (packed positions align: no cached context)
-        end = torch.minimum(end, tile_last + 1)
-    hi = -(-end // FLEX_BLOCK)  # (nq,) one past the last key tile
-    counts = (hi - lo).to(torch.int32)
-    indices = (lo[:, None] + torch.arange(nkv, device=device)[None, :]).clamp(max=nkv - 1).to(torch.int32)
-
-    if causal:
-        def mask_mod(b, h, q, kv):
-            return (q_doc[q] == kv_doc[kv]) & (q >= kv)
-    else:
-        def mask_mod(b, h, q, kv):
-            return q_doc[q] == kv_doc[kv]
-    return BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(Q, KV))
 
 
 @dataclass
@@ -178,120 +123,6 @@ class TorchNativeMetadata(AttentionMetadata):
             self.decode_cross = PagedGroups(
                 self.cross_block_tables[n:][first], _i32(starts, dev), self.encoder_seq_lens_tensor[n:][first],
                 max(b - a for a, b in zip(starts, starts[1:])), max(enc))
-
-
-@functools.cache
-def _compiled_flex():
-    # dynamic: a step's token counts change every step; one compilation serves them.
-    return torch.compile(flex_attention, dynamic=True, fullgraph=True)
-
-
-_flex_failure: list[str] = []  # why compiled flex_attention failed on CUDA, once it has
-
-
-def _size_generic() -> contextlib.AbstractContextManager:
-    """Compile for sizes in general: dynamo otherwise specializes every size of 1,
-    here the block masks' tile counts, so a step whose queries or keys fit one
-    128-token tile compiled its own graphs. Measured with inductor on CPU, seven
-    prefill shape sets (causal and not, 1 to 8 tiles) compiled 6 graphs, 3 with
-    this, each 4-14 s on first use (an H100 run saw one land mid-benchmark, 3.6 s).
-    A torch without the option compiles as before (``patch`` would raise only on
-    entering, inside the compiled call, and send every prefill to the fallback)."""
-    try:
-        from torch.fx.experimental import _config as fx_config
-    except ImportError:
-        return contextlib.nullcontext()
-    if not hasattr(fx_config, "backed_size_oblivious"):
-        return contextlib.nullcontext()
-    return fx_config.patch(backed_size_oblivious=True)
-
-
-def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
-                  bias: PositionBias | None = None) -> torch.Tensor:
-    """``flex``'s CUDA path, one compiled flex_attention call (it runs on CPU too: the tests)."""
-    with _size_generic():
-        return _run_flex(_compiled_flex(), q, k, v, mask, scale, bias)
-
-
-def _score_mod(mask: FlexMask, bias: PositionBias):
-    """T5's position bias as a flex score_mod: one (H, Lq, Lk) table over the
-    step's longest sequences (memoized on the bias, shared by the stack's layers),
-    read at each query's and key's position in its sequence."""
-    lq, lk = max(mask.q_lens), max(mask.kv_lens)
-    table = bias._memo(("flex_table", lq, lk), lambda: bias.compute(
-        torch.arange(lq, device=bias.device), torch.arange(lk, device=bias.device)).float())
-    q_pos, kv_pos = mask.q_pos, mask.kv_pos
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + table[h, q_pos[q_idx], kv_pos[kv_idx]]
-    return score_mod
-
-
-def _run_flex(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
-              bias: PositionBias | None) -> torch.Tensor:
-    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],  # (1, H, N, D)
-             score_mod=None if bias is None else _score_mod(mask, bias),
-             block_mask=mask.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
-
-
-def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
-                 bias: PositionBias | None = None) -> torch.Tensor:
-    """``flex``'s result by one SDPA call per sequence: the fallback where compiled
-    flex_attention fails on CUDA (one launch per sequence: slower, still exact)."""
-    out = torch.empty_like(q)
-    qs = ks = 0
-    for nq, nk in zip(mask.q_lens, mask.kv_lens):
-        add = None if bias is None else bias.prefill(nq, causal=mask.causal).to(q.dtype)  # self-attention: nq == nk
-        out[qs: qs + nq] = F.scaled_dot_product_attention(
-            q[qs: qs + nq].transpose(0, 1), k[ks: ks + nk].transpose(0, 1), v[ks: ks + nk].transpose(0, 1),
-            attn_mask=add, is_causal=mask.causal and add is None, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
-        qs, ks = qs + nq, ks + nk
-    return out
-
-
-def uniform_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask,
-                  scale: float) -> torch.Tensor | None:
-    """``flex``'s result by one batched SDPA call when every sequence has the same
-    query length and the same key length (Whisper's encoder: 1500 frames a
-    window; its decoder prompts), None otherwise. There the packed tokens are a
-    (B, L, H, D) batch with no mask but causality, and SDPA runs FlashAttention on
-    CUDA, which tiles 1500-token windows without flex's partial mask tiles."""
-    lq, lk = mask.q_lens[0], mask.kv_lens[0]
-    if mask.q_lens.count(lq) != len(mask.q_lens) or mask.kv_lens.count(lk) != len(mask.kv_lens) \
-            or (mask.causal and lq != lk):
-        return None
-    b = len(mask.q_lens)
-    out = F.scaled_dot_product_attention(
-        q.view(b, lq, *q.shape[1:]).transpose(1, 2), k.view(b, lk, *k.shape[1:]).transpose(1, 2),
-        v.view(b, lk, *v.shape[1:]).transpose(1, 2), is_causal=mask.causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])  # (B, H, Lq, D)
-    return out.transpose(1, 2).reshape(q.shape)
-
-
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask, scale: float,
-         bias: PositionBias | None = None) -> torch.Tensor:
-    """Packed q (Nq, H, D), k/v (Nk, Hk, D) under ``mask`` -> (Nq, H, D): one call.
-    Sequences of one length: one batched SDPA call (``uniform_batch``). Otherwise
-    CUDA: compiled (a compile failure is logged once and the step falls back to
-    ``per_sequence``); CPU: eager, the reference path."""
-    if bias is None:
-        out = uniform_batch(q, k, v, mask, scale)
-        if out is not None:
-            return out
-    if q.is_cuda and not _flex_failure:
-        try:
-            return compiled_flex(q, k, v, mask, scale, bias)
-        except Exception as e:  # inductor/triton compile errors; the fallback below is exact
-            _flex_failure.append(f"{type(e).__name__}: {str(e)[:300]}")
-            logger.warning("compiled flex_attention failed (%s); prefill attention runs one SDPA call "
-                           "per sequence instead (slower)", _flex_failure[0])
-    if q.is_cuda:
-        return per_sequence(q, k, v, mask, scale, bias)
-    with warnings.catch_warnings():  # eager on CPU is the intent (the reference path)
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return _run_flex(flex_attention, q, k, v, mask, scale, bias)
 
 
 def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
