@@ -38,9 +38,9 @@ class StopChecker:
         ``defer_text``: a request with no stop strings is decided by token ids
         alone, so a token that does not end its sequence may leave its text to
         ``flush_text``, which the engine calls while the next step's kernels run
-        (on a GPU a decode step's host work otherwise waits for nothing: ~1 ms of
-        detokenizing at 256 rows). A token that ends it is decoded now: the
-        request's output is made from this step's text."""
+        (detokenizing 256 rows took ~1 ms of host time a step, during which a GPU
+        sat idle). A token that ends it is decoded now: the request's output is
+        made from this step's text."""
         params = sampling_params
         if self.detokenizer is None or not params.detokenize:
             self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
