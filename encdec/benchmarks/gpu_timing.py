@@ -4,6 +4,10 @@ options a lease tries (``--engine``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def free_gpu() -> None:
@@ -16,13 +20,14 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def sync():
+def sync() -> None:
     import torch
 
     torch.cuda.synchronize()
 
 
-def timed(fn):
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its seconds, the GPU's queued work included at both ends."""
     sync()
     t0 = time.perf_counter()
     out = fn()
@@ -37,12 +42,12 @@ class StepClock:
     a run's time went without a profiler's overhead. A step returns sampled
     tokens to the host, so its wall time includes its GPU work."""
 
-    def __init__(self, llm):
+    def __init__(self, llm: Any):
         self.engine = llm.llm_engine
         self.first_step = self.engine.scheduler.num_steps
         self.seconds: dict[int, float] = {}
 
-    def run(self, fn):
+    def run(self, fn: Callable[[], T]) -> T:
         eng, step = self.engine, self.engine.step
 
         def timed_step():
@@ -67,7 +72,7 @@ class StepClock:
                 f"({sum(dec):.2f} s, median {median:.1f} ms)")
 
 
-def profile_run(fn, label: str) -> None:
+def profile_run(fn: Callable[[], Any], label: str) -> None:
     """Where a run's time goes, GPU kernels and host side: a bench line says how
     fast, this says why, in the same lease (GPU time is scarce)."""
     import torch
@@ -88,7 +93,7 @@ def profile_run(fn, label: str) -> None:
           f"in {wall:.2f} s (host-bound where far below; the profiler slows the host) --", flush=True)
 
 
-def engine_options(pairs: list[str], error) -> dict:
+def engine_options(pairs: list[str], error: Callable[[str], Any]) -> dict[str, Any]:
     """``KEY=VALUE`` words as LLM options; a value reads as an int, a float,
     true/false, else a string; ``error`` (argparse's) for a word without ``=``."""
     out = {}

@@ -235,7 +235,7 @@ class InputBatch:
             generators={self.req_id_to_index[r]: g for r, g in self._generators.items()},
             max_num_logprobs=max(self._num_logprobs.values()) if self._num_logprobs else None,
             processed_logprobs_rows=to_device(sorted(self.req_id_to_index[r] for r in self._processed_logprobs),
-                                                     torch.int64, self.device)
+                                              torch.int64, self.device)
             if self._processed_logprobs else None,
             raw_logprobs=len(self._num_logprobs) > len(self._processed_logprobs),
             no_penalties=no_penalties,
