@@ -294,9 +294,10 @@ class EncoderDecoderModelRunner:
             self._update_batch(sched, [])
             return ModelRunnerOutput(samples=[])
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
-        small = (self.device.type == "cpu" and not metas[0].is_prompt
-                 and sum(len(m.seq_data) for m in metas) <= SMALL_STEP_ROWS)
-        rows, hidden = self._forward(metas, small)
+        n = sched.num_prefill_groups  # the scheduler puts prefills first
+        # A decode-only step batches one token per sequence: num_batched_tokens rows.
+        small = self.device.type == "cpu" and n == 0 and sched.num_batched_tokens <= SMALL_STEP_ROWS
+        rows, hidden = self._forward(metas, n, small)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call
@@ -327,16 +328,16 @@ class EncoderDecoderModelRunner:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
                           **inp.encoder_inputs)
 
-    def _forward(self, metas: list[SequenceGroupMetadata], small: bool) -> tuple[list[SampledRow], torch.Tensor]:
+    def _forward(self, metas: list[SequenceGroupMetadata], n: int,
+                 small: bool) -> tuple[list[SampledRow], torch.Tensor]:
         """The step's sampled rows and hidden states. With CUDA graphs a decode
         step replays its bucket's graph, and a step that also admits requests
         runs only its prefills eagerly and its decode rows through the graph,
         each part packed on its own: ``prepare`` packs prefills first, so the two
         concatenate into the whole step's layout (eagerly, those rows would pay
         every layer's launches again). Anything else (no graphs, CPU) runs the
-        packed step eagerly (``small``: on one thread)."""
+        packed step eagerly (``small``: on one thread). ``n``: the prefills."""
         graphs = self.graphs
-        n = sum(m.is_prompt for m in metas)
         if graphs is not None and 0 < n < len(metas):
             dec = self.prepare(metas[n:])
             bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import logging
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +28,35 @@ logger = logging.getLogger(__name__)
 FLEX_BLOCK = 128  # flex_attention's query/key tile
 
 
-class FlexMask(NamedTuple):
-    """A prefill call's block mask and the sequence lengths it was built from."""
+class FlexMask:
+    """A prefill call's sequence lengths, and what its layers' calls read: built
+    once per step and shared by every layer. The block mask and the positions
+    (T5's score_mod) are built on first use: a step whose sequences all have
+    one length (``uniform``) runs batched SDPA and never needs them."""
 
-    block_mask: BlockMask
-    q_lens: list[int]  # query tokens per sequence, packed in this order
-    kv_lens: list[int]  # key tokens per sequence
-    causal: bool
-    q_pos: torch.Tensor  # (sum(q_lens),) int64, each query's position in its sequence
-    kv_pos: torch.Tensor  # (sum(kv_lens),) int64, each key's
+    def __init__(self, q_lens: list[int], kv_lens: list[int], causal: bool, device: torch.device) -> None:
+        self.q_lens = q_lens  # query tokens per sequence, packed in this order
+        self.kv_lens = kv_lens  # key tokens per sequence
+        self.causal = causal
+        self.device = device
+        lq, lk = q_lens[0], kv_lens[0]
+        # Every sequence of one query and one key length (causal: square).
+        self.uniform = (q_lens.count(lq) == len(q_lens) and kv_lens.count(lk) == len(kv_lens)
+                        and not (causal and lq != lk))
+
+    @functools.cached_property
+    def block_mask(self) -> BlockMask:
+        return doc_block_mask(self.q_lens, self.kv_lens, causal=self.causal, device=self.device)
+
+    @functools.cached_property
+    def q_pos(self) -> torch.Tensor:
+        """(sum(q_lens),) int64: each query's position in its sequence."""
+        return _positions(self.q_lens, self.device)
+
+    @functools.cached_property
+    def kv_pos(self) -> torch.Tensor:
+        """(sum(kv_lens),) int64: each key's."""
+        return _positions(self.kv_lens, self.device)
 
 
 def _positions(lens: list[int], device: torch.device) -> torch.Tensor:
@@ -47,8 +66,7 @@ def _positions(lens: list[int], device: torch.device) -> torch.Tensor:
 
 
 def flex_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool, device: torch.device) -> FlexMask:
-    return FlexMask(doc_block_mask(q_lens, kv_lens, causal=causal, device=device), q_lens, kv_lens, causal,
-                    _positions(q_lens, device), _positions(kv_lens, device))
+    return FlexMask(q_lens, kv_lens, causal, device)
 
 
 def doc_block_mask(q_lens: list[int], kv_lens: list[int], *, causal: bool,
@@ -161,11 +179,9 @@ def uniform_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexM
     window; its decoder prompts), None otherwise. There the packed tokens are a
     (B, L, H, D) batch with no mask but causality, and SDPA runs FlashAttention on
     CUDA, which tiles 1500-token windows without flex's partial mask tiles."""
-    lq, lk = mask.q_lens[0], mask.kv_lens[0]
-    if mask.q_lens.count(lq) != len(mask.q_lens) or mask.kv_lens.count(lk) != len(mask.kv_lens) \
-            or (mask.causal and lq != lk):
+    if not mask.uniform:
         return None
-    b = len(mask.q_lens)
+    lq, lk, b = mask.q_lens[0], mask.kv_lens[0], len(mask.q_lens)
     out = F.scaled_dot_product_attention(
         q.view(b, lq, *q.shape[1:]).transpose(1, 2), k.view(b, lk, *k.shape[1:]).transpose(1, 2),
         v.view(b, lk, *v.shape[1:]).transpose(1, 2), is_causal=mask.causal, scale=scale,
