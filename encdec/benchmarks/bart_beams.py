@@ -13,7 +13,7 @@ import os
 import time
 
 from .bart_bench import padded
-from .common import OtherCPUMonitor, timed
+from .common import OtherCPUMonitor, timed, warmup_prompts
 
 
 def run_ours_beams(model_dir: str, enc, out_lens, beams: int) -> tuple[int, float]:
@@ -23,7 +23,7 @@ def run_ours_beams(model_dir: str, enc, out_lens, beams: int) -> tuple[int, floa
     llm = LLM(model_dir, kv_cache_memory=3 << 30, swap_space=0.5)
     prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
     params = [BeamSearchParams(beams, n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.generate(warmup_prompts(enc), params[:2], use_tqdm=False)  # warm-up
     outs, seconds = timed(llm.generate, prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, out_lens))
     return sum(out_lens), seconds

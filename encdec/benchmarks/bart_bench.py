@@ -39,6 +39,7 @@ from .common import (
     load_label,
     load_levels,
     timed,
+    warmup_prompts,
 )
 
 
@@ -133,7 +134,7 @@ def run_ours(model_dir: str, enc, out_lens, profile: bool, engine_kw: dict | Non
     llm = LLM(model_dir, kv_cache_memory=3 << 30, swap_space=0.5, **(engine_kw or {}))
     prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.generate(warmup_prompts(enc), params[:2], use_tqdm=False)
     runner = llm.llm_engine.model_runner
     sampler_time = [0.0]
     sample = runner.sampler

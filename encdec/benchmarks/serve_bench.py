@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from .common import OtherCPUMonitor, timed
+from .common import OtherCPUMonitor, timed, warmup_prompts
 
 
 def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -40,7 +40,7 @@ def run_offline(model_dir: str, enc, out_lens, engine_opts: dict) -> tuple[list[
     llm = LLM(model_dir, **engine_opts)
     prompts = [TokensPrompt(prompt_token_ids=e) for e in enc]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    llm.generate(warmup_prompts(enc), params[:2], use_tqdm=False)  # warm-up
     outs, seconds = timed(llm.generate, prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], seconds
 
