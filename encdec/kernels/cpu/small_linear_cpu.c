@@ -85,11 +85,19 @@ const char *small_linear_path(void) { return VM_PATH; }
     switch (rows) { ROWS_8_TO_5(CALL) ROWS_4(CALL) case 3: CALL(3); break; case 2: CALL(2); break; \
                     default: CALL(1); break; }
 
-/* tot[i][0..32) = sum_k x[i][k] wp[k][0..32) for i < MR. */
+/* tot[i][0..32) = sum_k x[i][k] wp[k][0..32) for i < MR. next (or NULL):
+ * rows [f0, f1) of a panel to fetch into L2 meanwhile, spread over the k
+ * steps (see panel_range). */
 static inline __attribute__((always_inline)) void tile(const int MR, float tot[][PW], const float *x,
-                                                       int64_t ldx, const float *wp, int64_t K) {
+                                                       int64_t ldx, const float *wp, int64_t K,
+                                                       const float *next, int64_t f0, int64_t f1) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        if (next)
+            for (int64_t r = f0 + k0 * (f1 - f0) / K; r < f0 + k1 * (f1 - f0) / K; r++) {
+                __builtin_prefetch(next + r * PW, 0, 2);  /* 2: to L2 (T1) */
+                __builtin_prefetch(next + r * PW + 16, 0, 2);
+            }
 #if defined(__AVX512F__)
         __m512 acc[MR_MAX][2];
         for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -191,7 +199,18 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
         for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
             const int rows = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
             const float *xr = x + m0 * ldx;
-#define TILE_F32(MR) tile(MR, tot, xr, ldx, w, K)
+            /* The first tile streams the panel from memory, the later ones find it
+             * in L2 and are bound by their FMAs: they fetch the next panel
+             * meanwhile, a share each, so the next first tile finds it in L2 too
+             * and the stream overlaps the FMAs. Measured (Xeon family 6 model 207,
+             * 2 threads, weights cold): M2M100's LM head (128112 x 1024) at 37
+             * rows 45.9 -> 38.6 ms, at 64 rows 68.6 -> 59.5 ms; 4096 x 1024 at 37
+             * rows 1.47 -> 1.25 ms. With one later tile (9-16 rows) it must fetch
+             * a whole panel in one tile's time and ran 4-5% slower: none then. */
+            const int64_t later = (M - 1) / MR_MAX, j = m0 / MR_MAX;  /* tiles after the first; this one */
+            const float *next = later >= 2 && j > 0 && p + 1 < p1 ? w + K * PW : NULL;
+            const int64_t f0 = next ? (j - 1) * K / later : 0, f1 = next ? j * K / later : 0;
+#define TILE_F32(MR) tile(MR, tot, xr, ldx, w, K, next, f0, f1)
             SWITCH_ROWS(rows, TILE_F32);
 #undef TILE_F32
             write_tile(tot, rows, cols, y + m0 * ldy + n0, ldy, b ? b + n0 : NULL, post);
