@@ -203,10 +203,11 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
              * in L2 and are bound by their FMAs: they fetch the next panel
              * meanwhile, a share each, so the next first tile finds it in L2 too
              * and the stream overlaps the FMAs. Measured (Xeon family 6 model 207,
-             * 2 threads, weights cold): M2M100's LM head (128112 x 1024) at 37
-             * rows 45.9 -> 38.6 ms, at 64 rows 68.6 -> 59.5 ms; 4096 x 1024 at 37
-             * rows 1.47 -> 1.25 ms. With one later tile (9-16 rows) it must fetch
-             * a whole panel in one tile's time and ran 4-5% slower: none then. */
+             * 2 threads, weights cold, old and new builds alternating): M2M100's
+             * LM head (128112 x 1024) at 37 rows 46.1 -> 39.8 ms, at 64 rows
+             * 69.7 -> 59.8 ms; 4096 x 1024 at 37 rows 1.49 -> 1.25 ms. With one
+             * later tile (9-16 rows) it would fetch a whole panel in one tile's
+             * time; prefetching there ran 12 and 16 rows 4-5% slower: none then. */
             const int64_t later = (M - 1) / MR_MAX, j = m0 / MR_MAX;  /* tiles after the first; this one */
             const float *next = later >= 2 && j > 0 && p + 1 < p1 ? w + K * PW : NULL;
             const int64_t f0 = next ? (j - 1) * K / later : 0, f1 = next ? j * K / later : 0;
