@@ -207,7 +207,8 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
              * LM head (128112 x 1024) at 37 rows 46.1 -> 39.8 ms, at 64 rows
              * 69.7 -> 59.8 ms; 4096 x 1024 at 37 rows 1.49 -> 1.25 ms. With one
              * later tile (9-16 rows) it would fetch a whole panel in one tile's
-             * time; prefetching there ran 12 and 16 rows 4-5% slower: none then. */
+             * time; prefetching there measured 0.95-1.02x at 12 and 16 rows, no
+             * gain: none then. */
             const int64_t later = (M - 1) / MR_MAX, j = m0 / MR_MAX;  /* tiles after the first; this one */
             const float *next = later >= 2 && j > 0 && p + 1 < p1 ? w + K * PW : NULL;
             const int64_t f0 = next ? (j - 1) * K / later : 0, f1 = next ? j * K / later : 0;
