@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from encdec.sequence import SequenceStatus
+
 if TYPE_CHECKING:
     from encdec.sampling_params import SamplingParams
 
@@ -50,8 +52,6 @@ class StopChecker:
             if not seq.is_finished():
                 self._pending_text.append((seq, params))
                 return
-            from encdec.sequence import SequenceStatus
-
             added = self.detokenizer.decode_sequence_inplace(seq, params)
             if seq.status == SequenceStatus.FINISHED_STOPPED:  # eos or a stop token id: as maybe_stop_sequence
                 self._trim_token_text(seq, added, params)
@@ -72,8 +72,6 @@ class StopChecker:
         """Set ``seq.status`` (and ``stop_reason``, and trim ``output_text``) if
         the token just appended ends the sequence. ``new_char_count`` is how many
         characters that token added to ``seq.output_text``."""
-        from encdec.sequence import SequenceStatus
-
         params = sampling_params
         if seq.get_output_len() >= params.min_tokens:
             last = seq.get_last_token_id()

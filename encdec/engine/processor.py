@@ -9,7 +9,6 @@ rules, the vocabulary size) is asked of the worker through public calls.
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import numbers
 from collections.abc import Callable
