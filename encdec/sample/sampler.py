@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from encdec.device_tensors import to_device
-from encdec.kernels.cpu.greedy_cpu import greedy_logprobs
+from encdec.kernels.cpu.greedy_cpu import greedy_argmax, greedy_logprobs
 from encdec.sample.metadata import SamplingMetadata
 
 _SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)
@@ -150,6 +150,13 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
     return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, as ``logits.argmax(-1)``: the C kernel on CPU
+    where it applies (``greedy_argmax``), torch's otherwise."""
+    tok = greedy_argmax(logits)
+    return logits.argmax(dim=-1) if tok is None else tok
+
+
 class Sampler(nn.Module):
     """Samples one token per row. Steps, in order:
 
@@ -234,8 +241,8 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 7-11; returns (num_reqs,) int64."""
         if md.all_greedy:  # an empty batch is both all-greedy and all-random
-            return logits.argmax(dim=-1)  # (num_reqs,)
-        greedy = None if md.all_random else logits.argmax(dim=-1)  # (num_reqs,)
+            return _argmax(logits)  # (num_reqs,)
+        greedy = None if md.all_random else _argmax(logits)  # (num_reqs,)
         logits = self.apply_sampling_filters(logits, md)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # (num_reqs, vocab)
         sampled = random_sample(probs, md.generators, self.generator)

@@ -33,6 +33,30 @@ def test_matches_torch(isa, vocab):
     wide = torch.zeros(9, vocab + 5)
     wide[:, :vocab] = x
     assert greedy_cpu.greedy_logprobs(wide[:, :vocab], isa=isa)[0].tolist() == want.tolist()
+    # The argmax-only entry: the same tokens, strided rows too.
+    assert greedy_cpu.greedy_argmax(x, isa=isa).tolist() == want.tolist()
+    assert greedy_cpu.greedy_argmax(wide[:, :vocab], isa=isa).tolist() == want.tolist()
+
+
+@pytest.mark.skipif(not VECTOR_ISAS or not greedy_cpu.available(), reason="no C compiler or no vector ISA here")
+@pytest.mark.parametrize("isa", VECTOR_ISAS)
+def test_argmax_ties_and_ends(isa):
+    """First index of the maximum wherever it lies (lane block, tail, ties
+    across blocks), at M2M100's vocabulary and 64 rows: torch.argmax's answer."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128112, generator=g)
+    x[0, 0] = 9.0  # first entry
+    x[1, -1] = 9.0  # last entry, past the lane blocks
+    x[2, 17] = x[2, 100000] = 9.0  # a tie: the earlier one
+    x[3, :] = 1.5  # all equal: index 0
+    x[4, 5] = float("inf")
+    x[4, 7] = float("inf")  # +inf has no finite maximum: declined below
+    want = x[:4].argmax(-1)
+    assert greedy_cpu.greedy_argmax(x[:4], isa=isa).tolist() == want.tolist() == [0, 128111, 17, 0]
+    assert greedy_cpu.greedy_argmax(x[:4].contiguous(), isa=isa).tolist() == want.tolist()
+    assert greedy_cpu.greedy_argmax(torch.cat([x[:4], x[5:]]), isa=isa).tolist() == \
+        torch.cat([x[:4], x[5:]]).argmax(-1).tolist()
+    assert greedy_cpu.greedy_argmax(x[4:5], isa=isa) is None
 
 
 @pytest.mark.skipif(not greedy_cpu.available(), reason="no C compiler or no vector ISA here")
@@ -46,3 +70,10 @@ def test_declines_what_it_cannot_do():
     assert greedy_cpu.greedy_logprobs(torch.randn(2, 40, dtype=torch.float64)) is None
     assert greedy_cpu.greedy_logprobs(torch.randn(40, 2).t()) is None  # columns not contiguous
     assert greedy_cpu.greedy_logprobs(torch.randn(2, 40), isa="none") is None  # torch is faster there
+    for bad in (torch.full((2, 40), float("-inf")), torch.full((1, 40), float("nan")),
+                torch.randn(2, 40, dtype=torch.float64), torch.randn(40, 2).t()):
+        assert greedy_cpu.greedy_argmax(bad) is None
+    nan = torch.randn(2, 40)
+    nan[1, 39] = float("nan")
+    assert greedy_cpu.greedy_argmax(nan) is None
+    assert greedy_cpu.greedy_argmax(torch.randn(2, 40), isa="none") is None

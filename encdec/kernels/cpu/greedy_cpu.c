@@ -35,7 +35,8 @@ typedef struct {
     team_t team;
 } greedy_job_t;
 
-/* Row r's token, log-prob and rank; 1 where the row holds a NaN or no finite value. */
+/* Row r's token, and its log-prob and rank unless lp is NULL (argmax only: no
+ * exp() over the row); 1 where the row holds a NaN or no finite value. */
 static int greedy_row(greedy_job_t *j, int64_t r) {
     const float *x = j->x;
     const int64_t V = j->V, stride = j->stride;
@@ -52,7 +53,7 @@ static int greedy_row(greedy_job_t *j, int64_t r) {
     vm_dsum acc = vm_dsum_zero();
     for (; t + VM_VL <= V; t += VM_VL) {
         const vm_vec v = VM_LOAD(row + t);
-        vm_dsum_add(&acc, vm_exp(VM_SUB(v, mv)));
+        if (lp) vm_dsum_add(&acc, vm_exp(VM_SUB(v, mv)));
         const unsigned eq = VM_EQ_BITS(v, mv);
         nan |= VM_NAN_BITS(v);
         if (eq) {
@@ -64,7 +65,7 @@ static int greedy_row(greedy_job_t *j, int64_t r) {
 #endif
     for (; t < V; t++) {
         nan |= isnan(row[t]);
-        sum += (double)expf(row[t] - mx);
+        if (lp) sum += (double)expf(row[t] - mx);
         if (row[t] == mx) {
             if (first < 0) first = t;
             ties++;
@@ -72,8 +73,10 @@ static int greedy_row(greedy_job_t *j, int64_t r) {
     }
     if (nan) return 1;
     tok[r] = first;
-    lp[r] = (float)-log(sum);
-    rank[r] = ties;
+    if (lp) {
+        lp[r] = (float)-log(sum);
+        rank[r] = ties;
+    }
     return 0;
 }
 
@@ -91,4 +94,13 @@ int greedy_logprob_f32(const float *x, int64_t R, int64_t V, int64_t stride, int
     greedy_job_t job = {x, R, V, stride, tok, rank, lp, 0, {0, 0, counters, counters + 1}};
     team_run(greedy_job, &job, threads);
     return atomic_load(&job.bad);
+}
+
+/* tok: (R,) int64, each row's first maximum, as torch.argmax; 1 as above.
+ * Why: torch's argmax took 7.6 ms on 64 rows of M2M100's 128112 logits and
+ * 4.3 ms on 37, this 0.88 and 0.53 ms (Xeon family 6 model 207, AVX-512,
+ * 2 threads, random logits, 50 calls each): about 0.4 s of a 64-request
+ * greedy M2M100 run (123 steps). */
+int greedy_argmax_f32(const float *x, int64_t R, int64_t V, int64_t stride, int64_t *tok, int threads) {
+    return greedy_logprob_f32(x, R, V, stride, tok, NULL, NULL, threads);
 }
