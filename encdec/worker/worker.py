@@ -35,6 +35,7 @@ from encdec.worker.cache_engine import (
     CacheEngine,
     cache_block_bytes,
     default_cpu_kv_cache_bytes,
+    explicit_prefault_bytes,
     profile_batch,
     profiled_kv_cache_bytes,
     typical_decoder_len,
@@ -198,11 +199,12 @@ class Worker:
                   max_num_batched_tokens: int | None) -> tuple[int, int]:
         """(cache bytes, bytes to prefault). CPU commits at start what the first
         requests write (see CacheEngine._prefault): all of an explicitly sized
-        cache up to 1 GiB, the first 16 typical requests' worth of a default one,
-        so that LLM() costs little more than its model."""
+        cache (``explicit_prefault_bytes``: the user chose to spend that memory),
+        the first 16 typical requests' worth of a default one, up to 1 GiB, so
+        that LLM() with defaults costs little more than its model."""
         mc = self.model_config
         if cfg.kv_cache_memory is not None:
-            return cfg.kv_cache_memory, MAX_PREFAULT_BYTES
+            return cfg.kv_cache_memory, explicit_prefault_bytes(cfg.kv_cache_memory)
         if self.device.type == "cuda":
             return self._profiled_cuda_kv_bytes(cfg, max_num_seqs, max_num_batched_tokens), MAX_PREFAULT_BYTES
         dec_blocks, cross_blocks, _ = longest_request_blocks(mc.max_model_len, mc.max_encoder_len,
@@ -211,7 +213,7 @@ class Worker:
                            + cross_blocks) * block_bytes
         kv_bytes = default_cpu_kv_cache_bytes(max_num_seqs * typical_request,
                                               minimum=(dec_blocks + cross_blocks) * block_bytes)
-        return kv_bytes, 16 * typical_request
+        return kv_bytes, min(16 * typical_request, MAX_PREFAULT_BYTES)
 
     def _profiled_cuda_kv_bytes(self, cfg: CacheConfig, max_num_seqs: int,
                                 max_num_batched_tokens: int | None) -> int:

@@ -63,6 +63,20 @@ def test_default_llm_is_small_and_leaves_process_state_alone(tiny_bart):
     assert got["num_warm_gpu_blocks"] == 16 * per_request
 
 
+def test_an_explicitly_sized_cache_is_committed_at_start(tiny_bart, monkeypatch):
+    """kv_cache_memory: every block written at start (the allocator's warm
+    blocks), up to half of available memory; past that the rest stays lazy."""
+    from encdec.worker import cache_engine
+
+    llm = LLM(tiny_bart, kv_cache_memory=24 << 20, swap_space=0.001)
+    cfg = llm.llm_engine.cache_config
+    assert cfg.num_gpu_blocks > 16
+    assert cfg.num_warm_gpu_blocks == cfg.num_gpu_blocks
+    monkeypatch.setattr(cache_engine, "_available_memory", lambda: 16 << 20)
+    assert cache_engine.explicit_prefault_bytes(24 << 20) == 8 << 20
+    assert cache_engine.explicit_prefault_bytes(4 << 20) == 4 << 20
+
+
 def test_max_model_len_bounds_a_text_encoder_and_the_cache_floor(tiny_bart):
     llm = LLM(tiny_bart, kv_cache_memory=8 * 2 * 2 * 16 * 64 * 4, max_model_len=64, swap_space=0.001)
     assert llm.llm_engine.model_config.max_encoder_len == 64  # 4 self + 4 cross blocks = all 8
