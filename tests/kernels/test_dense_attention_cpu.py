@@ -60,6 +60,31 @@ def test_long_sums_are_as_accurate_as_torch(isa):
     assert err <= 1.25 * torch_err, (err, torch_err)
 
 
+@pytest.mark.parametrize("B, tq, tk, H", [(1, 1, 1, 1), (2, 7, 7, 2), (1, 130, 130, 12), (2, 45, 300, 3)])
+def test_offset_bias_matches_a_float64_mask(isa, B, tq, tk, H):
+    """T5's encoder bias read by offset (t - i + tq - 1) equals the same bias
+    given to a float64 SDPA as an (H, tq, tk) mask; rows past 6 and keys past a
+    panel of 16 each read their own slice. Scale 1, as T5's."""
+    g = torch.Generator().manual_seed(tq * 7 + tk)
+    q, k, v = (torch.randn(B, t, H, 64, generator=g) for t in (tq, tk, tk))
+    table = torch.randn(H, tq + tk - 1, generator=g) * 4
+    i, t = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
+    mask = table[:, t - i + tq - 1]  # (H, tq, tk)
+    out = dense_attention_cpu.dense_attention(q, k, v, 1.0, offset_bias=table, isa=isa)
+    ref = F.scaled_dot_product_attention(*(x.double().transpose(1, 2) for x in (q, k, v)), attn_mask=mask.double(),
+                                         scale=1.0).transpose(1, 2)
+    torch_f32 = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=mask,
+                                               scale=1.0).transpose(1, 2)
+    torch_err = (torch_f32.double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * torch_err + 2e-6
+    # Against no bias: the bias is applied (a kernel that ignored it fails here).
+    plain = dense_attention_cpu.dense_attention(q, k, v, 1.0, isa=isa)
+    assert (plain - out).abs().max().item() > 1e-2 or tk == 1
+    # A table of the wrong width or dtype is declined, not read out of bounds.
+    assert dense_attention_cpu.dense_attention(q, k, v, 1.0, offset_bias=table[:, 1:].contiguous(), isa=isa) is None
+    assert dense_attention_cpu.dense_attention(q, k, v, 1.0, offset_bias=table.double(), isa=isa) is None
+
+
 def test_declines_what_it_cannot_run(isa):
     x = torch.randn(1, 4, 2, 64)
     assert dense_attention_cpu.dense_attention(x.double(), x.double(), x.double(), 1.0, isa=isa) is None

@@ -126,3 +126,32 @@ def _decode_metadata_fields(lens, enc_lens, self_tables, cross_tables, block_siz
         max_encoder_seq_len=max(enc_lens), num_encoder_tokens=0, cross_slot_mapping=torch.zeros(0, dtype=torch.long),
         cross_block_tables=cross_tables, block_size=block_size, block_tables_list=self_tables.tolist(),
         cross_block_tables_list=cross_tables.tolist())
+
+
+@pytest.mark.parametrize("n", [31, 32, 200])  # below the dense kernel's minimum: torch's SDPA with the matrix
+def test_encoder_bias_by_offset_equals_the_bias_matrix(n, monkeypatch):
+    """T5's bidirectional encoder bias, read by offset in the C dense kernel
+    (``offset_table``), equals torch's SDPA given ``prefill``'s (H, n, n) matrix
+    (queries and keys past the largest bucket at 200); the dense kernel takes
+    every call of 32 queries or more."""
+    from encdec.attention.backends import torch_sdpa
+    from encdec.kernels.cpu import dense_attention_cpu
+
+    if not dense_attention_cpu.available():
+        pytest.skip("no vector ISA for the dense kernel here")
+    table = torch.randn(32, 6, generator=torch.Generator().manual_seed(5))
+    pb = RelativePositionBias(table, bidirectional=True, max_distance=128)
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, 6, 64, generator=g) for _ in range(3))
+    calls = []
+    real = torch_sdpa.dense_attention
+    monkeypatch.setattr(torch_sdpa, "dense_attention",
+                        lambda *a, **kw: calls.append(kw.get("offset_bias") is not None) or real(*a, **kw))
+    out = torch_sdpa._encoder_sdpa(q, k, v, 1.0, pb)
+    assert calls == ([True] if n >= 32 else [])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.double().transpose(0, 1) for x in (q, k, v)), attn_mask=pb.prefill(n).double(), scale=1.0)
+    torch.testing.assert_close(out.double(), ref.transpose(0, 1), atol=2e-5, rtol=1e-5)
+    offsets = torch_sdpa.offset_table(pb, n)
+    i = torch.arange(n)
+    assert torch.equal(offsets[:, i[None, :] - i[:, None] + n - 1], pb.prefill(n))  # the same bias, by offset

@@ -125,8 +125,10 @@ class PositionBias(ABC):
     from a sequence's first token (a decoder's from its decoder prompt). Backends
     that take a bias set ``AttentionImpl.supports_position_bias``; torch_sdpa's C
     paged decode kernel reads it as one (heads, distance) table per step
-    (``torch_sdpa.distance_table``), its other C paths decline it, and
-    cross-attention never takes one. A GPU backend gets the same object: ``compute`` for any
+    (``torch_sdpa.distance_table``) and its C dense kernel (encoder self-attention)
+    as one (heads, offset) table per length (``torch_sdpa.offset_table``), both
+    relying on T5's bias depending on ``key - query`` alone; cross-attention never
+    takes one. A GPU backend gets the same object: ``compute`` for any
     positions, or the packed forms below.
     """
 

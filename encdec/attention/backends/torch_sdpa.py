@@ -141,6 +141,30 @@ def distance_table(bias: PositionBias, max_len: int) -> torch.Tensor:  # (H, max
     return bias._memo(("distance", max_len), make)
 
 
+def offset_table(bias: PositionBias, n: int) -> torch.Tensor:  # (H, 2n - 1) float32
+    """The dense kernel's ``offset_bias`` for one sequence of ``n`` tokens over
+    each other: ``[h, o]`` = the bias of a key ``o - (n - 1)`` positions after its
+    query (T5's depends only on that offset, as ``distance_table`` relies on
+    too). Memoized on the bias: built once per length for all layers."""
+    def make() -> torch.Tensor:
+        keys = torch.arange(2 * n - 1, device=bias.device)
+        return bias.compute(keys[n - 1: n], keys)[:, 0].contiguous()
+    return bias._memo(("offsets", n), make)
+
+
+def _encoder_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  pb: PositionBias | None) -> torch.Tensor:
+    """One sequence's encoder self-attention, (n, H, D) each. With a bias: the
+    C dense kernel reads it by offset (its header has the measurement), torch's
+    SDPA takes the (H, n, n) matrix where the kernel cannot run."""
+    n = q.shape[0]
+    if pb is not None and n >= _DENSE_MIN_QUERIES:
+        out = dense_attention(q[None], k[None], v[None], scale, offset_bias=offset_table(pb, n))
+        if out is not None:
+            return out[0]
+    return _sdpa(q, k, v, scale, mask=None if pb is None else pb.prefill(n).to(q.dtype))
+
+
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_attention_cpu.available()
 
@@ -170,8 +194,7 @@ class TorchSDPAImpl(AttentionImpl):
             # (none for a prefill whose cross KV is cached).
             for _, _, s, e in md.prefill_bounds:
                 if e > s:
-                    mask = None if pb is None else pb.prefill(e - s).to(q.dtype)
-                    out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], self.scale, mask=mask)
+                    out[s:e] = _encoder_sdpa(q[s:e], k[s:e], v[s:e], self.scale, pb)
             return out.view(-1, H * D)
 
         if attn_type == AttentionType.DECODER:

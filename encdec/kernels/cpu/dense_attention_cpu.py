@@ -20,7 +20,7 @@ from encdec.kernels.cpu import build
 HEAD_SIZE = 64
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel("dense_attention_cpu.c", "dense_attention_f32",
-                       [_P] * 4 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int], ctypes.c_int,
+                       [_P] * 4 + [_I64] * 10 + [ctypes.c_float, _P, _I64, ctypes.c_int], ctypes.c_int,
                        "dense attention runs torch SDPA", path_symbol="dense_attention_path", portable=False)
 available, path = _KERNEL.available, _KERNEL.path
 
@@ -31,16 +31,22 @@ def _fits(x: torch.Tensor) -> bool:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                    isa: str | None = None) -> torch.Tensor | None:
-    """softmax(scale * q k^T) v per batch row and head, or None if the kernel cannot run it.
+                    offset_bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor | None:
+    """softmax(scale * q k^T + bias) v per batch row and head, or None if the kernel cannot run it.
 
     q: (B, T_q, H, 64), k and v: (B, T_k, H, 64), float32 on CPU; heads adjacent
     in memory (any batch and time strides, so views of a fused qkv work).
-    Returns (B, T_q, H, 64) contiguous. ``isa`` picks the path (tests; default
-    ``build.cpu_isa()``).
+    ``offset_bias``: (H, T_q + T_k - 1) float32, or None: the score of query i
+    over key t gains ``offset_bias[h, t - i + T_q - 1]`` (a bias that depends on
+    ``t - i`` alone, as T5's). Returns (B, T_q, H, 64) contiguous. ``isa``
+    picks the path (tests; default ``build.cpu_isa()``).
     """
     if not (_fits(q) and _fits(k) and _fits(v) and k.shape == v.shape
             and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and k.shape[1] > 0):
+        return None
+    if offset_bias is not None and not (
+            offset_bias.device.type == "cpu" and offset_bias.dtype == torch.float32 and offset_bias.is_contiguous()
+            and offset_bias.shape == (q.shape[2], q.shape[1] + k.shape[1] - 1)):
         return None
     if q.requires_grad or k.requires_grad or v.requires_grad or not available(isa):
         return None
@@ -49,7 +55,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     rc = _KERNEL.function(isa)(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        scale, kernel_threads())
+        scale, None if offset_bias is None else offset_bias.data_ptr(),
+        0 if offset_bias is None else offset_bias.shape[1], kernel_threads())
     if rc == -2:
         raise MemoryError("dense CPU attention kernel could not allocate its scratch buffers")
     return out if rc == 0 else None
