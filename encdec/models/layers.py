@@ -49,7 +49,8 @@ class Linear(nn.Linear):
     panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
     int8: object | None = None  # quantize_int8: the int8 weight as int8_path runs it (forward runs only it)
     int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
-    int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first fused decode step
+    int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first call of a few rows
+    int8_small_rows = False  # quantize_int8: inputs of a few rows run small_linear_int8_cpu (see _int8)
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32 or bfloat16); False where it
@@ -87,6 +88,7 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.int8_path = path
+        self.int8_small_rows = path == "onednn" and small_linear_int8_cpu.vnni_available()
         if path == "onednn":
             self.int8 = q.t()  # (in, out): _int_mm's right operand, the weight's own memory
         else:
@@ -98,10 +100,20 @@ class Linear(nn.Linear):
         self.unpack()
 
     def _int8(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """A few rows (a decode step's LM head, an op-by-op decoder's linears)
+        run the decode step's int8 panel kernel: the same per-row quantization
+        and exact int32 sums as oneDNN's path, the bias added in another order.
+        Measured (Xeon family 6 model 207, AVX-512 VNNI, 2 threads, weights warm):
+        Whisper base's LM head (51865 x 512) at 1 row 0.77 -> 0.59 ms, at 8 rows
+        1.93 -> 0.73, at 64 rows 4.79 -> 3.57; 2048 x 512 at 8 rows 0.18 -> 0.03."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
+        if self.int8_small_rows and x2.shape[0] <= small_linear_cpu.MAX_ROWS:
+            out = small_linear_int8_cpu.small_linear_int8(x2.float(), self.int8_panel_weight(), self.bias, post=act)
+            if out is not None:
+                return out.view(*lead, self.out_features)
         run = _int8_onednn if self.int8_path == "onednn" else _int8_fbgemm
         return run(self, x2, act).view(*lead, self.out_features)
 

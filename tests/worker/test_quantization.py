@@ -83,6 +83,33 @@ def test_int8_linear_without_the_c_row_passes_gives_the_same_values(monkeypatch)
         torch.testing.assert_close(lin.forward_act(x, act), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(quantization.int8_path() != "onednn", reason="oneDNN's int8 is not exact here (no VNNI)")
+def test_few_rows_take_the_panel_kernel_with_the_same_values(monkeypatch):
+    """Up to small_linear_cpu.MAX_ROWS rows (an LM head's decode step) an int8
+    Linear runs the decode step's panel kernel where VNNI runs it: bit for bit
+    oneDNN's values (same quantization, exact sums, the bias in one FMA), every
+    activation; more rows stay on oneDNN."""
+    from encdec.kernels.cpu import small_linear_cpu, small_linear_int8_cpu
+
+    if not small_linear_int8_cpu.vnni_available():
+        pytest.skip("the int8 panel kernel needs VNNI")
+    lin, _, _ = _linear(200, 300, seed=9)
+    lin.quantize_int8("onednn")
+    assert lin.int8_small_rows
+    calls = []
+    real = small_linear_int8_cpu.small_linear_int8
+    monkeypatch.setattr(small_linear_int8_cpu, "small_linear_int8",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    x = torch.randn(small_linear_cpu.MAX_ROWS + 1, 200, generator=torch.Generator().manual_seed(2)) * 3
+    for act in ("none", "relu", "gelu"):
+        big = lin.forward_act(x, act)  # oneDNN
+        assert calls == []
+        for rows in (1, 7, small_linear_cpu.MAX_ROWS):
+            assert torch.equal(lin.forward_act(x[:rows], act), big[:rows]), (act, rows)
+        assert calls == [1, 7, small_linear_cpu.MAX_ROWS]
+        calls.clear()
+
+
 def test_onednn_int8_is_chosen_only_where_exact():
     """The oneDNN path needs exact int32 sums: the probe's answer and the path agree."""
     a = torch.full((1, 64), 127, dtype=torch.int8)

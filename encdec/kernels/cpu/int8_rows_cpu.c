@@ -89,9 +89,17 @@ static void dequantize_row(int32_t *acc, int64_t N, float rs, const float *ws, c
         else if (act == ACT_RELU) v = VM_MAX(v, VM_ZERO());
         VM_STORE(out + n, v);
     }
+    if (n < N && act == ACT_GELU) {  /* the tail's GELU in one padded lane block: the lanes' GELU, as
+                                      * every column of the decode step's int8 panels gets it */
+        float t[VM_VL];
+        for (int64_t i = 0; i < VM_VL; i++)
+            t[i] = n + i < N ? fmaf((float)acc[n + i], rs * ws[n + i], bias ? bias[n + i] : 0.0f) : 0.0f;
+        VM_STORE(t, vm_gelu(VM_LOAD(t)));
+        for (; n < N; n++) out[n] = t[n % VM_VL];
+    }
 #endif
     for (; n < N; n++) {
-        const float v = (float)acc[n] * (rs * ws[n]) + (bias ? bias[n] : 0.0f);
+        const float v = fmaf((float)acc[n], rs * ws[n], bias ? bias[n] : 0.0f);  /* as the lanes: one rounding */
         out[n] = act_scalar(v, act);
     }
 }

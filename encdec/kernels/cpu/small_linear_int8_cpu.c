@@ -17,8 +17,8 @@
  *
  *     y[m][n] = post((acc[m][n] - comp[n]) * rs[m] * ws[n] + b[n])
  *
- * the value the op-by-op path (torch._int_mm on the same int8) gives, up to
- * float32 rounding of the scale products.
+ * the value the op-by-op path (torch._int_mm on the same int8, then
+ * int8_rows_cpu.c's dequantize) gives, bit for bit.
  *
  * Paths: AVX-512 VNNI on the AVX-512 build, AVX-VNNI on the AVX2 build
  * (vpdpbusd: 4 byte products a lane, summed in int32, no saturation), each
@@ -27,6 +27,7 @@
  * build, for tests only (decoder_step_cpu.py keeps float32 decoder weights in
  * the step where VNNI is missing: the AVX2 path without VNNI saturates 16 bits).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -137,10 +138,14 @@ static INT8_TARGET void panel_range_i8(float *y, int64_t ldy, const uint8_t *xq,
 #define TILE_I8(MR) tile_i8(MR, acc, xr, ldq, wp, K4)
             SWITCH_ROWS(rows, TILE_I8);
 #undef TILE_I8
+            /* The bias in one fused multiply-add, as int8_rows_cpu.c's dequantize
+             * does: the same value as the op-by-op path, bit for bit. */
             for (int i = 0; i < rows; i++)
-                for (int c = 0; c < PW; c++)
-                    tot[i][c] = (float)(acc[i][c] - w->comp[n0 + c]) * (rs[m0 + i] * w->ws[n0 + c]);
-            write_tile(tot, rows, cols, y + m0 * ldy + n0, ldy, b ? b + n0 : NULL, post);
+                for (int c = 0; c < PW; c++) {
+                    const float a = (float)(acc[i][c] - w->comp[n0 + c]), s = rs[m0 + i] * w->ws[n0 + c];
+                    tot[i][c] = b && c < cols ? fmaf(a, s, b[n0 + c]) : a * s;
+                }
+            write_tile(tot, rows, cols, y + m0 * ldy + n0, ldy, NULL, post);
         }
     }
 }
