@@ -147,11 +147,21 @@ def quantize(model: nn.Module, quantization: str | None) -> int:
     return len(linears)
 
 
-def check_kv_cache_dtype(cache_dtype: str, dtype: torch.dtype) -> None:
-    """ValueError unless ``kv_cache_dtype`` is "auto" or the model's dtype: the
-    attention backends write the K/V the model computes, in its dtype."""
+def kv_cache_dtype(cache_dtype: str, dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
+    """The dtype the KV cache holds: the model's ("auto" or its name), or
+    bfloat16 under float32 weights on CPU with the torch_sdpa backend, whose C
+    decode kernels read it widened to float32 (half the bytes a decode step
+    streams: Whisper's cross K/V is most of them). ValueError for anything else:
+    the other backends attend in the dtype they are given."""
     name = str(dtype).removeprefix("torch.")
-    if cache_dtype not in ("auto", name):
-        raise ValueError(f"kv_cache_dtype={cache_dtype!r} with dtype={name!r} is not supported: the KV cache "
-                         f"holds the model's dtype (kv_cache_dtype='auto' or {name!r}); "
-                         "for a bfloat16 cache use dtype='bfloat16'")
+    if cache_dtype in ("auto", name):
+        return dtype
+    if cache_dtype == "bfloat16" and dtype == torch.float32:
+        if device.type != "cpu" or backend != "torch_sdpa":
+            raise ValueError(f"kv_cache_dtype='bfloat16' with dtype='float32' runs on CPU with the torch_sdpa "
+                             f"attention backend only (here: {device.type}, {backend}); on CUDA use "
+                             "dtype='bfloat16'")
+        return torch.bfloat16
+    raise ValueError(f"kv_cache_dtype={cache_dtype!r} with dtype={name!r} is not supported: the KV cache "
+                     f"holds the model's dtype (kv_cache_dtype='auto' or {name!r}), or bfloat16 under "
+                     "float32 weights on CPU")

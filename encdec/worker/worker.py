@@ -159,9 +159,9 @@ class Worker:
         decoder sequence, a cross table for the longest encoder input and the
         block manager's admission watermark."""
         model, mc = self.model, self.model_config
-        quantization.check_kv_cache_dtype(cfg.cache_dtype, self.dtype)
+        kv_dtype = quantization.kv_cache_dtype(cfg.cache_dtype, self.dtype, self.device, self.backend.get_name())
         block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
-                                        model.num_kv_heads, model.head_size, self.dtype)
+                                        model.num_kv_heads, model.head_size, kv_dtype)
         kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens)
         cfg.num_gpu_blocks = kv_bytes // block_bytes
         if cfg.num_gpu_blocks < 1:
@@ -191,7 +191,7 @@ class Worker:
             num_layers=model.num_cache_layers, num_kv_heads=model.num_kv_heads,
             head_size=model.head_size, block_size=cfg.block_size,
             num_gpu_blocks=cfg.num_gpu_blocks + pad_blocks, num_cpu_blocks=cfg.num_cpu_blocks,
-            dtype=self.dtype, device=self.device, backend=self.backend, prefault_bytes=prefault_bytes)
+            dtype=kv_dtype, device=self.device, backend=self.backend, prefault_bytes=prefault_bytes)
         cfg.num_warm_gpu_blocks = min(self.cache_engine.num_warm_blocks, cfg.num_gpu_blocks)
         return cfg
 

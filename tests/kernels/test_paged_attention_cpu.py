@@ -34,15 +34,19 @@ def test_kernel_matches_reference(block_size, heads, kv_heads, D, isa, monkeypat
         torch.testing.assert_close(out[i], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=1e-5)
 
 
-def test_torch_fallback_matches_kernel(tiny_bart, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_torch_fallback_matches_kernel(tiny_bart, monkeypatch, kv_cache_dtype):
     """Greedy outputs are the same with the C kernels (paged decode, dense
-    prefill) and with the torch paths they replace."""
+    prefill) and with the torch paths they replace; with a bfloat16 cache under
+    float32 weights too (the torch paths widen what they gather)."""
     from encdec import LLM, SamplingParams
     from encdec.attention.backends import torch_sdpa
 
     prompts = ["The rain in spain falls", "A quick brown fox " * 12, "x"]  # one prompt of 32+ tokens
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    llm = LLM(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01)
+    llm = LLM(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01, kv_cache_dtype=kv_cache_dtype)
+    caches = llm.llm_engine.worker.cache_engine.gpu_cache
+    assert {c.dtype for c in caches} == {torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32}
     fast = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(paged_attention_cpu, "available", lambda: False)
     monkeypatch.setattr(torch_sdpa, "dense_attention", lambda *a: None)
@@ -62,3 +66,33 @@ def test_a_kernel_is_keyed_by_what_its_includes_include():
         texts = build._local_includes(f.read())
     with open(os.path.join(folder, "vector_math.h"), "rb") as f:
         assert f.read() in texts
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+@pytest.mark.parametrize("D", [64, 40])  # 40: lanes and a scalar tail
+def test_bfloat16_cache_reads_as_its_float32_values(D, isa, monkeypatch):
+    """kv_cache_dtype="bfloat16" under float32 weights: the kernel widens each
+    cached value exactly, so a bfloat16 cache attends as the float32 cache of the
+    same (rounded) values does, and a wrong reading (raw halves, a float32 stride)
+    would be far off; caches of two dtypes, or of float16, are declined."""
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    g = torch.Generator().manual_seed(1)
+    B, num_blocks, block_size, heads = 5, 200, 16, 3
+    cache = torch.randn(2, num_blocks, block_size, heads, D, generator=g).bfloat16()
+    lens = torch.tensor([1, 15, 16, 17, 448], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g)[: B * 28].view(B, 28).to(torch.int32)
+    q = torch.randn(B, heads, D, generator=g)
+    out = paged_attention_cpu.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125, isa=isa)
+    wide = cache.float()
+    same = paged_attention_cpu.paged_decode_attention(q, wide[0], wide[1], tables, lens, 0.125, isa=isa)
+    torch.testing.assert_close(out, same, atol=2e-7, rtol=0)  # the lanes' FMA order may differ in a tail
+    flat = wide.double().view(2, -1, heads, D)
+    for i in range(B):
+        pos = torch.arange(int(lens[i]))
+        slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), flat[0][slots]) * 0.125, -1)
+        torch.testing.assert_close(out[i].double(), torch.einsum("hl,lhd->hd", p, flat[1][slots]),
+                                   atol=1e-5, rtol=1e-5)
+    assert paged_attention_cpu.paged_decode_attention(q, cache[0], wide[1], tables, lens, 0.125, isa=isa) is None
+    half = cache.half()
+    assert paged_attention_cpu.paged_decode_attention(q, half[0], half[1], tables, lens, 0.125, isa=isa) is None

@@ -273,3 +273,49 @@ def test_fused_decode_layers_match_op_by_op(ours, isa, monkeypatch):
         model.fused_decode = True
         assert err[True][0] <= 2 * err[False][0] + 1e-5, (m, err)
         assert err[True][1] <= 2 * err[False][1] + 1e-6, (m, err)
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+@torch.inference_mode()
+def test_fused_decode_with_a_bfloat16_cache_matches_op_by_op(ours, isa, monkeypatch):
+    """kv_cache_dtype="bfloat16" under float32 weights: the one-call decode step
+    writes each new K/V row rounded as torch rounds (layer 0's rows, computed
+    before any attention, equal the float32 cache's rows of the same step cast by
+    torch, bit for bit) and reads the bfloat16 cache widened, as the op-by-op
+    path's C attention does: hidden states as close to a float64 reference (the
+    same cache, its new rows unrounded) as that path's, and the rows written
+    within a bfloat16 rounding step of its, for each ISA build this CPU runs."""
+    model, _ = ours
+    ref_model = copy.deepcopy(model).double()
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    calls = []
+    real = decoder_step_cpu.decode_step
+    monkeypatch.setattr(decoder_step_cpu, "decode_step",
+                        lambda *a, **k: (out := real(*a, **k), calls.append(out is not None))[0])
+    g = torch.Generator().manual_seed(5)
+    n_cross, n_self, rows = cdiv(1500, BLOCK), cdiv(64, BLOCK), 9
+    shape = (2, 2 * n_cross + rows * n_self, BLOCK, model.num_kv_heads, model.head_size)
+    kv0 = [torch.randn(shape, generator=g).bfloat16() for _ in range(model.num_cache_layers)]
+    cross_tables = [list(range(i % 2 * n_cross, (i % 2 + 1) * n_cross)) for i in range(rows)]
+    self_tables = [list(range(2 * n_cross + i, 2 * n_cross + rows * n_self, rows)) for i in range(rows)]
+    for m in (1, 4, rows):
+        lens = torch.randint(1, 64, (m,), generator=g).tolist()
+        md = make_metadata([], [(n, 1500, self_tables[i], cross_tables[i]) for i, n in enumerate(lens)])
+        ids, pos = torch.randint(0, 50000, (m,), generator=g), torch.tensor([n - 1 for n in lens])
+        out = {}
+        for name, fused, dtype in (("op", False, torch.bfloat16), ("fused", True, torch.bfloat16),
+                                   ("fused32", True, torch.float32)):
+            model.fused_decode = fused
+            kv = [c.to(dtype, copy=True) for c in kv0]
+            before = len(calls)
+            out[name] = (model(ids, pos, kv, md), kv)
+            assert calls[before:] == ([True] if fused else [])
+        model.fused_decode = True
+        ref = ref_model(ids, pos, [c.double() for c in kv0], md)
+        (h_op, kv_op), (h_fused, kv_fused), (_, kv32) = out["op"], out["fused"], out["fused32"]
+        assert not torch.equal(kv_fused[0], kv0[0])  # the step wrote its rows
+        assert torch.equal(kv_fused[0], kv32[0].bfloat16())
+        err_op, err_fused = float((h_op.double() - ref).abs().max()), float((h_fused.double() - ref).abs().max())
+        assert err_fused <= 2 * err_op + 1e-5, (m, err_fused, err_op)
+        for a, b in zip(kv_fused, kv_op):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-5, rtol=2 ** -7)  # one bfloat16 step

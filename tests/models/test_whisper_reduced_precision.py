@@ -1,18 +1,21 @@
 """Whisper tiny.en (fixture ``ct2_dir``) and base (``whisper_base_dir``, slow) in
-int8 (``quantization="int8"``) and bfloat16 (``dtype="bfloat16"``) on the shipped
-English clips: WER (printed) no more than 0.01 above float32's on the same clips,
-and the int8 engine actually running int8 linears."""
+int8 (``compute_type="int8"``: ``quantization="int8"``, K/V cached in bfloat16) and
+bfloat16 (``dtype="bfloat16"``) on the shipped English clips: WER (printed) no more
+than 0.01 above float32's on the same clips, and the int8 engine actually running
+int8 linears over a bfloat16 cache."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from encdec.engine.arg_utils import compute_type_options
 from encdec.kernels.cpu import build
 from encdec.models.layers import Linear
 from encdec.worker.quantization import check_bfloat16, fused_step_linears
 
 MAX_NEW = 96
-MODES = {"float32": {}, "int8": {"quantization": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
+# int8 as compute_type="int8" sets it: int8 linears, K/V cached in bfloat16
+MODES = {"float32": {}, "int8": compute_type_options("int8"), "bfloat16": {"dtype": "bfloat16"}}
 PROMPTS = {"tiny.en": "<|startoftranscript|><|notimestamps|>",
            "base": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"}
 
@@ -54,6 +57,8 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
         linears = [m for m in net.modules() if isinstance(m, Linear)]
         assert len(linears) > len(keep)
         assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
+        caches = llm.llm_engine.worker.cache_engine.gpu_cache
+        assert {c.dtype for c in caches} == {torch.float32 if mode == "float32" else torch.bfloat16}
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)
         out[mode] = wer(" ".join(texts), " ".join(o.outputs[0].text for o in outs))
         del llm
@@ -100,6 +105,7 @@ def test_transcribe_cli_compute_type(ct2_dir, clips, capsys, monkeypatch):
     rc = main(["transcribe", files[0], "--model", str(ct2_dir), "--compute-type", "int8", "--no-progress",
                "--kv-cache-memory", "64MiB", "--num-threads", str(torch.get_num_threads())])
     assert rc == 0 and made[0]["quantization"] == "int8" and made[0]["dtype"] == "auto"
+    assert made[0]["kv_cache_dtype"] == "bfloat16"
     assert wer(texts[0], capsys.readouterr().out) <= 0.5  # the mapping is the point here; WER is bounded above
     rc = main(["transcribe", files[0], "--model", str(ct2_dir), "--compute-type", "bfloat16", "--dtype", "float32",
                "--no-progress"])

@@ -244,16 +244,28 @@ def test_option_validation():
         quantization.check_quantization("int8", torch.device("cuda"), torch.float32)
     quantization.check_quantization("int8", cpu, torch.float32)
     quantization.check_quantization(None, cpu, torch.float32)
-    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' with dtype='float32'"):
-        quantization.check_kv_cache_dtype("bfloat16", torch.float32)
-    quantization.check_kv_cache_dtype("bfloat16", torch.bfloat16)
-    quantization.check_kv_cache_dtype("auto", torch.float32)
+    kv = quantization.kv_cache_dtype
+    assert kv("bfloat16", torch.float32, cpu, "torch_sdpa") == torch.bfloat16  # widened by the C kernels
+    assert kv("bfloat16", torch.bfloat16, cpu, "torch_sdpa") == torch.bfloat16
+    assert kv("auto", torch.float32, cpu, "torch_sdpa") == torch.float32
+    assert kv("float32", torch.float32, cpu, "torch_sdpa") == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' with dtype='float32' runs on CPU"):
+        kv("bfloat16", torch.float32, torch.device("cuda"), "torch_native")
+    with pytest.raises(ValueError, match="torch_sdpa attention backend only"):
+        kv("bfloat16", torch.float32, cpu, "xformers")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16' with dtype='float32' is not supported"):
+        kv("float16", torch.float32, cpu, "torch_sdpa")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' with dtype='bfloat16' is not supported"):
+        kv("float32", torch.bfloat16, cpu, "torch_sdpa")
     assert EngineArgs(model="m", kv_cache_dtype="bfloat16").cache_config().cache_dtype == "bfloat16"
     assert EngineArgs(model="m", quantization="int8").load_config().quantization == "int8"
 
 
 def test_compute_type_maps_to_engine_options():
-    assert compute_type_options("int8") == {"quantization": "int8"}
+    # int8 keeps K/V in bfloat16 unless the caller chose a cache dtype
+    assert compute_type_options("int8") == {"quantization": "int8", "kv_cache_dtype": "bfloat16"}
+    assert compute_type_options("int8", {"kv_cache_dtype": "auto"})["kv_cache_dtype"] == "bfloat16"
+    assert compute_type_options("int8", {"kv_cache_dtype": "float32"})["kv_cache_dtype"] == "float32"
     assert compute_type_options("bfloat16", {"dtype": "auto", "quantization": None}) == {
         "dtype": "bfloat16", "quantization": None}
     assert compute_type_options("float32", {"dtype": "auto"}) == {"dtype": "float32"}

@@ -288,6 +288,17 @@ def write_to_cache(
     flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
 
 
+def as_cached(x: torch.Tensor, kv_cache: torch.Tensor | None) -> torch.Tensor:
+    """``x`` as the cache holds it: rounded to a narrower cache dtype (a bfloat16
+    cache under float32 weights) and widened back, else ``x`` itself. Prefill
+    attention reads these, so a token attends to the same K/V whether they were
+    just computed or read back from the cache (an encoder-cache hit, a step after
+    a preemption's recompute, every decode step)."""
+    if kv_cache is None or kv_cache.dtype == x.dtype:
+        return x
+    return x.to(kv_cache.dtype).to(x.dtype)
+
+
 def cache_slots(block_tables: torch.Tensor, rows: torch.Tensor | int,
                 positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cache slot of token ``positions`` of the sequences in ``rows`` of

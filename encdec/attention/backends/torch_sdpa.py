@@ -28,6 +28,7 @@ from encdec.attention.backends.abstract import (
     AttentionMetadata,
     AttentionType,
     PositionBias,
+    as_cached,
     cache_slots,
     write_to_cache,
 )
@@ -122,12 +123,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
     return out.transpose(-3, -2)
 
 
-def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached encoder keys and values from ``flat`` (2, slots, Hk, D):
-    a zero-copy slice for a contiguous run, else a gather (see ``cross_slices``)."""
+def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached encoder keys and values from ``flat`` (2, slots, Hk, D)
+    in the queries' ``dtype`` (a bfloat16 cache under float32 weights is widened):
+    a zero-copy slice for a contiguous run of the same dtype, else a gather
+    (see ``cross_slices``)."""
     if isinstance(sl, tuple):
-        return flat[0, sl[0]: sl[0] + sl[1]], flat[1, sl[0]: sl[0] + sl[1]]
-    return flat[0][sl], flat[1][sl]
+        k, v = flat[0, sl[0]: sl[0] + sl[1]], flat[1, sl[0]: sl[0] + sl[1]]
+    else:
+        k, v = flat[0][sl], flat[1][sl]
+    return k.to(dtype), v.to(dtype)
 
 
 def distance_table(bias: PositionBias, max_len: int) -> torch.Tensor:  # (H, max_len) float32
@@ -165,8 +171,10 @@ def _encoder_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return _sdpa(q, k, v, scale, mask=None if pb is None else pb.prefill(n).to(q.dtype))
 
 
-def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and paged_attention_cpu.available()
+def _use_c_kernel(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
+    """float32 queries over a float32 or bfloat16 CPU cache (paged_attention_cpu)."""
+    return (q.dtype == torch.float32 and paged_attention_cpu.cache_ok(kv_cache)
+            and paged_attention_cpu.available())
 
 
 class TorchSDPAImpl(AttentionImpl):
@@ -200,6 +208,7 @@ class TorchSDPAImpl(AttentionImpl):
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
                 write_to_cache(k, v, kv_cache, md.slot_mapping)
+                k, v = as_cached(k, kv_cache), as_cached(v, kv_cache)
             for qs, qe, _, _ in md.prefill_bounds:
                 if pb is None:
                     out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
@@ -207,14 +216,14 @@ class TorchSDPAImpl(AttentionImpl):
                     mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
                     out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
             dmd = md.decode_metadata
-            if dmd is not None and _use_c_kernel(kv_cache):
+            if dmd is not None and _use_c_kernel(kv_cache, q):
                 table = None if pb is None else distance_table(pb, dmd.max_decode_seq_len)
                 out[md.num_prefill_tokens:] = self._decode_c(
                     q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor, table)
             elif dmd is not None:
                 slots, mask = dmd.decode_self_index
                 flat = kv_cache.view(2, -1, Hk, D)
-                kd, vd = flat[0][slots], flat[1][slots]  # (B, L, Hk, D)
+                kd, vd = flat[0][slots].to(q.dtype), flat[1][slots].to(q.dtype)  # (B, L, Hk, D)
                 qd = q[md.num_prefill_tokens:, None]  # (B, 1, H, D)
                 if pb is not None:  # (B, H, 1, L): the rows' bias where real, -inf on padding
                     rows = pb.decode(dmd.seq_lens, kd.shape[1]).to(q.dtype)[:, :, None, :]
@@ -231,22 +240,23 @@ class TorchSDPAImpl(AttentionImpl):
             raise ValueError("cross-attention prefill needs the encoder's key/value")
         if k is not None and md.num_encoder_tokens:
             write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
+            k, v = as_cached(k, kv_cache), as_cached(v, kv_cache)
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
             if cached[i]:
-                kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i])
+                kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
                 out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale)
             else:
                 out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale)
         dmd = md.decode_metadata
-        if dmd is not None and _use_c_kernel(kv_cache):
+        if dmd is not None and _use_c_kernel(kv_cache, q):
             out[md.num_prefill_tokens:] = self._decode_c(
                 q[md.num_prefill_tokens:], kv_cache, dmd.cross_block_tables, dmd.encoder_seq_lens_tensor)
         elif dmd is not None:
             flat = kv_cache.view(2, -1, Hk, D)
             base = md.num_prefill_tokens
             for i, sl in enumerate(dmd.cross_slices):
-                kc, vc = _cross_kv(flat, sl)
+                kc, vc = _cross_kv(flat, sl, q.dtype)
                 out[base + i: base + i + 1] = _sdpa(q[base + i: base + i + 1], kc, vc, self.scale)
         return out.view(-1, H * D)
 

@@ -58,7 +58,7 @@ typedef struct {
     const float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *o1_w, *o1_b;
     const float *ln2_w, *ln2_b, *q_w, *q_b, *o2_w, *o2_b;
     const float *ln3_w, *ln3_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;  /* float32, or bfloat16 where the step's kv_bf16 */
 } layer_t;
 
 /* One layer's int8 matmuls (small_linear_int8_cpu.c), in layer_t's order. */
@@ -137,16 +137,26 @@ static int64_t list_items(int64_t *items, const int32_t *lens, const int64_t *le
     return n;
 }
 
+/* attend_range_kv for a step's rows (one K/V head per query head), compiled once. */
+static void attend_group(int G, float *const *os, const float *const *qs, const void *k_cache, const void *v_cache,
+                         const int32_t *table, int32_t t0, int32_t t1, int64_t H, int64_t D, int64_t block_size,
+                         float scale, float *scores, float *const *mx, float *const *sum, const float *bias,
+                         int64_t bias_stride, int32_t q_pos, int kv_bf16) {
+    attend_range_kv(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx, sum,
+                    bias, bias_stride, q_pos, kv_bf16);
+}
+
 /* One attention item: chunk c of the slots of leader row l, for l and the rows
  * it leads (each slot's K and V read once for all of them), not yet normalised,
  * into their parts: part (m, c) at part + (m * C + c) * (H D + 2 H) holds
- * o (H, D), mx (H), sum (H) (attend_range). q rows lie q_stride apart;
+ * o (H, D), mx (H), sum (H) (attend_range_kv). q rows lie q_stride apart;
  * scores: this thread's scratch, CHUNK * H * GROUP_MAX floats. bias: a
- * distance table (H, bias_stride) for self-attention (no leader), or NULL. */
-static void attend_item(int64_t item, const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+ * distance table (H, bias_stride) for self-attention (no leader), or NULL.
+ * kv_bf16: the caches hold bfloat16. */
+static void attend_item(int64_t item, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *leader,
                         int64_t M, int64_t H, int64_t D, int64_t block_size, float scale, float *scores,
-                        float *part, int64_t C, const float *bias, int64_t bias_stride) {
+                        float *part, int64_t C, const float *bias, int64_t bias_stride, int kv_bf16) {
     const int64_t stride = H * D + 2 * H, l = item / C, c = item % C;
     const int32_t t0 = (int32_t)(c * CHUNK), t1 = (int32_t)(t0 + CHUNK < lens[l] ? t0 + CHUNK : lens[l]);
     const int32_t *table = tables + l * table_stride;
@@ -160,14 +170,14 @@ static void attend_item(int64_t item, const float *q, int64_t q_stride, const fl
         sum[G] = mx[G] + H;
         qs[G++] = q + m * q_stride;
         if (G == GROUP_MAX) {
-            attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale,
-                                scores, mx, sum, bias, bias_stride, lens[l] - 1);
+            attend_group(G, os, qs, k_cache, v_cache, table, t0, t1, H, D, block_size, scale, scores, mx, sum, bias,
+                         bias_stride, lens[l] - 1, kv_bf16);
             G = 0;
         }
     }
     if (G)
-        attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores,
-                            mx, sum, bias, bias_stride, lens[l] - 1);
+        attend_group(G, os, qs, k_cache, v_cache, table, t0, t1, H, D, block_size, scale, scores, mx, sum, bias,
+                     bias_stride, lens[l] - 1, kv_bf16);
 }
 
 /* Row m's attention output a (H * D) from its parts, joined in chunk order:
@@ -218,8 +228,25 @@ typedef struct {
     int rms_norm;  /* T5: RMSNorm (the norms' biases unused) */
     const float *bias;  /* T5: self-attention's distance table (H, bias_stride), or NULL */
     int64_t bias_stride;
+    int kv_bf16;        /* the caches hold bfloat16 (else float32) */
     team_t team;
 } step_t;
+
+/* A row's new K and V (kv: k then v, d each) into the layer's caches at slot:
+ * copied, or rounded to bfloat16 as torch's cache write rounds them. */
+static void copy_kv(const step_t *s, const layer_t *w, const float *kv, int64_t slot) {
+    const int64_t d = s->d;
+    if (!s->kv_bf16) {
+        memcpy((float *)w->k_cache + slot * d, kv, sizeof(float) * d);
+        memcpy((float *)w->v_cache + slot * d, kv + d, sizeof(float) * d);
+        return;
+    }
+    uint16_t *k = (uint16_t *)w->k_cache + slot * d, *v = (uint16_t *)w->v_cache + slot * d;
+    for (int64_t i = 0; i < d; i++) {
+        k[i] = vm_f32_to_bf16(kv[i]);
+        v[i] = vm_f32_to_bf16(kv[d + i]);
+    }
+}
 
 /* int8: rows [r0, r1) of x (K wide, row stride ldx) quantized into the step's xq. */
 static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int64_t K, int64_t r0, int64_t r1) {
@@ -272,14 +299,11 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + LN1, rows_items, norm_rows(s, w->ln1_w, w->ln1_b, ROWS(i)));
         TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
                    step_matmul(s, i, qkv, 3 * d, x, d, w->qkv_w, QW(qkv), w->qkv_b, d, 3 * d, POST_NONE));
-        TEAM_PHASE(team, p + KV_COPY, M, {
-            memcpy(w->k_cache + s->slots[i] * d, qkv + i * 3 * d + d, sizeof(float) * d);
-            memcpy(w->v_cache + s->slots[i] * d, qkv + i * 3 * d + 2 * d, sizeof(float) * d);
-        });
+        TEAM_PHASE(team, p + KV_COPY, M, copy_kv(s, w, qkv + i * 3 * d + d, s->slots[i]));
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
                    attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
                                s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C, s->bias,
-                               s->bias_stride));
+                               s->bias_stride, s->kv_bf16));
         TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
         TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
@@ -288,7 +312,8 @@ static void step_job(void *arg, int tid) {
                    step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
-                               s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C, NULL, 0));
+                               s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C, NULL, 0,
+                               s->kv_bf16));
         TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
         TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
@@ -311,14 +336,15 @@ static void step_job(void *arg, int tid) {
  * weights of layers are then not read), or NULL. rms_norm: T5's norms (their
  * biases unused); bias: self-attention's distance table (H, bias_stride,
  * bias_stride >= the longest self length), or NULL. Biases of matmuls may be
- * NULL (none). Returns 0, or -1 where the scratch could not be allocated, or
- * ffn_post is neither (then nothing was done). */
+ * NULL (none). kv_bf16: the layers' caches hold bfloat16 (else float32).
+ * Returns 0, or -1 where the scratch could not be allocated, or ffn_post is
+ * neither (then nothing was done). */
 int decoder_step_f32(
     float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
-    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride)
+    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16)
 {
     if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
@@ -348,6 +374,7 @@ int decoder_step_f32(
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
         .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .bias = bias, .bias_stride = bias_stride,
+        .kv_bf16 = kv_bf16,
         .rs = part + M * C * (d + 2 * H) + nt * scores_size,
         .xq = (uint8_t *)counters + counter_bytes,
         .team = {0, 0, counters, counters + P + 1},

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encdec.cpu_threads import bandwidth_threads
-from encdec.kernels.cpu import build, small_linear_cpu, small_linear_int8_cpu
+from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Rows a step may have: the matmuls run as fast as oneDNN's at any count (within 5%
@@ -32,7 +32,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # table once; past this the work buffers grow and the step runs op by op.
 MAX_ROWS = 256
 _ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int,
-         ctypes.c_int, _P, ctypes.c_int, _P, _I64]
+         ctypes.c_int, _P, ctypes.c_int, _P, _I64, ctypes.c_int]
 ACTIVATIONS = {act: small_linear_cpu.POST[act] for act in ("gelu", "relu")}  # the FFN activations the kernel runs
 _KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
                        "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
@@ -144,7 +144,8 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
                 position_bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run every layer of ``weights`` (with its cache in ``kv_caches``) on ``h``
     (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64) of
-    each cache (2, blocks, block_size, H, D); self and cross tables (int32,
+    each cache (2, blocks, block_size, H, D; float32, or bfloat16: written
+    rounded as torch rounds, read widened); self and cross tables (int32,
     row-major) and lengths (int32) are the attention metadata's; ``position_bias``
     (T5): self-attention's (H, >= longest self length) float32 distance table
     (``torch_sdpa.distance_table``). Returns ``h``;
@@ -154,7 +155,7 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
     m = h.shape[0]
     index = (slots, self_tables, self_lens, cross_tables, cross_lens)
     if not (0 < m <= MAX_ROWS and h.is_contiguous() and len(kv_caches) == len(weights.weight_ptrs)
-            and _index_ok(m, *index) and all(_cache_ok(c, weights.num_heads) for c in kv_caches)
+            and _index_ok(m, *index) and _caches_ok(kv_caches, weights.num_heads)
             and (position_bias is None or (position_bias.dtype == torch.float32 and position_bias.is_contiguous()
                                            and position_bias.shape[0] == weights.num_heads
                                            and position_bias.shape[1] >= int(self_lens.max())))):
@@ -171,15 +172,16 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
         self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads,
         ACTIVATIONS[w.activation], None if w.int8_table is None else w.int8_table.data_ptr(), int(w.rms_norm),
         None if position_bias is None else position_bias.data_ptr(),
-        0 if position_bias is None else position_bias.shape[1])
+        0 if position_bias is None else position_bias.shape[1], int(kv_caches[0].dtype == torch.bfloat16))
     if rc != 0:
         raise MemoryError("decoder step kernel could not allocate its scratch")
     return h
 
 
-def _cache_ok(kv_cache: torch.Tensor, num_heads: int) -> bool:
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
-            and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == num_heads)
+def _caches_ok(kv_caches: list[torch.Tensor], num_heads: int) -> bool:
+    """(2, blocks, block_size, H, D) each, of one dtype the kernel reads (float32 or bfloat16)."""
+    return (paged_attention_cpu.cache_ok(*kv_caches)
+            and all(c.dim() == 5 and c.shape[0] == 2 and c.shape[3] == num_heads for c in kv_caches))
 
 
 def _index_ok(num_rows: int, slots: torch.Tensor, *rest: torch.Tensor) -> bool:

@@ -1,7 +1,10 @@
 /* Paged decode attention on CPU, float32: one query token per sequence
  * attends to its keys/values where they lie in the paged cache, with no
  * gather copy. Used for decoder self-attention (block table grows) and
- * cross-attention (cross block table, written once at prefill).
+ * cross-attention (cross block table, written once at prefill). The cache
+ * holds float32, or bfloat16 (kv_cache_dtype="bfloat16" with float32 weights:
+ * half the bytes a step streams; each value widens to float32 exactly, and
+ * every sum stays float32).
  *
  * Cache layout of one layer's K (and V), slot-major:
  *     cache[slot][kv_head][head_size],  slot = block * block_size + offset
@@ -43,50 +46,85 @@
 
 #define LANES 8
 
-static float dot(const float *a, const float *b, int n) {
+#include "vector_math.h"
+
+/* a . b over n values in 8 scalar lanes; b float32 or bfloat16 (widened exactly, so
+ * a bfloat16 row scores as the same values held in float32 do). */
+static inline __attribute__((always_inline)) float dot_any(const float *a, const void *b, int n, int bf16) {
+#define B_AT(i) (bf16 ? vm_bf16_to_f32(((const uint16_t *)b)[i]) : ((const float *)b)[i])
     float acc[LANES] = {0};
     int i = 0;
     for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * B_AT(i + j);
     float s = 0.f;
     for (int j = 0; j < LANES; j++) s += acc[j];
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += a[i] * B_AT(i);
     return s;
+#undef B_AT
 }
-
-#include "vector_math.h"
 
 const char *paged_attention_path(void) { return VM_PATH; }
 
-/* score_slots and attend_range are inlined into their callers: one passing
+/* score_slots and attend_range_kv are inlined into their callers: one passing
  * group 1 then folds the per-slot, per-head division h / group away (called
  * out of line, the decode step's attention ran 8% slower). */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* The cache's element size: bfloat16 or float32 (bf16: a literal 0 or 1 at
+ * each always-inlined call, so each cache type compiles to its own loops). */
+#define KV_BYTES(bf16) ((bf16) ? 2 : 4)
+
+/* Slot t's row of a cache (all heads), table-mapped. */
+ALWAYS_INLINE const char *slot_row(const void *cache, const int32_t *table, int32_t t, int64_t block_size,
+                                   int64_t slot_stride, int bf16) {
+    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+    return (const char *)cache + slot * slot_stride * KV_BYTES(bf16);
+}
+
+/* q . k over n values, k float32 or bfloat16. */
+ALWAYS_INLINE float dot_kv(const float *q, const char *k, int64_t n, int bf16) {
+#if defined(VM_VL)
+    if (n % VM_VL == 0) {
+        vm_vec acc = VM_ZERO();
+        for (int64_t d = 0; d < n; d += VM_VL)
+            acc = VM_FMA(VM_LOAD(q + d), bf16 ? VM_LOAD_BF16((const uint16_t *)k + d) : VM_LOAD((const float *)k + d),
+                         acc);
+        return VM_HSUM(acc);
+    }
+#endif
+    return bf16 ? dot_any(q, k, (int)n, 1) : dot_any(q, k, (int)n, 0);
+}
+
+/* o += p v over n values, v float32 or bfloat16. */
+ALWAYS_INLINE void axpy_kv(float *restrict o, float p, const char *v, int64_t n, int bf16) {
+    if (!bf16) {
+        const float *restrict vv = (const float *)v;
+        for (int64_t d = 0; d < n; d++) o[d] += p * vv[d];
+        return;
+    }
+    const uint16_t *vv = (const uint16_t *)v;
+    int64_t d = 0;
+#if defined(VM_VL)
+    const vm_vec pv = VM_SET1(p);
+    for (; d + VM_VL <= n; d += VM_VL) VM_STORE(o + d, VM_FMA(pv, VM_LOAD_BF16(vv + d), VM_LOAD(o + d)));
+#endif
+    for (; d < n; d++) o[d] += p * vm_bf16_to_f32(vv[d]);
+}
+
 /* scores[(g * num_heads + h) * (t1 - t0) + t - t0] = qs[g]_h . k_h(t) * scale
  * for each of the G queries (all heads), every slot t in [t0, t1) and head h:
  * a slot's keys are read once for all G. */
-ALWAYS_INLINE void score_slots(float *scores, int G, const float *const *qs, const float *k_cache,
+ALWAYS_INLINE void score_slots(float *scores, int G, const float *const *qs, const void *k_cache,
                                const int32_t *table, int32_t t0, int32_t t1, int64_t num_heads, int64_t group,
                                int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
-                               const float *bias, int64_t bias_stride, int32_t q_pos) {
+                               const float *bias, int64_t bias_stride, int32_t q_pos, int bf16) {
     const int64_t n = t1 - t0;
     for (int32_t t = t0; t < t1; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *k = k_cache + slot * slot_stride;
+        const char *k = slot_row(k_cache, table, t, block_size, slot_stride, bf16);
         for (int64_t h = 0; h < num_heads; h++) {
-            const float *kh = k + (h / group) * head_size;
+            const char *kh = k + (h / group) * head_size * KV_BYTES(bf16);
             for (int g = 0; g < G; g++) {
-                const float *qh = qs[g] + h * head_size;
-                float s;
-#if defined(VM_VL)
-                if (head_size % VM_VL == 0) {
-                    vm_vec acc = VM_ZERO();
-                    for (int64_t d = 0; d < head_size; d += VM_VL) acc = VM_FMA(VM_LOAD(qh + d), VM_LOAD(kh + d), acc);
-                    s = VM_HSUM(acc);
-                } else
-#endif
-                    s = dot(qh, kh, (int)head_size);
+                const float s = dot_kv(qs[g] + h * head_size, kh, head_size, bf16);
                 scores[(g * num_heads + h) * n + t - t0] =
                     bias ? s * scale + bias[h * bias_stride + q_pos - t] : s * scale;
             }
@@ -135,55 +173,55 @@ static float softmax_numerators(float *row, int32_t len, float *max_out) {
  * joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). qs[g] and
  * os[g]: (num_heads, head_size); scores: scratch of G * num_heads * (t1 - t0) floats.
  * bias (NULL: none): see the header; the G queries all sit at q_pos. */
-ALWAYS_INLINE void attend_range_biased(int G, float *const *os, const float *const *qs, const float *k_cache,
-                                const float *v_cache, const int32_t *table, int32_t t0, int32_t t1,
+ALWAYS_INLINE void attend_range_biased(int G, float *const *os, const float *const *qs, const void *k_cache,
+                                const void *v_cache, const int32_t *table, int32_t t0, int32_t t1,
                                 int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
                                 int64_t block_size, float scale, float *scores, float *const *mx,
-                                float *const *sum, const float *bias, int64_t bias_stride, int32_t q_pos) {
+                                float *const *sum, const float *bias, int64_t bias_stride, int32_t q_pos, int bf16) {
     const int64_t n = t1 - t0;
     score_slots(scores, G, qs, k_cache, table, t0, t1, num_heads, group, head_size, slot_stride, block_size, scale,
-                bias, bias_stride, q_pos);
+                bias, bias_stride, q_pos, bf16);
     for (int g = 0; g < G; g++) {
         for (int64_t h = 0; h < num_heads; h++)
             sum[g][h] = softmax_numerators(scores + (g * num_heads + h) * n, (int32_t)n, mx[g] + h);
         memset(os[g], 0, sizeof(float) * num_heads * head_size);
     }
     for (int32_t t = t0; t < t1; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *restrict v = v_cache + slot * slot_stride;
+        const char *v = slot_row(v_cache, table, t, block_size, slot_stride, bf16);
         for (int64_t h = 0; h < num_heads; h++) {
-            const float *restrict vv = v + (h / group) * head_size;
-            for (int g = 0; g < G; g++) {
-                const float p = scores[(g * num_heads + h) * n + t - t0];
-                float *restrict o = os[g] + h * head_size;
-                for (int64_t d = 0; d < head_size; d++) o[d] += p * vv[d];
-            }
+            const char *vv = v + (h / group) * head_size * KV_BYTES(bf16);
+            for (int g = 0; g < G; g++)
+                axpy_kv(os[g] + h * head_size, scores[(g * num_heads + h) * n + t - t0], vv, head_size, bf16);
         }
     }
 }
 
-/* attend_range_biased without a bias (decoder_step_cpu.c's calls). */
-ALWAYS_INLINE void attend_range(int G, float *const *os, const float *const *qs, const float *k_cache,
-                                const float *v_cache, const int32_t *table, int32_t t0, int32_t t1,
-                                int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
-                                int64_t block_size, float scale, float *scores, float *const *mx,
-                                float *const *sum) {
-    attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, num_heads, group, head_size, slot_stride,
-                        block_size, scale, scores, mx, sum, NULL, 0, 0);
+/* attend_range_biased on a float32 (bf16 0) or bfloat16 (1) cache, each
+ * compiled on its own; bias NULL for none. */
+ALWAYS_INLINE void attend_range_kv(int G, float *const *os, const float *const *qs, const void *k_cache,
+                            const void *v_cache, const int32_t *table, int32_t t0, int32_t t1, int64_t num_heads,
+                            int64_t group, int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
+                            float *scores, float *const *mx, float *const *sum, const float *bias,
+                            int64_t bias_stride, int32_t q_pos, int bf16) {
+#define ATTEND_RANGE(B, BF16)                                                                                   \
+    attend_range_biased(G, os, qs, k_cache, v_cache, table, t0, t1, num_heads, group, head_size, slot_stride, \
+                        block_size, scale, scores, mx, sum, B, bias_stride, q_pos, BF16)
+    if (bf16) {
+        if (bias) ATTEND_RANGE(bias, 1); else ATTEND_RANGE(NULL, 1);
+    } else {
+        if (bias) ATTEND_RANGE(bias, 0); else ATTEND_RANGE(NULL, 0);
+    }
+#undef ATTEND_RANGE
 }
 
 /* One sequence's attention output, all heads over all its len slots. */
-static void attend(float *os, const float *qs, const float *k_cache, const float *v_cache, const int32_t *table,
+static void attend(float *os, const float *qs, const void *k_cache, const void *v_cache, const int32_t *table,
                    int32_t len, int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
-                   int64_t block_size, float scale, float *scores, const float *bias, int64_t bias_stride) {
+                   int64_t block_size, float scale, float *scores, const float *bias, int64_t bias_stride, int bf16) {
     float mx[num_heads], sum[num_heads];
     float *mxp = mx, *sump = sum;
-    if (bias)
-        attend_range_biased(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size,
-                            slot_stride, block_size, scale, scores, &mxp, &sump, bias, bias_stride, len - 1);
-    else
-        attend_range(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size, slot_stride,
-                     block_size, scale, scores, &mxp, &sump);
+    attend_range_kv(1, &os, &qs, k_cache, v_cache, table, 0, len, num_heads, group, head_size, slot_stride,
+                    block_size, scale, scores, &mxp, &sump, bias, bias_stride, len - 1, bf16);
     for (int64_t h = 0; h < num_heads; h++) {
         const float inv = 1.f / sum[h];
         for (int64_t d = 0; d < head_size; d++) os[h * head_size + d] *= inv;
@@ -192,12 +230,14 @@ static void attend(float *os, const float *qs, const float *k_cache, const float
 
 typedef struct {
     float *out;
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;  /* float32, or bfloat16 where kv_bf16 */
     const int32_t *tables, *lens;
     int64_t num_seqs, table_stride, num_heads, group, head_size, slot_stride, block_size;
     float scale;
     const float *bias;  /* [h][d], or NULL (the header) */
     int64_t bias_stride;
+    int kv_bf16;
     team_t team;
 } paged_job_t;
 
@@ -206,7 +246,8 @@ static void paged_one(const paged_job_t *j, int64_t s) {
     float *scores = (float *)malloc(sizeof(float) * (size_t)(len > 0 ? len : 1) * j->num_heads);  /* [h][t] */
     const int64_t row = s * j->num_heads * j->head_size;
     attend(j->out + row, j->q + row, j->k_cache, j->v_cache, j->tables + s * j->table_stride, len, j->num_heads,
-           j->group, j->head_size, j->slot_stride, j->block_size, j->scale, scores, j->bias, j->bias_stride);
+           j->group, j->head_size, j->slot_stride, j->block_size, j->scale, scores, j->bias, j->bias_stride,
+           j->kv_bf16);
     free(scores);
 }
 
@@ -219,16 +260,17 @@ static void paged_job(void *arg, int tid) {
 
 /* out, q: (num_seqs, num_heads, head_size); tables: (num_seqs, table_stride) int32;
  * lens: (num_seqs,) int32; bias: (num_heads, bias_stride) float32 with
- * bias_stride >= max(lens), or NULL. One job per sequence (the header). */
+ * bias_stride >= max(lens), or NULL; kv_bf16: the caches hold bfloat16 (else
+ * float32). One job per sequence (the header). */
 void paged_attention_decode_f32(
-    float *out, const float *q, const float *k_cache, const float *v_cache,
+    float *out, const float *q, const void *k_cache, const void *v_cache,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-    int64_t block_size, float scale, const float *bias, int64_t bias_stride, int num_threads)
+    int64_t block_size, float scale, const float *bias, int64_t bias_stride, int num_threads, int kv_bf16)
 {
     atomic_int counters[2] = {0, 0};
     paged_job_t job = {out, q, k_cache, v_cache, tables, lens, num_seqs, table_stride, num_heads,
                        num_heads / num_kv_heads, head_size, num_kv_heads * head_size, block_size, scale,
-                       bias, bias_stride, {0, 0, counters, counters + 1}};
+                       bias, bias_stride, kv_bf16, {0, 0, counters, counters + 1}};
     team_run(paged_job, &job, num_threads);
 }

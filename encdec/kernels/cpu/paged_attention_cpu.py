@@ -18,14 +18,17 @@ from encdec.kernels.cpu import build
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel(
     "paged_attention_cpu.c", "paged_attention_decode_f32",
-    [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, ctypes.c_int],
+    [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, ctypes.c_int,
+     ctypes.c_int],
     None, "decode attention gathers KV (slower)", path_symbol="paged_attention_path")
 available, path = _KERNEL.available, _KERNEL.path
+# What a cache may hold: float32, or bfloat16 (kv_cache_dtype="bfloat16" with float32 weights), widened as read.
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention(
     q: torch.Tensor,  # (num_seqs, num_heads, head_size) float32
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size) float32, contiguous
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size) float32 or bfloat16, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32, contiguous
     seq_lens: torch.Tensor,  # (num_seqs,) int32
@@ -35,14 +38,15 @@ def paged_decode_attention(
     isa: str | None = None,
 ) -> torch.Tensor | None:  # (num_seqs, num_heads, head_size)
     """Each row's query over its cached keys and values; None where the kernel
-    does not run (no build, a query not float32 on CPU).
+    does not run (no build, a query not float32 on CPU, a cache of another dtype
+    than ``CACHE_DTYPES`` or not contiguous).
 
     ``position_bias`` (causal self-attention only, T5): ``[h, d]`` is added to
     head h's score of a key d positions before the query, the query sitting at
     position ``seq_len - 1`` and slot t at position t (the attention backend
     builds it from T5's bucketed bias once per step). Cross-attention passes none."""
     kernel = _KERNEL.function(isa)
-    if kernel is None or q.dtype != torch.float32 or q.device.type != "cpu":
+    if kernel is None or q.dtype != torch.float32 or q.device.type != "cpu" or not cache_ok(k_cache, v_cache):
         return None
     bias_ptr, bias_stride = None, 0
     if position_bias is not None:
@@ -62,6 +66,13 @@ def paged_decode_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, scale, bias_ptr, bias_stride,
-        bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else kernel_threads())
+        bandwidth_threads() if num_seqs >= BANDWIDTH_MIN_SEQS else kernel_threads(),
+        int(k_cache.dtype == torch.bfloat16))
     return out
+
+
+def cache_ok(*caches: torch.Tensor) -> bool:
+    """Caches the C kernels read: contiguous on CPU, one dtype of ``CACHE_DTYPES`` for all."""
+    return (len({c.dtype for c in caches}) == 1 and caches[0].dtype in CACHE_DTYPES
+            and all(c.device.type == "cpu" and c.is_contiguous() for c in caches))
 

@@ -13,6 +13,7 @@
 #define ENCDEC_VECTOR_MATH_H
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #if defined(__AVX512F__)
@@ -37,6 +38,9 @@ typedef __m512 vm_vec;
 #define VM_BLEND_NEG(x, b, a) _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a)
 #define VM_EQ_BITS(a, b) ((unsigned)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ))  /* lane i -> bit i */
 #define VM_NAN_BITS(a) ((unsigned)_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q))
+/* VM_VL bfloat16 values (a KV cache held in bfloat16) widened to float lanes: a bfloat16 is a float's upper half */
+#define VM_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
 #define VM_VL 8
 typedef __m256 vm_vec;
@@ -68,6 +72,8 @@ static inline float vm_hmax(__m256 a) {
 #define VM_BLEND_NEG(x, b, a) _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ))
 #define VM_EQ_BITS(a, b) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)))
 #define VM_NAN_BITS(a) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)))
+#define VM_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 /* Float lanes summed in double lanes (vm_dsum; VM_ACC_ADD takes half of v):
@@ -160,6 +166,24 @@ static inline vm_vec vm_gelu(vm_vec x) {
     return VM_MUL(VM_MUL(VM_SET1(0.5f), x), one_plus_erf);
 }
 #endif /* a vector ISA */
+
+/* One bfloat16 (the upper 16 bits of a float32) as a float: exact. */
+static inline float vm_bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A float rounded to bfloat16 as torch's .to(torch.bfloat16) rounds it (to
+ * nearest, ties to even; a NaN becomes 0x7FC0), so a K/V row the C decode step
+ * writes to a bfloat16 cache equals the one torch's cache write would. */
+static inline uint16_t vm_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* What a build runs, for each kernel's ``*_path()``. */
 #if defined(VM_VL)
