@@ -280,23 +280,21 @@ def write_to_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_size)
     slot_mapping: torch.Tensor,  # (n,)
-) -> None:
-    if key.shape[0] == 0:
-        return
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``key`` and ``value`` to their slots; return them as the cache now
+    holds them, in their own dtype: themselves, or, in a narrower cache (a
+    bfloat16 cache under float32 weights), rounded to it and widened back. Prefill
+    attention reads what this returns, so a token attends to the same K/V whether
+    they were just computed or read back from the cache (an encoder-cache hit, a
+    recompute after preemption, every decode step)."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
-
-
-def as_cached(x: torch.Tensor, kv_cache: torch.Tensor | None) -> torch.Tensor:
-    """``x`` as the cache holds it: rounded to a narrower cache dtype (a bfloat16
-    cache under float32 weights) and widened back, else ``x`` itself. Prefill
-    attention reads these, so a token attends to the same K/V whether they were
-    just computed or read back from the cache (an encoder-cache hit, a step after
-    a preemption's recompute, every decode step)."""
-    if kv_cache is None or kv_cache.dtype == x.dtype:
-        return x
-    return x.to(kv_cache.dtype).to(x.dtype)
+    out = []
+    for i, x in enumerate((key, value)):
+        narrow = x.to(flat.dtype)  # x itself, or its one rounding, shared by the cache and the caller
+        if x.shape[0]:
+            flat[i].index_copy_(0, slot_mapping, narrow)
+        out.append(narrow if narrow.dtype == x.dtype else narrow.to(x.dtype))
+    return out[0], out[1]
 
 
 def cache_slots(block_tables: torch.Tensor, rows: torch.Tensor | int,

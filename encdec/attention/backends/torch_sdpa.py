@@ -28,7 +28,6 @@ from encdec.attention.backends.abstract import (
     AttentionMetadata,
     AttentionType,
     PositionBias,
-    as_cached,
     cache_slots,
     write_to_cache,
 )
@@ -207,8 +206,7 @@ class TorchSDPAImpl(AttentionImpl):
 
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
-                write_to_cache(k, v, kv_cache, md.slot_mapping)
-                k, v = as_cached(k, kv_cache), as_cached(v, kv_cache)
+                k, v = write_to_cache(k, v, kv_cache, md.slot_mapping)
             for qs, qe, _, _ in md.prefill_bounds:
                 if pb is None:
                     out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
@@ -239,8 +237,7 @@ class TorchSDPAImpl(AttentionImpl):
         if k is None and not all(cached):
             raise ValueError("cross-attention prefill needs the encoder's key/value")
         if k is not None and md.num_encoder_tokens:
-            write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
-            k, v = as_cached(k, kv_cache), as_cached(v, kv_cache)
+            k, v = write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
             if cached[i]:
