@@ -32,7 +32,8 @@ long-form algorithm as HF ``generate`` runs it, see ``encdec.transcription.seque
 and ``IndependentJob`` (``mode="independent"``; ``TranscriptionJob`` is its older name): language detection on multilingual
 models when no language is given (one step restricted to language tokens), then
 all 30 s windows of the file at once, cut at the quietest 100 ms of each
-window's last 5 s. The sequential job asks for one window at a time, and on each
+window's last 5 s; a window that fails the fallback thresholds is asked again at
+the next temperature (a new ticket). The sequential job asks for one window at a time, and on each
 output either asks for a retry of that window (new ticket, higher temperature)
 or for the next window with the seek moved and the previous text in its prompt;
 the driver admits a job's next request the step its previous one finishes, while

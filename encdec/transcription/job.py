@@ -17,7 +17,8 @@ from encdec.sampling_params import BeamSearchParams, SamplingParams
 from encdec.transcription.engine_view import engine_view
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
-from encdec.transcription.rules import split_window
+from encdec.transcription.decoding import attempt_params, attempt_result
+from encdec.transcription.rules import best_attempt, compression_ratio, needs_fallback, split_window
 from encdec.transcription.windows import SILENCE_PEAK, cut_windows, segments_from_tokens
 
 
@@ -48,6 +49,7 @@ class _Piece:
     audio: np.ndarray  # 16 kHz samples, a view
     tokens: list[int] | None = None  # output ids, once decided (cut at the last closed segment)
     consumed: int = 0  # samples its segments cover; the rest is the next piece's
+    attempts: list | None = None  # with fallback: (ids, summed log-probs) per temperature tried
 
 
 def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
@@ -110,7 +112,14 @@ class IndependentJob:
         self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
-        if options.beam_size > 1:  # every window by beam search (HF's short-form generate(num_beams=...))
+        # The fallback ladder (rules.needs_fallback, as the sequential mode's and HF's batched
+        # long-form generate's): only over our own params; a caller's sampling_params are kept.
+        self._fallback = (options.sampling_params is None and len(options.temperature) > 1
+                          and (options.compression_ratio_threshold is not None
+                               or options.log_prob_threshold is not None))
+        if self._fallback:
+            self._params = self._attempt(0)
+        elif options.beam_size > 1:  # every window by beam search (HF's short-form generate(num_beams=...))
             self._params = BeamSearchParams(options.beam_size, self._params.max_tokens)
         self._prev = self._prompt_ids(options.initial_prompt)
         self._pieces = [_Piece(start, w) for start, w in windows]  # in time order
@@ -149,6 +158,8 @@ class IndependentJob:
         if piece is None:
             by_id = {v: k[2:-2] for k, v in self._gc.lang_to_id.items()}
             self._start_windows(by_id[tokens[0]])
+        elif self._fallback:
+            self._judge(piece, attempt_result(output.outputs, self._gc.eos_token_id))
         else:
             self._decide(piece, tokens)
 
@@ -213,6 +224,37 @@ class IndependentJob:
         self.num_requests += 1
         self._asked[ticket] = piece
         self._ready.append(JobRequest(ticket, prompt, params))
+
+    def _attempt(self, index: int) -> SamplingParams | BeamSearchParams:
+        """The params of attempt ``index``, at ``options.temperature[index]`` (``decoding.attempt_params``)."""
+        opts = self.options
+        return attempt_params(opts.temperature[index], beam_size=opts.beam_size, best_of=opts.best_of,
+                              max_tokens=None, seed=None)
+
+    def _judge(self, piece: _Piece, result: tuple[list[int], float]) -> None:
+        """An attempt of a piece is back: keep it, or, where it repeats itself or is
+        unlikely (``needs_fallback``), ask the next temperature; when every one
+        fails, keep ``best_attempt``'s. Independent windows carry no P(no speech),
+        so an attempt of no text is kept as it is (retried, a silent window would
+        be sampled until it says something)."""
+        opts = self.options
+        piece.attempts = (piece.attempts or []) + [result]
+        ids, avg, ratio = self._score(result)
+        retry, _ = needs_fallback(ratio, avg, None, compression_ratio_threshold=opts.compression_ratio_threshold,
+                                  log_prob_threshold=opts.log_prob_threshold, no_speech_threshold=None)
+        tried = len(piece.attempts)
+        if retry and ids[:1] != [self._gc.eos_token_id] and tried < len(opts.temperature):
+            self._ask(piece, window_prompt(piece.audio, self._dec), self._attempt(tried))
+            return
+        if retry and tried > 1:
+            ids = best_attempt([self._score(a) for a in piece.attempts], opts.compression_ratio_threshold)[0]
+        self._decide(piece, ids)
+
+    def _score(self, result: tuple[list[int], float]) -> tuple[list[int], float, float]:
+        """(ids, summed log-probs) -> (ids, average log-prob, compression ratio of the text), as sequential's."""
+        ids, total = result
+        text = self._tokenizer.decode([t for t in ids if t < self._gc.eos_token_id]).strip()
+        return ids, total / max(len(ids), 1), compression_ratio(text)
 
     def _decide(self, piece: _Piece, tokens: list[int]) -> None:
         """Keep a piece's output; with timestamps, an open ending leaves its

@@ -53,7 +53,8 @@ class TranscribeOptions:
     vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
     vad_parameters: dict | None = None  # overrides of vad.VAD_DEFAULTS (independent: INDEPENDENT_VAD_DEFAULTS)
     # sequential: openai/whisper's long-form algorithm with fallback and conditioning;
-    # independent: all 30 s windows at once, no fallback or conditioning.
+    # independent: all 30 s windows at once, no conditioning; a window that fails the
+    # thresholds is decoded again at the next temperature, as HF's batched long-form does.
     mode: str = field(default="sequential", metadata={"choices": MODES})
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from encdec import SamplingParams
 from encdec.transcribe import _as_inputs
 from encdec.transcription import TranscribeOptions, TranscriptionJob
 
@@ -214,3 +215,58 @@ def test_transcribe_takes_a_transcribe_options_or_its_fields_by_keyword(llm, cli
     with pytest.raises(ValueError, match="initial_prompt or its older name prompt"):
         llm.transcribe(files[0], prompt="a", initial_prompt="b")
     assert_engine_empty(llm)
+
+
+def _output(tokenizer, eot: int, text: str | None, logprob: float, n: int = 1):
+    """A finished output of ``n`` samples of ``text`` (None: no text), each token at ``logprob``."""
+    from encdec.outputs import CompletionOutput, RequestOutput
+    from encdec.sequence import Logprob
+
+    ids = (tokenizer.encode(text, add_special_tokens=False) if text else []) + [eot]
+    samples = [CompletionOutput(i, text or "", ids, logprob * len(ids), [{t: Logprob(logprob)} for t in ids], "stop")
+               for i in range(n)]
+    return RequestOutput("x", None, [], None, [], samples, True)
+
+
+def test_an_independent_window_that_repeats_itself_is_decoded_again(llm, clips):
+    """mode="independent" retries a window as the sequential mode does
+    (``rules.needs_fallback``): an attempt whose text repeats itself (compression
+    ratio above 2.4) or averages below the log-prob threshold is asked again at
+    the next temperature (best_of samples), the first that passes is kept; when
+    every temperature fails, ``best_attempt``'s. An attempt of no text is kept; a
+    caller's ``sampling_params`` or a single temperature turn the ladder off."""
+    files, _ = clips
+    engine = llm.llm_engine
+    tok, eot = engine.tokenizer, engine.generation_config.eos_token_id
+    loop, good = " She sells" + " S-E" * 80, " She sells sea shells by the sea shore."
+
+    def job_for(**kw):
+        options = TranscribeOptions(mode="independent", **kw)
+        options.validate(engine)
+        job = TranscriptionJob(engine, files[3], options)
+        (req,) = job.next_requests()
+        return job, req
+
+    job, req = job_for()
+    assert req.params.temperature == 0.0 and req.params.logprobs == 0  # the average needs the log-probs
+    job.add_output(_output(tok, eot, loop, -0.1), req.ticket)
+    (retry,) = job.next_requests()
+    assert retry.params.temperature == 0.2 and retry.params.n == 5 and not job.done
+    job.add_output(_output(tok, eot, good, -0.2, n=5), retry.ticket)
+    assert job.done and job.result().text == good.strip()
+
+    job, req = job_for()  # unlikely (average -1.5 < -1.0) at every temperature: the best of them
+    for i, lp in enumerate([-1.5, -1.2, -2.0, -3.0, -1.9, -2.5]):
+        job.add_output(_output(tok, eot, f" attempt {i}", lp, n=req.params.n), req.ticket)
+        if i < 5:
+            (req,) = job.next_requests()
+    assert job.done and job.result().text == "attempt 1"
+
+    job, req = job_for()  # no text: kept, whatever its log-prob
+    job.add_output(_output(tok, eot, None, -5.0), req.ticket)
+    assert job.done and job.next_requests() == [] and job.result().text == ""
+
+    for kw in ({"temperature": (0.0,)}, {"sampling_params": SamplingParams(temperature=0.0)}):
+        job, req = job_for(**kw)
+        job.add_output(_output(tok, eot, loop, -0.1), req.ticket)
+        assert job.done and job.result().text == loop.strip(), kw
