@@ -96,3 +96,31 @@ def test_bfloat16_cache_reads_as_its_float32_values(D, isa, monkeypatch):
     assert paged_attention_cpu.paged_decode_attention(q, cache[0], wide[1], tables, lens, 0.125, isa=isa) is None
     half = cache.half()
     assert paged_attention_cpu.paged_decode_attention(q, half[0], half[1], tables, lens, 0.125, isa=isa) is None
+
+
+@pytest.mark.parametrize("isa", build.host_isas())
+def test_bfloat16_cache_write_equals_torchs(isa, monkeypatch):
+    """The one-pass write to a bfloat16 cache (``write_bf16``; prefill K/V, a
+    strided view of a fused projection) leaves the cache bit for bit as torch's
+    ``write_to_cache`` does (ties to even, infinities, NaN, the largest finite
+    value, subnormals) and returns the same widened values; other dtypes are declined."""
+    from encdec.attention.backends import torch_sdpa
+    from encdec.attention.backends.abstract import write_to_cache
+
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    g = torch.Generator().manual_seed(2)
+    n = 300
+    fused = torch.randn(n, 3, 4, 64, generator=g) * 3  # q, k, v of each row side by side
+    fused[7, 1, 0, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3895e38, 1.0000001,
+                                       2.0 ** -130, 1 + 2.0 ** -8])  # 1 + 2^-8: a tie, to even (1.0)
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(40 * 16, generator=g)[:n]
+    ours, theirs = (torch.zeros(2, 40, 16, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+    got = torch_sdpa._write_cache(k, v, ours, slots)
+    want = write_to_cache(k, v, theirs, slots)
+    assert paged_attention_cpu.write_bf16(k, ours[0], slots) is not None  # the kernel ran
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want))
+    assert ours.view(2, -1, 4, 64)[0][slots[7], 0, 6].item() == 1.0
+    assert paged_attention_cpu.write_bf16(k, ours[0].half(), slots) is None
+    assert paged_attention_cpu.write_bf16(k.double(), ours[0], slots) is None

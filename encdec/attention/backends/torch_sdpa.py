@@ -170,6 +170,18 @@ def _encoder_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return _sdpa(q, k, v, scale, mask=None if pb is None else pb.prefill(n).to(q.dtype))
 
 
+def _write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``write_to_cache``; a bfloat16 cache under float32 weights in one C pass per
+    tensor where the kernel runs (``paged_attention_cpu.write_bf16``), same values."""
+    if k.shape[0] and kv_cache.dtype == torch.bfloat16 and k.dtype == torch.float32:
+        kw = paged_attention_cpu.write_bf16(k, kv_cache[0], slots)
+        vw = paged_attention_cpu.write_bf16(v, kv_cache[1], slots) if kw is not None else None
+        if vw is not None:
+            return kw, vw
+    return write_to_cache(k, v, kv_cache, slots)
+
+
 def _use_c_kernel(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
     """float32 queries over a float32 or bfloat16 CPU cache (paged_attention_cpu)."""
     return (q.dtype == torch.float32 and paged_attention_cpu.cache_ok(kv_cache)
@@ -206,7 +218,7 @@ class TorchSDPAImpl(AttentionImpl):
 
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
-                k, v = write_to_cache(k, v, kv_cache, md.slot_mapping)
+                k, v = _write_cache(k, v, kv_cache, md.slot_mapping)
             for qs, qe, _, _ in md.prefill_bounds:
                 if pb is None:
                     out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
@@ -237,7 +249,7 @@ class TorchSDPAImpl(AttentionImpl):
         if k is None and not all(cached):
             raise ValueError("cross-attention prefill needs the encoder's key/value")
         if k is not None and md.num_encoder_tokens:
-            k, v = write_to_cache(k, v, kv_cache, md.cross_slot_mapping)
+            k, v = _write_cache(k, v, kv_cache, md.cross_slot_mapping)
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
             if cached[i]:

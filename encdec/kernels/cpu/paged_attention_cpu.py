@@ -22,6 +22,9 @@ _KERNEL = build.Kernel(
      ctypes.c_int],
     None, "decode attention gathers KV (slower)", path_symbol="paged_attention_path")
 available, path = _KERNEL.available, _KERNEL.path
+_WRITE = build.Kernel("paged_attention_cpu.c", "kv_write_bf16", [_P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int],
+                      None, "a bfloat16 cache is written by torch (three passes)",
+                      path_symbol="paged_attention_path")
 # What a cache may hold: float32, or bfloat16 (kv_cache_dtype="bfloat16" with float32 weights), widened as read.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -76,3 +79,20 @@ def cache_ok(*caches: torch.Tensor) -> bool:
     return (len({c.dtype for c in caches}) == 1 and caches[0].dtype in CACHE_DTYPES
             and all(c.device.type == "cpu" and c.is_contiguous() for c in caches))
 
+
+def write_bf16(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """Rows of ``x`` (n, H, D) float32 rounded into slots ``slots`` (int64) of the
+    bfloat16 ``cache`` (blocks, block_size, H, D) as torch rounds them, and
+    returned widened, (n, H, D) float32; None (nothing written) where the kernel
+    cannot take it: no build, other dtypes or layouts."""
+    kernel = _WRITE.function()
+    n = x.shape[0]
+    if (kernel is None or x.dtype != torch.float32 or cache.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or not cache.is_contiguous() or x.dim() != 3 or x.shape[1:] != cache.shape[2:]
+            or x.stride(2) != 1 or x.stride(1) != x.shape[2] or slots.dtype != torch.int64
+            or not slots.is_contiguous() or slots.shape[0] != n):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    kernel(x.data_ptr(), n, x.shape[1] * x.shape[2], x.stride(0), slots.data_ptr(), cache.data_ptr(),
+           out.data_ptr(), kernel_threads())
+    return out

@@ -175,13 +175,14 @@ static inline float vm_bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* A float rounded to bfloat16 as torch's .to(torch.bfloat16) rounds it (to
- * nearest, ties to even; a NaN becomes 0x7FC0), so a K/V row the C decode step
- * writes to a bfloat16 cache equals the one torch's cache write would. */
+/* A float rounded to bfloat16 as torch's .to(torch.bfloat16) rounds a tensor
+ * (to nearest, ties to even; a NaN becomes 0xFFFF, as ATen's vectorized
+ * conversion makes it), so a K/V row the C kernels write to a bfloat16 cache
+ * equals the one torch's cache write would. */
 static inline uint16_t vm_f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if (f != f) return 0x7FC0;
+    if (f != f) return 0xFFFF;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
