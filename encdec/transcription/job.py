@@ -14,10 +14,10 @@ from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
+from encdec.transcription.decoding import attempt_params, attempt_result
 from encdec.transcription.engine_view import engine_view
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
-from encdec.transcription.decoding import attempt_params, attempt_result
 from encdec.transcription.rules import best_attempt, compression_ratio, needs_fallback, split_window
 from encdec.transcription.windows import SILENCE_PEAK, cut_windows, segments_from_tokens
 
