@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from encdec.sampling_params import BeamSearchParams, SamplingParams
+from encdec.transcription.rules import compression_ratio
 
 
 def attempt_params(temperature: float, *, beam_size: int, best_of: int, max_tokens: int | None,
@@ -67,3 +68,11 @@ def attempt_result(completions: Sequence[Any], eot: int) -> tuple[list[int], flo
 
     _, ids, total = max(map(ranked, completions), key=lambda r: r[0])
     return ids, total
+
+
+def score_attempt(result: tuple[list[int], float], tokenizer: Any, eot: int) -> tuple[list[int], float, float]:
+    """(ids, summed log-probs) of an attempt -> (ids, average log-prob, compression
+    ratio of its text): what the fallback rules judge (``rules.needs_fallback``)."""
+    ids, total = result
+    text = tokenizer.decode([t for t in ids if t < eot]).strip()
+    return ids, total / max(len(ids), 1), compression_ratio(text)

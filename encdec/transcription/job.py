@@ -5,7 +5,7 @@ driver (``encdec.transcription.driver``) submits, steps and routes outputs
 back. See ``encdec.transcription`` for the protocol."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,11 +14,11 @@ from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE, load_audio
 from encdec.inputs import PromptType
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
-from encdec.transcription.decoding import attempt_params, attempt_result
+from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
 from encdec.transcription.engine_view import engine_view
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
-from encdec.transcription.rules import best_attempt, compression_ratio, needs_fallback, split_window
+from encdec.transcription.rules import best_attempt, needs_fallback, split_window
 from encdec.transcription.windows import SILENCE_PEAK, cut_windows, segments_from_tokens
 
 
@@ -49,7 +49,8 @@ class _Piece:
     audio: np.ndarray  # 16 kHz samples, a view
     tokens: list[int] | None = None  # output ids, once decided (cut at the last closed segment)
     consumed: int = 0  # samples its segments cover; the rest is the next piece's
-    attempts: list | None = None  # with fallback: (ids, summed log-probs) per temperature tried
+    # with fallback: (ids, average log-prob, compression ratio) per temperature tried
+    attempts: list[tuple[list[int], float, float]] = field(default_factory=list)
 
 
 def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
@@ -238,8 +239,8 @@ class IndependentJob:
         so an attempt of no text is kept as it is (retried, a silent window would
         be sampled until it says something)."""
         opts = self.options
-        piece.attempts = (piece.attempts or []) + [result]
-        ids, avg, ratio = self._score(result)
+        ids, avg, ratio = score_attempt(result, self._tokenizer, self._gc.eos_token_id)
+        piece.attempts.append((ids, avg, ratio))
         retry, _ = needs_fallback(ratio, avg, None, compression_ratio_threshold=opts.compression_ratio_threshold,
                                   log_prob_threshold=opts.log_prob_threshold, no_speech_threshold=None)
         tried = len(piece.attempts)
@@ -247,14 +248,8 @@ class IndependentJob:
             self._ask(piece, window_prompt(piece.audio, self._dec), self._attempt(tried))
             return
         if retry and tried > 1:
-            ids = best_attempt([self._score(a) for a in piece.attempts], opts.compression_ratio_threshold)[0]
+            ids = best_attempt(piece.attempts, opts.compression_ratio_threshold)[0]
         self._decide(piece, ids)
-
-    def _score(self, result: tuple[list[int], float]) -> tuple[list[int], float, float]:
-        """(ids, summed log-probs) -> (ids, average log-prob, compression ratio of the text), as sequential's."""
-        ids, total = result
-        text = self._tokenizer.decode([t for t in ids if t < self._gc.eos_token_id]).strip()
-        return ids, total / max(len(ids), 1), compression_ratio(text)
 
     def _decide(self, piece: _Piece, tokens: list[int]) -> None:
         """Keep a piece's output; with timestamps, an open ending leaves its

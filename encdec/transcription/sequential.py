@@ -68,7 +68,7 @@ from encdec.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_s
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
-from encdec.transcription.decoding import attempt_params, attempt_result
+from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
 from encdec.transcription.features import whole_file_log_mel, window_features
 from encdec.transcription.engine_view import engine_view
 from encdec.transcription.job import JobRequest, features_prompt, finished_completion
@@ -76,7 +76,6 @@ from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import (
     best_attempt,
-    compression_ratio,
     decoder_prompt,
     needs_fallback,
     previous_tokens,
@@ -319,10 +318,7 @@ class SequentialJob:
             return
 
     def _score(self, result: tuple[list[int], float]) -> tuple[list[int], float, float]:
-        """(ids, summed log-probs) of an attempt -> (ids, average log-prob, compression ratio of its text)."""
-        ids, sum_lp = result
-        text = self._tokenizer.decode([t for t in ids if t < self._ids.eot]).strip()
-        return ids, sum_lp / max(len(ids), 1), compression_ratio(text)
+        return score_attempt(result, self._tokenizer, self._ids.eot)
 
     def _abandon(self, w: Window) -> None:
         """Give up the window's attempts still in flight (higher temperatures)."""

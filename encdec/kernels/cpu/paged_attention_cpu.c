@@ -92,7 +92,7 @@ ALWAYS_INLINE float dot_kv(const float *q, const char *k, int64_t n, int bf16) {
         return VM_HSUM(acc);
     }
 #endif
-    return bf16 ? dot_any(q, k, (int)n, 1) : dot_any(q, k, (int)n, 0);
+    return dot_any(q, k, (int)n, bf16);
 }
 
 /* o += p v over n values, v float32 or bfloat16. */
