@@ -51,6 +51,8 @@ _CPU_FLAGS = {
     "none": set(),
 }
 ISA_ENV = "ENCDEC_CPU_ISA"
+# A kernel's vector path -> the CPU flag its int8 dot products (vpdpbusd) need.
+_VNNI_FLAGS = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 
 
 def _cache_dir() -> str:
@@ -98,6 +100,13 @@ def _resolve(requested: str | None) -> str:
                        "|".join(isas), isas[0])
         return isas[0]
     return requested
+
+
+def vnni_in_cpu(kernel_path: str) -> bool:
+    """Whether this CPU runs the VNNI instructions a kernel's ``kernel_path``
+    ("avx512", "avx2", "none", "torch") compiles them for: AVX512-VNNI for the
+    AVX-512 build, AVX-VNNI for the AVX2 one; never for the others."""
+    return _VNNI_FLAGS.get(kernel_path, "-") in cpu_flags()
 
 
 def cpu_isa() -> str:

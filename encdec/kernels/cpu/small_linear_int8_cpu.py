@@ -26,13 +26,10 @@ _KERNEL = build.Kernel("small_linear_int8_cpu.c", "small_linear_int8",
 available, path = _KERNEL.available, _KERNEL.path
 
 
-_VNNI_FLAG = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}  # a vector path -> the CPU flag it needs
-
-
 def vnni_available(isa: str | None = None) -> bool:
     """Whether the int8 panel matmul runs VNNI here: the AVX-512 build on a CPU
     with AVX512-VNNI, or the AVX2 build on one with AVX-VNNI."""
-    return _VNNI_FLAG.get(_KERNEL.path(isa), "-") in build.cpu_flags()
+    return build.vnni_in_cpu(_KERNEL.path(isa))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,98 @@
+"""The dense attention kernel's int8 scores (quantization="int8": Whisper's
+encoder), once per ISA path this CPU runs with VNNI (the path is in the test id):
+the kernel does the arithmetic its C file describes, stays close to float64, and
+a channel that every key shares costs it nothing; without VNNI the scores stay
+float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from encdec.kernels.cpu import build, dense_attention_cpu
+
+VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
+
+
+@pytest.fixture(params=VECTOR_ISAS or [pytest.param("none", marks=pytest.mark.skip(
+    reason=f"this CPU has neither AVX-512 nor AVX2+FMA ({build.host_isas()})"))])
+def isa(request) -> str:
+    if not dense_attention_cpu.available(request.param):
+        pytest.skip(f"the {request.param} kernel did not build here (no C compiler?)")
+    if not dense_attention_cpu.int8_scores_available(request.param):
+        pytest.skip(f"this CPU lacks the VNNI the {request.param} path's int8 scores need "
+                    f"(avx512_vnni: {'avx512_vnni' in build.cpu_flags()}, avx_vnni: {'avx_vnni' in build.cpu_flags()})")
+    return request.param
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of the last dim, as int8_rows_cpu.c's quantize_row."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).clamp(-127, 127), amax / 127.0
+
+
+def emulate(q, k, v, scale):
+    """The C file's int8 scores in torch: keys minus their mean key (summed in
+    order, float32), int8 rows with one scale each, then a float64 softmax and P V."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
+    mean = k.cumsum(2)[:, :, -1:] / k.shape[2]
+    q8, qs = quantize_rows(q * scale)
+    k8, ks = quantize_rows(k - mean)
+    acc = (q8.double() @ k8.double().transpose(-1, -2)).float()  # exact: int32 sums
+    scores = acc * (ks.transpose(-1, -2) * qs)
+    return (torch.softmax(scores.double(), -1) @ v.double()).transpose(1, 2)
+
+
+def reference(q, k, v, scale):
+    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2)
+
+
+def qkv(B, T, H, seed, shared=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, 3, H, 64, generator=g)
+    x[:, :, 1, :, 5] += shared  # a channel every key shares (the mean takes it out)
+    return x[:, :, 0], x[:, :, 1], x[:, :, 2]
+
+
+@pytest.mark.parametrize("B, T, H", [(1, 1, 1), (2, 17, 2), (1, 100, 3), (2, 1500, 2)])
+def test_int8_scores_do_what_the_c_file_says(isa, B, T, H):
+    q, k, v = qkv(B, T, H, seed=T)
+    out = dense_attention_cpu.dense_attention(q, k, v, 0.125, int8_scores=True, isa=isa)
+    assert out is not None and out.shape == (B, T, H, 64)
+    emulated, ref = emulate(q, k, v, 0.125), reference(q, k, v, 0.125)
+    err_emulated = (out.double() - emulated).abs().max().item()
+    err_ref = (out.double() - ref).abs().max().item()
+    print(f"\n{isa} B={B} T={T} H={H}: int8 scores vs their emulation {err_emulated:.1e}, vs float64 {err_ref:.1e}")
+    assert err_emulated < 1e-4  # float32 rounding of the scales and the P V sums
+    assert err_ref < 0.06 and (out.double() - ref).abs().mean().item() < 0.01  # the quantization's own error
+    f32 = dense_attention_cpu.dense_attention(q, k, v, 0.125, isa=isa)
+    if T > 1:  # one key: every softmax is 1 whatever the scores
+        assert not torch.equal(out, f32)  # the int8 path ran
+
+
+def test_a_channel_every_key_shares_costs_nothing(isa):
+    """Keys with a large value on one channel in common (as Whisper's have): the
+    mean key takes it out before the int8 range is set, so the error is that of
+    the same keys without it; quantizing the raw keys would spend the range on it."""
+    q, k, v = qkv(1, 300, 2, seed=3)
+    _, k_shared, _ = qkv(1, 300, 2, seed=3, shared=30.0)
+    err = {}
+    for name, keys in (("plain", k), ("shared", k_shared)):
+        out = dense_attention_cpu.dense_attention(q, keys, v, 0.125, int8_scores=True, isa=isa)
+        err[name] = (out.double() - reference(q, keys, v, 0.125)).abs().mean().item()
+    q8, qs = quantize_rows(q.transpose(1, 2) * 0.125)  # what raw int8 keys would give, for scale
+    k8, ks = quantize_rows(k_shared.transpose(1, 2))
+    raw = torch.softmax(((q8 @ k8.transpose(-1, -2)) * (ks.transpose(-1, -2) * qs)).double(), -1) @ v.transpose(1, 2).double()
+    err["raw"] = (raw.transpose(1, 2) - reference(q, k_shared, v, 0.125)).abs().mean().item()
+    print(f"\n{isa}: mean error {err}")
+    assert err["shared"] < 1.5 * err["plain"] and err["raw"] > 3 * err["shared"]
+
+
+def test_without_vnni_the_scores_stay_float32(isa, monkeypatch):
+    q, k, v = qkv(2, 50, 2, seed=9)
+    f32 = dense_attention_cpu.dense_attention(q, k, v, 0.125, isa=isa)
+    monkeypatch.setattr(build, "vnni_in_cpu", lambda path: False)
+    assert not dense_attention_cpu.int8_scores_available(isa)
+    assert torch.equal(dense_attention_cpu.dense_attention(q, k, v, 0.125, int8_scores=True, isa=isa), f32)
