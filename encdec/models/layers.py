@@ -256,13 +256,13 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, inner) each
         return self.out_proj(self.attn(q, k, v, kv_cache, md, position_bias))
 
-    int8_scores = False  # quantization="int8": forward_encoder's q k^T in int8 (dense_attention_cpu)
+    int8_attention = False  # quantization="int8": forward_encoder's q k^T and P v in int8 (dense_attention_cpu)
 
     def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
         B, T, d = h.shape
         qkv = self.qkv_proj(h).view(B, T, 3, self.num_heads, self.head_dim)
         a = dense_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.scale,
-                            int8_scores=self.int8_scores)  # (B, T, H, D)
+                            int8=self.int8_attention)  # (B, T, H, D)
         if a is None:  # no C kernel for this machine / dtype / device
             q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D); 4-D takes torch's flash kernel
             a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)

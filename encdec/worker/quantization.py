@@ -10,11 +10,11 @@ summed in int32 and dequantized to float32 (``int8_path``: oneDNN's s8 x s8
 matmul between our C row passes where oneDNN runs VNNI, fbgemm's
 ``quantized::linear_dynamic`` elsewhere; the fused decode step's own VNNI
 matmul for decode steps, ``small_linear_int8_cpu``). An encoder's
-unmasked self-attention (Whisper's, over 1500 frames a window) computes its
-q k^T from int8 rows where the CPU has VNNI (``dense_attention_cpu``'s int8
-scores; its softmax and P V stay float32): tiny.en's encoder attention 54.7 ->
-38.9 ms a 4-window batch, and ``whisper_bench --compute-type int8`` 2.0 -> 2.4x
-HF float32, WER on the shipped clips unchanged within 0.01. Everything else
+unmasked self-attention (Whisper's, over 1500 frames a window) computes q k^T
+and P v in int8 where the CPU has VNNI (``dense_attention_cpu``; its softmax
+stays float32): tiny.en's encoder attention 54.7 -> 30.2 ms a 4-window batch,
+and ``whisper_bench --compute-type int8`` 2.0 -> 2.6x HF float32, WER on the
+shipped clips unchanged within 0.01. Everything else
 (embeddings, convolutions, layer norms, the decoder's attention, the KV cache
 unless ``kv_cache_dtype`` says otherwise) stays float32.
 
@@ -149,7 +149,7 @@ def quantize(model: nn.Module, quantization: str | None) -> int:
         m.quantize_int8(path)
     for m in model.modules():
         if isinstance(m, MultiHeadAttention):
-            m.int8_scores = True
+            m.int8_attention = True
     logger.info("quantized %d linear layers to int8 (%s, per-channel weights, dynamic activations); "
                 "%d stay float32 in the fused decode step", len(linears), path, len(keep))
     return len(linears)

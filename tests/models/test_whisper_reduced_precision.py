@@ -1,6 +1,6 @@
 """Whisper tiny.en (fixture ``ct2_dir``) and base (``whisper_base_dir``, slow) in
 int8 (``compute_type="int8"``: ``quantization="int8"``, K/V cached in bfloat16, the
-encoder's attention scores from int8 where the CPU has VNNI) and
+encoder's attention in int8 where the CPU has VNNI) and
 bfloat16 (``dtype="bfloat16"``) on the shipped English clips: WER (printed) no more
 than 0.01 above float32's on the same clips, and the int8 engine actually running
 int8 linears over a bfloat16 cache."""
@@ -58,8 +58,8 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
         linears = [m for m in net.modules() if isinstance(m, Linear)]
         assert len(linears) > len(keep)
         assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
-        # int8: the encoder's attention takes int8 scores (where VNNI runs them: dense_attention_cpu)
-        assert {m.int8_scores for m in net.encoder.modules() if isinstance(m, MultiHeadAttention)} == {mode == "int8"}
+        # int8: the encoder's attention runs in int8 (where VNNI does: dense_attention_cpu)
+        assert {m.int8_attention for m in net.encoder.modules() if isinstance(m, MultiHeadAttention)} == {mode == "int8"}
         caches = llm.llm_engine.worker.cache_engine.gpu_cache
         assert {c.dtype for c in caches} == {torch.float32 if mode == "float32" else torch.bfloat16}
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)

@@ -25,8 +25,8 @@ _KERNEL = build.Kernel("dense_attention_cpu.c", "dense_attention_f32",
 available, path = _KERNEL.available, _KERNEL.path
 
 
-def int8_scores_available(isa: str | None = None) -> bool:
-    """Whether ``int8_scores=True`` computes the scores in int8 here: the C file's
+def int8_available(isa: str | None = None) -> bool:
+    """Whether ``int8=True`` computes the scores in int8 here: the C file's
     VNNI paths (AVX512-VNNI on the AVX-512 build, AVX-VNNI on the AVX2 one).
     Without VNNI, int8 dot products are no faster than float32 FMAs (AVX2's
     vpmaddubsw saturates its 16-bit pairs), so the scores stay float32."""
@@ -39,7 +39,7 @@ def _fits(x: torch.Tensor) -> bool:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                    offset_bias: torch.Tensor | None = None, int8_scores: bool = False,
+                    offset_bias: torch.Tensor | None = None, int8: bool = False,
                     isa: str | None = None) -> torch.Tensor | None:
     """softmax(scale * q k^T + bias) v per batch row and head, or None if the kernel cannot run it.
 
@@ -47,8 +47,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     in memory (any batch and time strides, so views of a fused qkv work).
     ``offset_bias``: (H, T_q + T_k - 1) float32, or None: the score of query i
     over key t gains ``offset_bias[h, t - i + T_q - 1]`` (a bias that depends on
-    ``t - i`` alone, as T5's). ``int8_scores``: q k^T from int8 rows where
-    ``int8_scores_available`` (quantization="int8"; the C file says how), else
+    ``t - i`` alone, as T5's). ``int8``: q k^T and P v in int8 where
+    ``int8_available`` (quantization="int8"; the C file says how), else
     float32. Returns (B, T_q, H, 64) contiguous. ``isa`` picks the path (tests;
     default ``build.cpu_isa()``).
     """
@@ -67,7 +67,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), B, H, tq, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scale, None if offset_bias is None else offset_bias.data_ptr(),
-        0 if offset_bias is None else offset_bias.shape[1], int(int8_scores and int8_scores_available(isa)),
+        0 if offset_bias is None else offset_bias.shape[1], int(int8 and int8_available(isa)),
         kernel_threads())
     if rc == -2:
         raise MemoryError("dense CPU attention kernel could not allocate its scratch buffers")
