@@ -49,7 +49,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "int8_rows_cpu.c" /* quantize_row (int8 scores); before the one-letter macros below */
+#include "int8_rows_cpu.c" /* quantize_row, abs_max (int8 attention); before the one-letter macros below */
 
 #define D 64
 #define R 6 /* query rows per register tile */
@@ -296,7 +296,7 @@ static inline float softmax_numerator(float *s, int64_t n) {
 #else
 #define QK8_TARGET __attribute__((target("avxvnni")))
 #endif
-/* acc += u8 . s8 by quads, in asm: GCC 13 copied every accumulator around each
+/* acc += u8 . s8 by quads, in asm: GCC 12 copied every accumulator around each
  * vpdpbusd intrinsic (two moves an instruction, the int8 Q K^T no faster than
  * float32's). {vex}: the AVX2 build's is AVX-VNNI, not AVX512-VNNI's EVEX form. */
 #define DPBUSD(acc, u8, s8) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8))
@@ -307,9 +307,6 @@ static inline float softmax_numerator(float *s, int64_t n) {
  * quad g. */
 static inline int64_t k8_at(int64_t t, int g) { return (t & ~15) * (D / 4) + g * 16 + (t & 15); }
 
-/* s[i][c .. c + ldk) for i < R: int8 scores of the quantized rows q8 (R x D
- * int8, scales qscale, corrections qc[i] = -128 sum_d q8[i][d]) over the packed
- * keys k8 (scales ks, zero past tk). */
 #if defined(__AVX512F__)
 /* s[i][c .. c + 16 NV) for i < R: R x 16 NV int8 products in registers. */
 #define QK8_TILE(NV)                                                                              \
@@ -621,15 +618,16 @@ static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, f
                 float *srow = s + i * ldk;
                 for (int64_t t = 0; t < tk; t++) srow[t] += brow[t];
             }
-        float inv[R];
-        for (int i = 0; i < R; i++) inv[i] = softmax_numerator(s + i * ldk, tk);
-        if (j->int8) {
-            for (int i = 0; i < R; i++) inv[i] = 1.0f / quantize_p_row(s + i * ldk, tk, ldk, p8 + i * ldk, ps + i * nb);
-            pv8_rows(p8, ldk, ps, nb, v8, vs, ldk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
-        } else {
-            for (int i = 0; i < R; i++) inv[i] = 1.0f / inv[i];
-            pv_rows(s, ldk, vp, tk, inv, rows, out + ((b * tq + r0) * H + h) * D, H * D);
+        float inv[R];  /* 1 / each row's sum of P (int8: of the quantized P) */
+        for (int i = 0; i < R; i++) {
+            const float sum = softmax_numerator(s + i * ldk, tk);
+            inv[i] = 1.0f / (j->int8 ? quantize_p_row(s + i * ldk, tk, ldk, p8 + i * ldk, ps + i * nb) : sum);
         }
+        float *o = out + ((b * tq + r0) * H + h) * D;
+        if (j->int8)
+            pv8_rows(p8, ldk, ps, nb, v8, vs, ldk, inv, rows, o, H * D);
+        else
+            pv_rows(s, ldk, vp, tk, inv, rows, o, H * D);
     }
 }
 

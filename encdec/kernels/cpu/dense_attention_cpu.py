@@ -6,7 +6,8 @@ The kernel has an AVX-512 and an AVX2+FMA path, built per ISA and picked by
 ``dense_attention`` returns None when it cannot take the call (no compiler,
 neither ISA, head size other than 64, not float32 on CPU, or
 ``ENCDEC_DISABLE_C_KERNELS=1``) and the caller runs torch SDPA instead: same
-math, 20-30% slower on this kind of machine.
+math, 20-30% slower on this kind of machine. ``int8=True`` (quantization="int8")
+runs both products in int8 where ``int8_available``.
 """
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ from encdec.kernels.cpu import build
 HEAD_SIZE = 64
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel("dense_attention_cpu.c", "dense_attention_f32",
-                       [_P] * 4 + [_I64] * 10 + [ctypes.c_float, _P, _I64, ctypes.c_int, ctypes.c_int], ctypes.c_int,
+                       [_P] * 4 + [_I64] * 10 + [ctypes.c_float, _P, _I64] + [ctypes.c_int] * 2, ctypes.c_int,
                        "dense attention runs torch SDPA", path_symbol="dense_attention_path", portable=False)
 available, path = _KERNEL.available, _KERNEL.path
 
 
 def int8_available(isa: str | None = None) -> bool:
-    """Whether ``int8=True`` computes the scores in int8 here: the C file's
-    VNNI paths (AVX512-VNNI on the AVX-512 build, AVX-VNNI on the AVX2 one).
-    Without VNNI, int8 dot products are no faster than float32 FMAs (AVX2's
-    vpmaddubsw saturates its 16-bit pairs), so the scores stay float32."""
+    """Whether ``int8=True`` runs the attention's two products in int8 here: the
+    C file's VNNI paths (AVX512-VNNI on the AVX-512 build, AVX-VNNI on the AVX2
+    one). Without VNNI, int8 dot products are no faster than float32 FMAs (AVX2's
+    vpmaddubsw saturates its 16-bit pairs), so the attention stays float32."""
     return available(isa) and build.vnni_in_cpu(path(isa))
 
 
