@@ -38,23 +38,25 @@ KC = 128  # keys a block of P shares a scale over (the C file's KC)
 def emulate(q, k, v, scale):
     """The C file's int8 attention in torch: keys minus their mean key (summed in
     order, float32), int8 rows with one scale each for the scores; P = exp(s - max)
-    in unsigned bytes scaled by each block of KC keys' largest, V in int8 per
-    channel, the row's sum from the quantized P."""
+    in unsigned bytes scaled by each block of KC keys' largest (255 exp(s - the
+    block's largest score)), V in int8 per channel, the row's sum from the
+    quantized P."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
     mean = k.cumsum(2)[:, :, -1:] / k.shape[2]
     q8, qs = quantize_rows(q * scale)
     k8, ks = quantize_rows(k - mean)
     acc = (q8.double() @ k8.double().transpose(-1, -2)).float()  # exact: int32 sums
     scores = acc * (ks.transpose(-1, -2) * qs)
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    row_max = scores.amax(-1, keepdim=True)
     v8, vs = quantize_rows(v.transpose(-1, -2))  # per channel: rows of the transpose
     out, total = 0, 0
-    for t0 in range(0, p.shape[-1], KC):
-        block = p[..., t0:t0 + KC]
-        m = block.amax(-1, keepdim=True)
-        p8 = torch.round(block * torch.where(m > 0, 255.0 / m, torch.zeros_like(m)))
-        out = out + (p8.double() @ v8[..., t0:t0 + KC].transpose(-1, -2).double()) * (m / 255.0).double()
-        total = total + p8.sum(-1, keepdim=True).double() * (m / 255.0).double()
+    for t0 in range(0, scores.shape[-1], KC):
+        block = scores[..., t0:t0 + KC]
+        block_max = block.amax(-1, keepdim=True)
+        p8 = torch.round(255.0 * torch.exp(block - block_max))  # exp(s - max) over its block's largest
+        ps = torch.exp(block_max - row_max) / 255.0
+        out = out + (p8.double() @ v8[..., t0:t0 + KC].transpose(-1, -2).double()) * ps.double()
+        total = total + p8.sum(-1, keepdim=True).double() * ps.double()
     return (out * vs.transpose(-1, -2).double() / total).transpose(1, 2)
 
 
