@@ -11,18 +11,15 @@ import torch.nn.functional as F
 
 from encdec.kernels.cpu import build, dense_attention_cpu
 
-VECTOR_ISAS = [isa for isa in build.host_isas() if isa != "none"]
+from .test_dense_attention_cpu import isa as built_isa  # noqa: F401  (a fixture: each vector path that built)
 
 
-@pytest.fixture(params=VECTOR_ISAS or [pytest.param("none", marks=pytest.mark.skip(
-    reason=f"this CPU has neither AVX-512 nor AVX2+FMA ({build.host_isas()})"))])
-def isa(request) -> str:
-    if not dense_attention_cpu.available(request.param):
-        pytest.skip(f"the {request.param} kernel did not build here (no C compiler?)")
-    if not dense_attention_cpu.int8_available(request.param):
-        pytest.skip(f"this CPU lacks the VNNI the {request.param} path's int8 attention needs "
+@pytest.fixture
+def isa(built_isa) -> str:  # noqa: F811
+    if not dense_attention_cpu.int8_available(built_isa):
+        pytest.skip(f"this CPU lacks the VNNI the {built_isa} path's int8 attention needs "
                     f"(avx512_vnni: {'avx512_vnni' in build.cpu_flags()}, avx_vnni: {'avx_vnni' in build.cpu_flags()})")
-    return request.param
+    return built_isa
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
