@@ -11,8 +11,8 @@ matmul between our C row passes where oneDNN runs VNNI, fbgemm's
 ``quantized::linear_dynamic`` elsewhere; the fused decode step's own VNNI
 matmul for decode steps, ``small_linear_int8_cpu``). An encoder's
 unmasked self-attention (Whisper's, over 1500 frames a window) computes q k^T
-and P v in int8 where the CPU has VNNI (``dense_attention_cpu``; its softmax
-stays float32): tiny.en's encoder attention 54.7 -> 30.2 ms a 4-window batch,
+and P v in int8 where the CPU has VNNI (``dense_attention_cpu``; its softmax's exp
+stays float32): tiny.en's encoder attention 54-55 -> 28 ms a 4-window batch,
 and ``whisper_bench --compute-type int8`` 2.0 -> 2.6x HF float32, WER on the
 shipped clips unchanged within 0.01. Everything else
 (embeddings, convolutions, layer norms, the decoder's attention, the KV cache
