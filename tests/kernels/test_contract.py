@@ -71,9 +71,14 @@ def test_main_call_runs_where_available_and_declines_with_none_elsewhere(isa, mo
     runs it, and its declining is checked here."""
     from encdec.kernels.cpu import decoder_step_cpu
 
+    from encdec.kernels.cpu import small_linear_int8_cpu
+
     for name, call in _main_calls(isa).items():
         mod = importlib.import_module(f"encdec.kernels.cpu.{name}")
-        assert (call() is not None) == mod.available(isa), (name, isa)
+        runs = mod.available(isa)
+        if mod is small_linear_int8_cpu and isa != "none" and not small_linear_int8_cpu.vnni_available(isa):
+            runs = False  # built, but this CPU lacks its VNNI: it declines instead of faulting
+        assert (call() is not None) == runs, (name, isa)
     with monkeypatch.context() as m:
         for name in WRAPPERS:  # as if no compiler: no kernel builds
             m.setattr(importlib.import_module(f"encdec.kernels.cpu.{name}")._KERNEL, "_functions",

@@ -3,10 +3,11 @@ with int8 weights (``quantization="int8"``), from a weight packed once
 (``pack``); the fused decode step (``decoder_step_cpu``) runs it per layer.
 
 ``path(isa)``: "avx512" (with AVX512-VNNI), "avx2" (with AVX-VNNI), or "none"
-(plain C). The vector builds need their VNNI, which their caller checks
-(``vnni_available``); the engine runs none of them where it is missing, nor the
-portable build (the decoder keeps float32 weights in the fused step there); the
-tests run them all.
+(plain C). The vector builds need their VNNI (``vnni_available``): where the
+CPU lacks it a vector build's call declines (None) rather than fault on its
+first instruction. The engine runs none of them there, nor the portable build
+(the decoder keeps float32 weights in the fused step there); the tests run
+every one the CPU can.
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def pack(weight: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
 def small_linear_int8(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | None, *, post: str = "none",
                       threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """post(x W^T + b), x (M, K) float32, each row quantized on its own scale;
-    None where the kernel is not built."""
+    None where the kernel is not built, or is a vector build this CPU lacks the VNNI of."""
     kernel = _KERNEL.function(isa)
-    if kernel is None:
+    if kernel is None or (path(isa) != "none" and not vnni_available(isa)):
         return None
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == packed.k
     assert bias is None or (bias.is_contiguous() and bias.shape == (packed.n,))
