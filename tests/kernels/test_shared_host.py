@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -143,3 +144,38 @@ def test_a_forked_child_runs_kernels_on_its_own_pool():
         os.waitpid(pid, 0)
         pytest.fail("the forked child's kernel call did not return within 60 s")
     assert os.waitstatus_to_exitcode(done[1]) == 0, "1: other values, 2: no pool thread started in the child"
+
+
+@pytest.mark.skipif(not small_linear_cpu.available(), reason="no C compiler here")
+def test_pool_threads_are_kept_off_the_callers_cpu():
+    """A kernel's pool threads may run on any CPU the caller may, except the
+    one the caller is on (team.h's team_place_pool says why). Checked on a
+    call the caller did not change CPU during."""
+    import ctypes
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("the caller may use one CPU only: nothing to keep the pool off")
+    getcpu = ctypes.CDLL(None).sched_getcpu
+    g = torch.Generator().manual_seed(4)
+    panels = small_linear_cpu.pack(torch.randn(4096, 256, generator=g))
+    x = torch.randn(16, 256, generator=g)
+    ref = small_linear_cpu.small_linear(x, panels, 4096, None, threads=1)
+    small_linear_cpu.small_linear(x, panels, 4096, None, threads=2)  # the pool starts (placed from its next job)
+    time.sleep(0.05)
+    for _ in range(50):
+        before = getcpu()
+        out = small_linear_cpu.small_linear(x, panels, 4096, None, threads=2)
+        if getcpu() == before:
+            break
+    else:
+        pytest.skip("the caller changed CPU during each of 50 calls")
+    assert torch.equal(out, ref)
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has ended meanwhile
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+    kept_off = [tid for tid, mask in masks.items() if mask == allowed - {before}]
+    assert kept_off, f"no thread kept off CPU {before}: {masks}"
+    assert threading.get_native_id() not in kept_off  # the caller itself keeps its own mask

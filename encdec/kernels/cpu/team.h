@@ -24,6 +24,17 @@
  * (An OpenMP region ends at a barrier every thread must reach: a worker that
  * had not even started yet held the caller there until the scheduler ran it.)
  *
+ * Where the pool threads run (team_place_pool): on any CPU the caller may use
+ * but the one it is on. Why: a pool thread asleep between jobs is woken by the
+ * caller, and with every CPU busy (ours and one busy process on this 2-core
+ * host) the kernel put it on the waker's CPU, beside the caller: our two
+ * threads then took turns on one core for the whole job while the busy process
+ * kept the other. Kept off the caller's CPU, the pool thread shares the busy
+ * process's core instead, and we get 1.5 cores of 2. Measured (AMD EPYC,
+ * AVX-512, 2 threads, one `while True: pass` process, small_linear at encoder
+ * sizes, means of 40 calls): 113-127 GFLOP/s -> 126-145 (idle 193-199);
+ * Whisper tiny.en, 32 clips: the encoder 1.58x its idle time -> 1.45x.
+ *
  * Waiting (team_wait): spin about TEAM_SPIN_NS, then sleep on a futex. The
  * spin covers the usual case, a partner a few microseconds from the end of
  * its last item, at no syscall cost (a futex sleep and wake-up take 5-50 us).
@@ -177,10 +188,40 @@ static struct {
     int want;               /* the job takes tids 1 .. want */
     team_job job;
     void *ctx;
+    atomic_int tids[TEAM_MAX_THREADS];  /* the pool threads' kernel thread ids, 0 until each has started */
+    int placed_off;         /* 1 + the caller's CPU the pool threads were last kept off; 0: not yet */
 } team_pool = {PTHREAD_MUTEX_INITIALIZER};
+
+/* glibc exports it whatever the feature macros (the vDSO's getcpu: no system call). */
+extern int sched_getcpu(void);
+
+#define TEAM_MASK_WORDS 16  /* CPUs 0 .. 1023 */
+
+/* Keeps the pool threads off the CPU the caller is on (the header says why):
+ * their affinity becomes the caller's less that CPU. Only when the caller has
+ * moved since the last time (two system calls a thread), and not where the
+ * caller may use just one CPU. With the pool lock held. */
+static void team_place_pool(void) {
+    const int cpu = sched_getcpu();
+    if (cpu < 0 || cpu >= 64 * TEAM_MASK_WORDS || cpu + 1 == team_pool.placed_off) return;
+    unsigned long mask[TEAM_MASK_WORDS] = {0};
+    if (syscall(SYS_sched_getaffinity, 0, sizeof mask, mask) <= 0) return;
+    mask[cpu / 64] &= ~(1ul << (cpu % 64));
+    int others = 0;
+    for (int w = 0; w < TEAM_MASK_WORDS; w++) others |= mask[w] != 0;
+    if (!others) return;
+    int all = 1;
+    for (int t = 0; t < team_pool.started; t++) {
+        const int tid = atomic_load_explicit(&team_pool.tids[t], memory_order_acquire);
+        if (tid <= 0 || syscall(SYS_sched_setaffinity, tid, sizeof mask, mask) != 0) all = 0;
+    }
+    team_pool.placed_off = all ? cpu + 1 : 0;  /* a thread not started yet: again at the next job */
+}
 
 static void *team_pool_thread(void *arg) {
     int seen = (int)(intptr_t)arg;
+    for (int t = 0, none = 0; t < TEAM_MAX_THREADS; t++, none = 0)  /* the first free slot */
+        if (atomic_compare_exchange_strong(&team_pool.tids[t], &none, (int)syscall(SYS_gettid))) break;
     (void)team_ftz_begin(); /* for the thread's life: it runs only our jobs */
     for (;;) {
         /* Idle: spin a little (jobs often come back to back: a decode step, then
@@ -215,6 +256,8 @@ static void team_pool_after_fork(void) {
     atomic_store(&team_pool.active, 0);
     atomic_store(&team_pool.active_sleepers, 0);
     atomic_store(&team_pool.open, 0);
+    for (int t = 0; t < TEAM_MAX_THREADS; t++) atomic_store(&team_pool.tids[t], 0);
+    team_pool.placed_off = 0;
 }
 
 static void team_pool_register_fork(void) { pthread_atfork(NULL, NULL, team_pool_after_fork); }
@@ -246,6 +289,7 @@ static inline void team_run(team_job job, void *ctx, int nt) {
         if (!ok) break;
         team_pool.started++;
     }
+    team_place_pool();
     team_pool.job = job;
     team_pool.ctx = ctx;
     team_pool.want = nt - 1 < team_pool.started ? nt - 1 : team_pool.started;
