@@ -1,14 +1,14 @@
-"""Layers BART and Whisper share: ``Linear`` (a weight packed once on CPU) and
+"""Layers BART and Whisper share: ``Linear`` (oneDNN-prepacked on CPU) and
 ``MultiHeadAttention`` with its checkpoint name map.
 
-``Linear``: nn.Linear whose CPU matmul runs on a weight packed once: oneDNN's,
-which beats the default sgemm at every size (measured on this project's 2-core
-AMD EPYC machine, torch 2.13, 2 threads: 768x2304 at 16 rows 0.55 -> 0.29 ms,
-the BART LM head (768x50265) at 64 rows 64 -> 25 ms, large encoder batches by
-1.1-1.4x), with float32 calls of a few rows on small_linear_cpu's panels; or,
-for a model that asks (Whisper: ``cpu_panels_every_row_count``), the panels
-for every call. Results agree with ``F.linear`` to float32 rounding.
-Parameter names are nn.Linear's, so checkpoints load unchanged.
+``Linear``: nn.Linear whose CPU float32 matmul can run on a prepacked oneDNN weight.
+
+Measured on this project's 2-core AMD EPYC machine (torch 2.13, 2 threads),
+oneDNN with a weight packed once beats the default sgemm at every decode
+size: 768x2304 at 16 rows 0.55 -> 0.29 ms, the BART LM head (768x50265) at
+64 rows 64 -> 25 ms, Whisper's (384x51865) at 16 rows 16 -> 5 ms, and large
+encoder batches by 1.1-1.4x. Results agree with ``F.linear`` to float32
+rounding. Parameter names are nn.Linear's, so checkpoints load unchanged.
 
 Reduced precision (opt-in, ``encdec.worker.quantization``): a bfloat16 weight
 packs for oneDNN's bf16 matmul (float32 accumulation); ``quantize_int8`` turns
@@ -18,7 +18,6 @@ activations quantized per row on the fly (the matmuls: ``linear_int8``).
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,30 +45,21 @@ FUSED_ACTIVATIONS = ("gelu", "relu")  # what Linear.forward_act fuses into the m
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
-    panel_rows = 0  # packed: calls of at most this many rows run small_linear_cpu (small_linear_cpu.max_rows)
-    panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at pack() or the first call it takes
+    small_rows = False  # packed: inputs of a few rows run small_linear_cpu on panels of the weight
+    panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
     int8: object | None = None  # quantize_int8: the int8 weight as int8_path runs it (forward runs only it)
     int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
     int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first call of a few rows
     int8_small_rows = False  # quantize_int8: inputs of a few rows run small_linear_int8_cpu (see _int8)
 
-    def pack(self, every_row_count: bool = False) -> bool:
-        """Prepack the weight (CPU, float32 or bfloat16); False where it does not
-        apply. With ``every_row_count``, a float32 weight on a vector path of
-        small_linear_cpu becomes its panels, which then run every call (an
-        encoder's and a prefill's too: ``small_linear_cpu.every_row_count`` says
-        why). Otherwise oneDNN's packed weight, and float32 calls of a few rows
-        run small_linear_cpu, its panels made when one first comes (decoder
-        weights and LM heads only: an encoder never sees one)."""
+    def pack(self) -> bool:
+        """Prepack the weight for oneDNN (CPU, float32 or bfloat16); False where it
+        does not apply. The small-row kernel's panels (float32 only) are made when a
+        call of a few rows first comes (decoder weights and LM heads only: an
+        encoder never sees one)."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or self.int8 is not None:
-            return False
-        self.unpack()
-        if every_row_count and w.dtype == torch.float32 and small_linear_cpu.every_row_count():
-            self.panel_rows = sys.maxsize
-            self.panel_weight()
-            return True
-        if not onednn_available():
+        if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_available()
+                or self.int8 is not None):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
@@ -78,7 +68,8 @@ class Linear(nn.Linear):
                 raise
             return False
         self.fused_gelu = gelu_path() == "fused"
-        self.panel_rows = small_linear_cpu.MAX_ROWS if w.dtype == torch.float32 and small_linear_cpu.available() else 0
+        self.small_rows = w.dtype == torch.float32 and small_linear_cpu.available()
+        self.panels = None
         return True
 
     def quantize_int8(self, path: str) -> None:
@@ -140,7 +131,7 @@ class Linear(nn.Linear):
 
     def unpack(self) -> None:
         self.packed = self.panels = None
-        self.panel_rows = 0
+        self.small_rows = False
 
     def _packed(self, x: torch.Tensor, act: str) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -148,7 +139,7 @@ class Linear(nn.Linear):
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
-        if rows <= self.panel_rows:  # every call on a vector path; a decode step's few rows on plain C
+        if rows <= small_linear_cpu.MAX_ROWS and self.small_rows:  # a decode step's few rows
             out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, self.bias, post=act)
             return out.view(*lead, self.out_features)
         bucket = _row_bucket(rows)
@@ -164,7 +155,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self._int8(x, "none")
-        if self.packed is None and not self.panel_rows:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self._packed(x, "none")
 
@@ -181,7 +172,7 @@ class Linear(nn.Linear):
             raise ValueError(f"Linear.forward_act: act must be 'gelu', 'relu' or 'none', got {act!r}")
         if self.int8 is not None:
             return self._int8(x, act)
-        if self.packed is None and not self.panel_rows:
+        if self.packed is None:
             return apply_act_(F.linear(x, self.weight, self.bias), act)
         return self._packed(x, act)
 
@@ -215,10 +206,8 @@ def _row_bucket(rows: int) -> int:
 
 def pack_linears(model: nn.Module) -> int:
     """Prepack every ``Linear`` of ``model`` (after its weights are loaded and it
-    is on its device), on panels for every row count where the model asks
-    (``cpu_panels_every_row_count``); returns how many were packed."""
-    every = getattr(model, "cpu_panels_every_row_count", False)
-    return sum(m.pack(every) for m in model.modules() if isinstance(m, Linear))
+    is on its device); returns how many were packed."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
 
 
 class MultiHeadAttention(nn.Module):

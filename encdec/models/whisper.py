@@ -145,16 +145,6 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
     hidden states, ``compute_logits`` (tied ``proj_out``), ``build_encoder_inputs``,
     ``load_weights`` (HF names), and the cache geometry."""
 
-    # Every float32 matmul on small_linear_cpu's panels, the 1500-row encoder
-    # and cross K/V ones too (layers.pack_linears). Why: the encoder is most of
-    # a short clip's time, and oneDNN splits each of its matmuls in two fixed
-    # halves: beside one busy process on this 2-core host (AMD EPYC, AVX-512),
-    # whisper_bench's 32 clips took 1.77x their idle time, 1.48x on the panels,
-    # for ~4% idle (figures: the README). The text families keep oneDNN past a
-    # decode step: their HF parity tests (random weights at 5x T5's init, beams)
-    # amplify any change in float32 sums to 1e-3 in log-probs, and beams split.
-    cpu_panels_every_row_count = True
-
     def __init__(self, hf_config, backend: type[AttentionBackend]):
         super().__init__()
         cfg = self.config = hf_config

@@ -147,7 +147,7 @@ class Worker:
         model = model.to(device=self.device, dtype=self.dtype).eval()
         quantization.quantize(model, self.load_config.quantization)  # opt-in int8 linears (CPU)
         huge_pages.move_parameters(model)  # CPU: decode steps stream the weights; see huge_pages
-        num_packed = pack_linears(model)  # CPU float32/bfloat16: oneDNN or C panels, see encdec/models/layers.py
+        num_packed = pack_linears(model)  # CPU float32/bfloat16: oneDNN, see encdec/models/layers.py
         logger.info("prepacked %d linear layers for oneDNN", num_packed)
         return model
 

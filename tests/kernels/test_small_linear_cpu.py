@@ -3,8 +3,6 @@ F.linear, for each ISA build this CPU runs, and ``Linear``'s choice between it
 and oneDNN."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,60 +71,27 @@ def test_gelu_post_op_is_as_accurate_as_torch(isa):
     assert ours <= max(4e-7, theirs), (ours, theirs)
 
 
-@pytest.mark.parametrize("every", [False, True])
-@pytest.mark.parametrize("isa", build.host_isas())
-def test_linear_rows_by_choice_and_path(monkeypatch, isa, every):
-    """A packed float32 ``Linear`` runs up to MAX_ROWS rows on the kernel and more
-    on oneDNN (panels made at the first call of a few rows); packed for every row
-    count on a vector path, every call on the kernel (panels made at pack time).
-    GELU is fused; every path equals F.linear to float32 rounding."""
+def test_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
+    """A packed ``Linear`` runs up to MAX_ROWS rows on the kernel (GELU fused)
+    and more rows on oneDNN; both equal F.linear to float32 rounding. Its panels
+    are made at the first call of a few rows, then kept."""
     from encdec.models import layers
 
-    monkeypatch.setenv(build.ISA_ENV, isa)
     lin = layers.Linear(384, 1536)
-    panels_only = every and small_linear_cpu.every_row_count(isa)
-    assert small_linear_cpu.every_row_count(isa) == (isa != "none")
-    if not lin.pack(every):
-        assert not panels_only and not layers.onednn_available()
+    if not lin.pack():
         pytest.skip("oneDNN is not available here")
-    assert lin.panel_rows == (sys.maxsize if panels_only else small_linear_cpu.MAX_ROWS)
-    assert (lin.panels is not None) == panels_only and (lin.packed is None) == panels_only
+    assert lin.small_rows and lin.panels is None
     calls = []
     real = small_linear_cpu.small_linear
     monkeypatch.setattr(small_linear_cpu, "small_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     g = torch.Generator().manual_seed(1)
     top = small_linear_cpu.MAX_ROWS
-    sizes = (1, 5, top, top + 1, 100, 700)
-    for m in sizes:
+    for m in (1, 5, top, top + 1, 100):
         x = torch.randn(2, m, 384, generator=g)[0]
         ref = F.linear(x, lin.weight, lin.bias)
         torch.testing.assert_close(lin(x), ref, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(lin.forward_gelu(x), F.gelu(ref), atol=1e-4, rtol=1e-5)
-    assert calls == [m for m in sizes for _ in range(2) if panels_only or m <= top]
+    assert calls == [1, 1, 5, 5, top, top]
     assert lin.panels is lin.panel_weight()
     lin.unpack()
-    assert lin.panel_rows == 0 and lin.panels is None and lin.packed is None
-
-
-def test_whisper_asks_for_panels_at_every_row_count_and_the_text_families_do_not():
-    from encdec.models.bart import BartForConditionalGeneration
-    from encdec.models.whisper import WhisperForConditionalGeneration
-
-    assert WhisperForConditionalGeneration.cpu_panels_every_row_count is True
-    assert not getattr(BartForConditionalGeneration, "cpu_panels_every_row_count", False)
-
-
-@pytest.mark.parametrize("isa", build.host_isas())
-@pytest.mark.parametrize("rows", [239, 240, 241, 481, 1000])
-def test_row_blocks_cover_every_row_once(isa, rows):
-    """Past 240 rows a call's items are blocks of rows x panels: each output is
-    written once, the same whether one thread or two take the items."""
-    g = torch.Generator().manual_seed(rows)
-    w, b, x = torch.randn(100, 72, generator=g), torch.randn(100, generator=g), torch.randn(rows, 72, generator=g)
-    panels = small_linear_cpu.pack(w)
-    one = small_linear_cpu.small_linear(x, panels, 100, b, threads=1, isa=isa)
-    if one is None:
-        pytest.skip(f"no {isa} build here")
-    two = small_linear_cpu.small_linear(x, panels, 100, b, threads=2, isa=isa)
-    assert torch.equal(one, two)
-    torch.testing.assert_close(one, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    assert not lin.small_rows and lin.panels is None

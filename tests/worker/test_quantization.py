@@ -129,7 +129,7 @@ def test_bf16_linear_within_its_rounding_bound(monkeypatch, isa, rows):
     assert packed <= onednn_available()  # False also where oneDNN runs no bf16 ISA (F.linear then)
     if "avx512bw" in build.cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA"):
         assert packed == onednn_available()
-    assert lin.panel_rows == 0  # the float32 panel kernel never sees bf16
+    assert not lin.small_rows  # the float32 small-row kernel never sees bf16
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 2
     got = lin(x.bfloat16())
     assert got.dtype == torch.bfloat16
@@ -148,8 +148,8 @@ def test_float32_linear_keeps_its_float32_paths():
     x = torch.randn(7, 64)
     assert lin.int8 is None and torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
     assert lin.pack() == onednn_available()
-    assert lin.weight.dtype == torch.float32 and lin.panel_rows == (
-        small_linear_cpu.MAX_ROWS if onednn_available() and small_linear_cpu.available() else 0)
+    assert lin.weight.dtype == torch.float32 and lin.small_rows == (onednn_available()
+                                                                     and small_linear_cpu.available())
 
 
 def test_quantize_unties_a_tied_head_and_keeps_the_embedding():

@@ -297,7 +297,7 @@ static void step_job(void *arg, int tid) {
         const int p = (int)(l * PHASES);
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
         TEAM_PHASE(team, p + LN1, rows_items, norm_rows(s, w->ln1_w, w->ln1_b, ROWS(i)));
-        TEAM_PHASE(team, p + QKV, matmul_items(M, 3 * d),
+        TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
                    step_matmul(s, i, qkv, 3 * d, x, d, w->qkv_w, QW(qkv), w->qkv_b, d, 3 * d, POST_NONE));
         TEAM_PHASE(team, p + KV_COPY, M, copy_kv(s, w, qkv + i * 3 * d + d, s->slots[i]));
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
@@ -305,23 +305,23 @@ static void step_job(void *arg, int tid) {
                                s->self_lens, NULL, M, H, D, block_size, scale, scores, part, C, s->bias,
                                s->bias_stride, s->kv_bf16));
         TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
-        TEAM_PHASE(team, p + O1, matmul_items(M, d),
+        TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
         TEAM_PHASE(team, p + LN2, rows_items, norm_rows(s, w->ln2_w, w->ln2_b, ROWS(i)));
-        TEAM_PHASE(team, p + Q, matmul_items(M, d),
+        TEAM_PHASE(team, p + Q, matmul_items(d),
                    step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
                                s->cross_lens, s->leader, M, H, D, block_size, scale, scores, part, C, NULL, 0,
                                s->kv_bf16));
         TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
-        TEAM_PHASE(team, p + O2, matmul_items(M, d),
+        TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
         TEAM_PHASE(team, p + LN3, rows_items, norm_rows(s, w->ln3_w, w->ln3_b, ROWS(i)));
-        TEAM_PHASE(team, p + FC1, matmul_items(M, ffn),
+        TEAM_PHASE(team, p + FC1, matmul_items(ffn),
                    step_matmul(s, i, f, ffn, x, d, w->fc1_w, QW(fc1), w->fc1_b, d, ffn, s->ffn_post));
         TEAM_PHASE(team, p + QF, s->qlayers ? rows_items : 0, quantize_step_rows(s, f, ffn, ffn, ROWS(i)));
-        TEAM_PHASE(team, p + FC2, matmul_items(M, d),
+        TEAM_PHASE(team, p + FC2, matmul_items(d),
                    step_matmul(s, i, h, d, f, ffn, w->fc2_w, QW(fc2), w->fc2_b, ffn, d, POST_ADD));
 #undef ROWS
 #undef QW

@@ -228,40 +228,25 @@ static void panel_range(float *y, int64_t ldy, const float *x, int64_t ldx, cons
  * whichever thread computes it. */
 static int64_t panels_item(int64_t P) { return P / 16 < 1 ? 1 : P / 16 > 8 ? 8 : P / 16; }
 
-/* Rows per work item of a matmul of many rows (an encoder's, a prefill's): a
- * multiple of every MR_MAX (8, 3, 4). A decode step's rows (at most 64) are one
- * block, so its items are panels alone. Why: an item that spans all of an
- * encoder's rows (3000 for two Whisper windows) runs ~0.3 ms, and a 384-column
- * matmul has 12 of them; with one busy process on this 2-core host, a thread
- * descheduled inside one held the phase for its time slice. Blocks of 240 rows
- * make ~150 items of ~30 us there. Panel-major order: a thread's next item
- * usually reads the same panel, still in its L2. */
-#define ROW_BLOCK 240
-
-static int64_t row_blocks(int64_t M) { return M <= ROW_BLOCK ? 1 : (M + ROW_BLOCK - 1) / ROW_BLOCK; }
-
-static int64_t matmul_items(int64_t M, int64_t N) {
+static int64_t matmul_items(int64_t N) {
     const int64_t P = (N + PW - 1) / PW;
-    return (P + panels_item(P) - 1) / panels_item(P) * row_blocks(M);
+    return (P + panels_item(P) - 1) / panels_item(P);
 }
 
-/* Item i's panels [*p0, *p1) and rows [*r0, *r1) of a matmul of M rows and N
- * columns (matmul_items(M, N) items). */
-static inline void item_span(int64_t i, int64_t M, int64_t N, int64_t *p0, int64_t *p1, int64_t *r0, int64_t *r1) {
-    const int64_t P = (N + PW - 1) / PW, per = panels_item(P), R = row_blocks(M);
-    *p0 = i / R * per;
+/* Item i's panels [*p0, *p1) of a matmul of N columns (matmul_items(N) items). */
+static inline void item_panels(int64_t i, int64_t N, int64_t *p0, int64_t *p1) {
+    const int64_t P = (N + PW - 1) / PW, per = panels_item(P);
+    *p0 = i * per;
     *p1 = *p0 + per < P ? *p0 + per : P;
-    *r0 = R == 1 ? 0 : i % R * ROW_BLOCK;
-    *r1 = R == 1 || *r0 + ROW_BLOCK > M ? M : *r0 + ROW_BLOCK;
 }
 
 /* Item i of y = post(x W^T + b), y (M, N) with row stride ldy, x (M, K) with
- * row stride ldx: its panels of its rows. */
+ * row stride ldx: its panels. */
 static void matmul_item(int64_t i, float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp,
                         const float *b, int64_t M, int64_t K, int64_t N, int post) {
-    int64_t p0, p1, r0, r1;
-    item_span(i, M, N, &p0, &p1, &r0, &r1);
-    panel_range(y + r0 * ldy, ldy, x + r0 * ldx, ldx, wp, b, r1 - r0, K, N, p0, p1, post);
+    int64_t p0, p1;
+    item_panels(i, N, &p0, &p1);
+    panel_range(y, ldy, x, ldx, wp, b, M, K, N, p0, p1, post);
 }
 
 typedef struct {
@@ -275,7 +260,7 @@ typedef struct {
 static void linear_job(void *arg, int tid) {
     linear_job_t *j = arg;
     (void)tid;
-    TEAM_PHASE(&j->team, 0, matmul_items(j->M, j->N), matmul_item(i, j->y, j->N, j->x, j->K, j->wp, j->b, j->M, j->K, j->N,
+    TEAM_PHASE(&j->team, 0, matmul_items(j->N), matmul_item(i, j->y, j->N, j->x, j->K, j->wp, j->b, j->M, j->K, j->N,
                                                            j->post));
 }
 

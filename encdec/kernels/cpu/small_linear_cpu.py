@@ -1,6 +1,5 @@
-"""Builds and calls ``small_linear_cpu.c``: ``x W^T + b`` from the weight packed
-once in column panels (``pack``), for a decode step's few rows and, where a
-model asks (``every_row_count``), for an encoder's or a prefill's many.
+"""Builds and calls ``small_linear_cpu.c``: ``x W^T + b`` for the few rows of a
+decode step, from the weight packed once in column panels (``pack``).
 
 A decode step reads every decoder weight once; the kernel streams each panel
 once for all the step's rows, shared by the threads (see the C file for
@@ -20,27 +19,14 @@ from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = 32  # output columns per panel (PW in the C file)
-# At most this many rows take the kernel where it runs a decode step's calls
-# only (see every_row_count): past a decode batch oneDNN's GEMM is faster idle.
+# At most this many rows take the kernel: its tiles run near the FMA peak at any
+# row count, and a decode batch past this is a GEMM oneDNN blocks better.
 MAX_ROWS = 64
 POST = {"none": 0, "gelu": 1, "add": 2, "relu": 3}  # what the kernel does with x W^T + b
 _KERNEL = build.Kernel("small_linear_cpu.c", "small_linear_f32",
                        [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int], None,
                        "decode-step linears run on oneDNN (slower)", path_symbol="small_linear_path")
 available, path = _KERNEL.available, _KERNEL.path
-
-
-def every_row_count(isa: str | None = None) -> bool:
-    """Whether the kernel may run calls of any row count (an encoder's, a
-    prefill's), not only a decode step's: where its vector path is built.
-
-    Why: its tiles run within ~10% of oneDNN's GEMM at encoder sizes, and its
-    threads share the work as team.h does (items of 240 rows x a few panels,
-    taken by whichever thread is free), where oneDNN splits each matmul in
-    fixed halves, so with one busy process beside it a oneDNN matmul ran ~2x
-    its idle time and this kernel ~1.4x (figures: ``Linear`` and the README).
-    ``Linear`` takes it only for the models that ask (``layers.pack_linears``)."""
-    return _KERNEL.path(isa) in ("avx512", "avx2")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -150,13 +150,13 @@ static INT8_TARGET void panel_range_i8(float *y, int64_t ldy, const uint8_t *xq,
     }
 }
 
-/* Item i (matmul_items(M, N) of them) of y = post(x W^T + b) from the quantized rows. */
+/* Item i (matmul_items(N) of them) of y = post(x W^T + b) from the quantized rows. */
 static INT8_TARGET void matmul_item_i8(int64_t i, float *y, int64_t ldy, const uint8_t *xq, int64_t ldq,
                                        const float *rs, const qlinear_t *w, const float *b, int64_t M, int64_t K,
                                        int64_t N, int post) {
-    int64_t p0, p1, r0, r1;
-    item_span(i, M, N, &p0, &p1, &r0, &r1);
-    panel_range_i8(y + r0 * ldy, ldy, xq + r0 * ldq, ldq, rs + r0, w, b, r1 - r0, K, N, p0, p1, post);
+    int64_t p0, p1;
+    item_panels(i, N, &p0, &p1);
+    panel_range_i8(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p1, post);
 }
 
 typedef struct {
@@ -175,7 +175,7 @@ static void linear_i8_job(void *arg, int tid) {
     const int64_t ldq = quad_row_bytes(j->K);
     (void)tid;
     TEAM_PHASE(&j->team, 0, j->M, quantize_row_u8(j->x + i * j->K, j->K, j->xq + i * ldq, j->rs + i));
-    TEAM_PHASE(&j->team, 1, matmul_items(j->M, j->N),
+    TEAM_PHASE(&j->team, 1, matmul_items(j->N),
                matmul_item_i8(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N, j->post));
 }
 
