@@ -31,9 +31,10 @@
  * threads then took turns on one core for the whole job while the busy process
  * kept the other. Kept off the caller's CPU, the pool thread shares the busy
  * process's core instead, and we get 1.5 cores of 2. Measured (AMD EPYC,
- * AVX-512, 2 threads, one `while True: pass` process, small_linear at encoder
- * sizes, means of 40 calls): 113-127 GFLOP/s -> 126-145 (idle 193-199);
- * Whisper tiny.en, 32 clips: the encoder 1.58x its idle time -> 1.45x.
+ * AVX-512, 2 threads, one `while True: pass` process, medians of 3 means, kept
+ * off and not alternating): the dense attention over two tiny.en windows 62.1
+ * -> 54.4 ms (idle 39.5 either way), tiny.en's LM head at 8 rows 4.99 -> 4.10 ms
+ * (idle 2.73 and 2.75).
  *
  * Waiting (team_wait): spin about TEAM_SPIN_NS, then sleep on a futex. The
  * spin covers the usual case, a partner a few microseconds from the end of
