@@ -69,9 +69,7 @@ def test_main_call_runs_where_available_and_declines_with_none_elsewhere(isa, mo
     """Where a wrapper is available its main call answers; with no build (as with
     no compiler) it returns None. decode_step takes a model: test_whisper_model
     runs it, and its declining is checked here."""
-    from encdec.kernels.cpu import decoder_step_cpu
-
-    from encdec.kernels.cpu import small_linear_int8_cpu
+    from encdec.kernels.cpu import decoder_step_cpu, small_linear_int8_cpu
 
     for name, call in _main_calls(isa).items():
         mod = importlib.import_module(f"encdec.kernels.cpu.{name}")

@@ -214,9 +214,12 @@ static void team_place_pool(void) {
     int all = 1;
     for (int t = 0; t < team_pool.started; t++) {
         const int tid = atomic_load_explicit(&team_pool.tids[t], memory_order_acquire);
-        if (tid <= 0 || syscall(SYS_sched_setaffinity, tid, sizeof mask, mask) != 0) all = 0;
+        if (tid <= 0)
+            all = 0;  /* not started yet: again at the next job */
+        else  /* refused (a cpuset that changed meanwhile): the thread stays where it was, as before this */
+            (void)syscall(SYS_sched_setaffinity, tid, sizeof mask, mask);
     }
-    team_pool.placed_off = all ? cpu + 1 : 0;  /* a thread not started yet: again at the next job */
+    team_pool.placed_off = all ? cpu + 1 : 0;
 }
 
 static void *team_pool_thread(void *arg) {
