@@ -287,16 +287,16 @@ typedef struct {
     float scale;
     const float *bias;   /* (H, bias_stride) by offset, or NULL (the header) */
     int64_t bias_stride;
-    float *buffers;      /* each thread's K^T, V, score rows and int8 parts, per_thread floats apart */
+    float *buffers;      /* each thread's K^T, V (float32 or the int8 parts) and score rows, per_thread floats apart */
     int64_t per_thread;
     int int8;            /* int8 scores and P V (above) */
     team_t team;
 } dense_job_t;
 
-/* Job (b, h): pack its K^T and V, then every block of R query rows. i8: the int8
- * path's values (v8 quads, then their channel scales, the quantized P rows and
- * their block scales). */
-static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, float *s, float *i8) {
+/* Job (b, h): pack its K^T and V, then every block of R query rows. vp: the
+ * packed float32 V, or on the int8 path its parts (v8 quads, then their channel
+ * scales, the quantized P rows' block scales and bytes). */
+static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, float *s) {
     const float *q = j->q, *k = j->k, *v = j->v;
     float *out = j->out;
     const int64_t H = j->H, tq = j->tq, tk = j->tk, ldk = j->ldk, q_sb = j->q_sb, q_st = j->q_st;
@@ -306,8 +306,8 @@ static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, f
     const int64_t b = job / H, h = job % H;
     const float *kb = k + b * k_sb + h * D, *vb = v + b * v_sb + h * D;
     /* int8: the packed keys' bytes, then their scales, in the K^T buffer */
-    int32_t *k8 = (int32_t *)kt, *v8 = (int32_t *)i8;
-    float *ks = kt + ldk * (D / 4), *vs = i8 + ldk * (D / 4), *ps = vs + D;
+    int32_t *k8 = (int32_t *)kt, *v8 = (int32_t *)vp;
+    float *ks = kt + ldk * (D / 4), *vs = vp + ldk * (D / 4), *ps = vs + D;
     const int64_t nb = (tk + KC - 1) / KC;
     uint8_t *p8 = (uint8_t *)(ps + R * nb);
     int8_t q8[R * D] __attribute__((aligned(64)));
@@ -361,8 +361,8 @@ static void dense_one(const dense_job_t *j, int64_t job, float *kt, float *vp, f
  * that lost its core to another process leaves its jobs to the others. */
 static void dense_job(void *arg, int tid) {
     dense_job_t *j = arg;
-    float *kt = j->buffers + tid * j->per_thread, *vp = kt + D * j->ldk, *s = vp + j->tk * D;
-    TEAM_PHASE(&j->team, 0, j->B * j->H, dense_one(j, i, kt, vp, s, s + R * j->ldk));
+    float *kt = j->buffers + tid * j->per_thread, *vp = kt + D * j->ldk, *s = kt + j->per_thread - R * j->ldk;
+    TEAM_PHASE(&j->team, 0, j->B * j->H, dense_one(j, i, kt, vp, s));
 }
 #endif
 
@@ -380,10 +380,10 @@ int dense_attention_f32(float *out, const float *q, const float *k, const float 
 #else
     const int nt = num_threads > 1 ? num_threads : 1;
     const int64_t ldk = (tk + 15) / 16 * 16; /* keys, zero padded to whole panels */
-    /* K^T, V, the score rows (multiples of 16 floats: each part stays aligned), then
-     * the int8 path's V, its channel scales, the P rows' block scales and bytes */
-    const int64_t i8 = int8 ? (ldk * (D / 4) + D + R * ((tk + KC - 1) / KC) + R * ldk / 4 + 15) / 16 * 16 : 0;
-    const int64_t per_thread = D * ldk + tk * D + R * ldk + i8;
+    /* K^T, V, the score rows (multiples of 16 floats: each part stays aligned). V on
+     * the int8 path: its quads, channel scales, the P rows' block scales and bytes */
+    const int64_t v_part = int8 ? (ldk * (D / 4) + D + R * ((tk + KC - 1) / KC) + R * ldk / 4 + 15) / 16 * 16 : tk * D;
+    const int64_t per_thread = D * ldk + v_part + R * ldk;
     float *buffers = alloc_floats(nt * per_thread);
     if (!buffers) return -2;
     atomic_int counters[2] = {0, 0};
