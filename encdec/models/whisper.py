@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
+from encdec.cpu_threads import kernel_threads, map_one_thread_each
 from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
@@ -173,11 +174,21 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
         return {"encoder_features": feats.to(device, non_blocking=True)}
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
-        """(B, n_mels, 3000) -> (B, 1500, d); on CPU in calls of ``CPU_WINDOWS_PER_CALL``."""
+        """(B, n_mels, 3000) -> (B, 1500, d). On CPU, whole windows one per thread
+        (``map_one_thread_each``: a core another process takes gets fewer of them),
+        as many as the threads share evenly; the rest in calls of
+        ``CPU_WINDOWS_PER_CALL`` on all threads."""
         features = features.to(self.encoder.conv1.weight.dtype)
-        if features.device.type != "cpu" or features.shape[0] <= CPU_WINDOWS_PER_CALL:
+        if features.device.type != "cpu":
             return self.encoder(features)
-        return torch.cat([self.encoder(chunk) for chunk in features.split(CPU_WINDOWS_PER_CALL)])
+        workers = kernel_threads()
+        each = features.shape[0] - features.shape[0] % workers
+        outs = map_one_thread_each(self.encoder, features[:each].split(1), workers) if each else None
+        if outs is None:
+            each, outs = 0, []
+        if each < features.shape[0]:
+            outs += [self.encoder(chunk) for chunk in features[each:].split(CPU_WINDOWS_PER_CALL)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None

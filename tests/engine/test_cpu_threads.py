@@ -130,3 +130,88 @@ def test_kernel_and_torch_threads_never_exceed_available_cores(monkeypatch):
             cpu_runtime.configure_cpu_runtime(0, retain_freed_memory=False)
     finally:
         torch.set_num_threads(before)
+
+
+needs_per_thread_counts = pytest.mark.skipif(
+    cpu_threads.omp_set_num_threads() is None,
+    reason="this torch's intra-op thread count cannot be set per thread (not OpenMP)")
+
+
+@needs_per_thread_counts
+def test_map_one_thread_each_runs_items_on_threads_of_one_intra_op_thread(two_threads):
+    """Items run on pool threads whose torch (and C-kernel) count is one, each
+    kept on one CPU of the caller's, the results in the items' order and as the
+    caller's threads compute them; the caller's own count and CPUs are left as
+    they were; grad and inference modes carry over."""
+    import os
+
+    mine = os.sched_getaffinity(0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g)
+    xs = [torch.randn(64, 256, generator=g) for _ in range(6)]
+    seen, cpus = [], {}
+
+    def fn(x):
+        seen.append((threading.get_ident(), torch.get_num_threads(), kernel_threads(),
+                     torch.is_inference_mode_enabled()))
+        cpus.setdefault(threading.get_ident(), set()).add(frozenset(os.sched_getaffinity(0)))
+        return x @ w
+
+    with torch.inference_mode():
+        out = cpu_threads.map_one_thread_each(fn, xs, 2)
+    print("threads, counts:", [(t == threading.get_ident(), n, k, inf) for t, n, k, inf in seen])
+    assert len(out) == len(xs)
+    for x, y in zip(xs, out):
+        torch.testing.assert_close(y, x @ w, atol=1e-5, rtol=1e-5)
+    assert {(n, k, inf) for _, n, k, inf in seen} == {(1, 1, True)}
+    assert threading.get_ident() not in {t for t, *_ in seen} and len({t for t, *_ in seen}) <= 2
+    print("CPUs of each pool thread:", list(cpus.values()))
+    for masks in cpus.values():
+        assert len(masks) == 1 and len(next(iter(masks))) == 1 and next(iter(masks)) <= mine
+    if len(mine) > 1 and len(cpus) == 2:
+        assert len(set().union(*cpus.values())) == 2, "the two pool threads share a CPU"
+    assert torch.get_num_threads() == 2 and kernel_threads() == 2 and os.sched_getaffinity(0) == mine
+    assert cpu_threads.map_one_thread_each(lambda _: torch.is_grad_enabled(), [0, 1], 2) == [True, True]
+
+
+def test_map_one_thread_each_declines_what_it_cannot_share(two_threads):
+    """None, nothing run: one worker, or fewer items than workers (the caller's
+    threads do those better)."""
+    ran = []
+    assert cpu_threads.map_one_thread_each(ran.append, [1, 2, 3], 1) is None
+    assert cpu_threads.map_one_thread_each(ran.append, [1], 2) is None
+    assert ran == []
+
+
+@needs_per_thread_counts
+def test_map_one_thread_each_raises_an_items_error_and_stays_usable(two_threads):
+    def fn(i):
+        if i == 3:
+            raise ValueError("item 3")
+        return i * 2
+
+    with pytest.raises(ValueError, match="item 3"):
+        cpu_threads.map_one_thread_each(fn, list(range(8)), 2)
+    assert cpu_threads.map_one_thread_each(fn, [0, 1, 2], 2) == [0, 2, 4]
+
+
+@needs_per_thread_counts
+def test_pool_threads_follow_the_callers_cpus(two_threads):
+    """Pinned one per CPU where the workers are as many as the caller's CPUs;
+    otherwise on the caller's whole mask, as it is at the call (a caller moved
+    to fewer CPUs takes its pool threads with it)."""
+    import os
+
+    mine = os.sched_getaffinity(0)
+    if len(mine) != 2:
+        pytest.skip(f"needs a process on exactly 2 CPUs, this one has {len(mine)}")
+    masks = lambda: set(cpu_threads.map_one_thread_each(lambda _: frozenset(os.sched_getaffinity(0)), range(8), 2))
+    assert masks() <= {frozenset({c}) for c in mine}
+    one = {min(mine)}
+    os.sched_setaffinity(0, one)
+    try:
+        moved = masks()
+    finally:
+        os.sched_setaffinity(0, mine)
+    print("pinned:", masks(), "caller on one CPU:", moved)
+    assert moved == {frozenset(one)}

@@ -200,23 +200,44 @@ def test_encoder_fast_paths_match_hf(ours, hf, monkeypatch):
 
 
 @torch.inference_mode()
-def test_cpu_encoder_runs_a_few_windows_per_call(ours, monkeypatch):
-    """A large batch of windows is encoded CPU_WINDOWS_PER_CALL at a time (their
-    activations stay in the last-level cache), each window as if encoded alone:
-    within float32 error, as the frontend's constant-tail shortcut depends on the
-    batch's shortest tail (see test_encoder_fast_paths_match_hf)."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cpu_encoder_runs_windows_one_per_thread_then_a_few_per_call(ours, workers, monkeypatch):
+    """On CPU, as many windows as the threads share evenly are encoded one per
+    thread, each thread on one intra-op thread (a core another process takes gets
+    fewer windows); the rest CPU_WINDOWS_PER_CALL at a time on the caller's
+    threads (their activations stay in the last-level cache). Each window comes
+    out as if encoded alone: within float32 error, as the frontend's
+    constant-tail shortcut depends on the batch's shortest tail (see
+    test_encoder_fast_paths_match_hf)."""
+    import threading
+
+    from encdec import cpu_threads
     from encdec.audio import log_mel_spectrogram
     from encdec.models import whisper
 
+    if workers > 1 and cpu_threads.omp_set_num_threads() is None:
+        pytest.skip("this torch's intra-op thread count cannot be set per thread (not OpenMP)")
     model, _ = ours
     feats = log_mel_spectrogram([speechlike(2.0 + i, i) for i in range(5)])
     alone = torch.cat([model.encoder(feats[i:i + 1]) for i in range(5)])
     calls = []
     real_forward = model.encoder.forward
-    monkeypatch.setattr(model.encoder, "forward", lambda f: calls.append(f.shape[0]) or real_forward(f))
+    monkeypatch.setattr(model.encoder, "forward", lambda f: calls.append(
+        (f.shape[0], threading.get_ident(), torch.get_num_threads())) or real_forward(f))
+    monkeypatch.setattr(whisper, "kernel_threads", lambda: workers)
+    threads = torch.get_num_threads()
     out = model.encode(feats)
     per_call = whisper.CPU_WINDOWS_PER_CALL
-    assert calls == [per_call] * (5 // per_call) + ([5 % per_call] if 5 % per_call else [])
+    me = threading.get_ident()
+    each = 5 - 5 % workers if workers > 1 else 0
+    print(f"{each} windows one per thread, calls (windows, on the caller's thread, intra-op threads): "
+          f"{[(n, t == me, c) for n, t, c in calls]}")
+    assert [(n, t == me, c) for n, t, c in calls[:each]] == [(1, False, 1)] * each
+    assert len({t for _, t, _ in calls[:each]}) <= workers
+    rest = 5 - each
+    assert [(n, t == me, c) for n, t, c in calls[each:]] == [(per_call, True, threads)] * (rest // per_call) + (
+        [(rest % per_call, True, threads)] if rest % per_call else [])
+    assert torch.get_num_threads() == threads
     torch.testing.assert_close(out, alone, atol=1.5e-4 * float(alone.abs().max()), rtol=0)
 
 
