@@ -51,6 +51,7 @@ class Linear(nn.Linear):
     int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
     int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first call of a few rows
     int8_small_rows = False  # quantize_int8: inputs of a few rows run small_linear_int8_cpu (see _int8)
+    widened = False  # widen_to_float32: inputs of a narrower float dtype are widened to the weight's
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN (CPU, float32 or bfloat16); False where it
@@ -97,6 +98,17 @@ class Linear(nn.Linear):
                 zero = torch.zeros_like(scale, dtype=torch.long)
                 qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
             self.int8 = torch.ops.quantized.linear_prepack(qw, None)
+        self.unpack()
+
+    def widen_to_float32(self) -> None:
+        """The weight and bias in float32, holding the same (narrower) values
+        exactly, and inputs widened likewise: the output is the float32 sum of the
+        narrow values' products, never rounded back to the narrow type. An LM head
+        tied to its embedding unties: the embedding keeps its own."""
+        self.weight = nn.Parameter(self.weight.detach().float(), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        self.widened = True
         self.unpack()
 
     def _int8(self, x: torch.Tensor, act: str) -> torch.Tensor:
@@ -153,6 +165,8 @@ class Linear(nn.Linear):
         return out if fused else apply_act_(out, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widened:
+            x = x.float()
         if self.int8 is not None:
             return self._int8(x, "none")
         if self.packed is None:

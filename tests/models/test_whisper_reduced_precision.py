@@ -60,6 +60,8 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
         assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
         # int8: the encoder's attention runs in int8 (where VNNI does: dense_attention_cpu)
         assert {m.int8_attention for m in net.encoder.modules() if isinstance(m, MultiHeadAttention)} == {mode == "int8"}
+        # bfloat16: the logits are float32 sums (quantization.float32_logits)
+        assert net.proj_out.weight.dtype == (torch.int8 if mode == "int8" else torch.float32)
         caches = llm.llm_engine.worker.cache_engine.gpu_cache
         assert {c.dtype for c in caches} == {torch.float32 if mode == "float32" else torch.bfloat16}
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), use_tqdm=False)

@@ -165,6 +165,37 @@ def test_quantize_unties_a_tied_head_and_keeps_the_embedding():
     assert head.pack() is False  # int8 linears never take the oneDNN float path
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # a decode step's few rows (the C panel kernel), and more (oneDNN)
+@torch.inference_mode()
+def test_bf16_lm_head_gives_the_float32_sums_of_its_bf16_values(rows):
+    """bfloat16 on CPU: the LM head's logits are float32 sums of the bf16 hidden
+    states times the bf16 weights, not rounded to bf16 (which ties logits closer
+    than their spacing: 0.125 near 20); the embedding it was tied to keeps its
+    bf16 weight. Other dtypes and devices are left alone."""
+    g = torch.Generator().manual_seed(5)
+    emb = torch.nn.Embedding(500, 64)
+    emb.weight.data.copy_(torch.randn(500, 64, generator=g))
+    head = Linear(64, 500, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head}).to(torch.bfloat16)
+    model.vocab_size = 500
+    cpu = torch.device("cpu")
+    assert quantization.float32_logits(model, torch.float32, cpu) == 0
+    assert quantization.float32_logits(model, torch.bfloat16, torch.device("meta")) == 0
+    assert head.weight.dtype == torch.bfloat16
+    assert quantization.float32_logits(model, torch.bfloat16, cpu) == 1
+    assert emb.weight.dtype == torch.bfloat16 and head.weight.dtype == torch.float32
+    assert torch.equal(head.weight.bfloat16(), emb.weight)  # the same values
+    head.pack()
+    x = (torch.randn(rows, 64, generator=g) * 4).bfloat16()
+    got = head(x)
+    ref = x.double() @ emb.weight.double().T
+    bound = 64 * 2.0**-24 * (x.double().abs() @ emb.weight.double().abs().T)  # float32 sums of exact products
+    print(f"{rows} rows: max |logit - float64| {float((got - ref).abs().max()):.2e}, "
+          f"bf16-rounded logits' {float((ref.bfloat16().double() - ref).abs().max()):.2e}")
+    assert got.dtype == torch.float32 and bool(((got.double() - ref).abs() <= bound).all())
+
+
 def test_c_kernels_decline_bfloat16():
     from encdec.kernels.cpu.dense_attention_cpu import dense_attention
     from encdec.kernels.cpu.greedy_cpu import greedy_logprobs
