@@ -155,7 +155,8 @@ def map_one_thread_each(fn: Callable[[T], R], items: Sequence[T], workers: int) 
     torch (and our C kernels) on one intra-op thread each, every item taken by
     whichever thread is free next; the results in ``items``' order. None, with
     nothing run, where that cannot be had: fewer items than workers, one worker,
-    or a torch whose intra-op count cannot be set per thread (``omp_set_num_threads``).
+    a call from a pool thread itself (it would wait for its own pool), or a torch
+    whose intra-op count cannot be set per thread (``omp_set_num_threads``).
 
     Why: an op split over all threads (oneDNN's GEMMs split each matmul in fixed
     parts) runs at the pace of its slowest thread, so a core taken by another
@@ -164,6 +165,10 @@ def map_one_thread_each(fn: Callable[[T], R], items: Sequence[T], workers: int) 
     threads, tiny.en's encoder over 20 windows, medians of 4 alternating): idle
     4.46 s batched on 2 threads, 4.69 s one window per thread; beside one
     `while True: pass` process 6.63 s (1.49x idle) against 5.85 s (1.25x).
+    End to end, whisper_bench's 32 clips (the engine's, one process alternating,
+    medians of 3): idle 8.74 -> 8.73 s and, another run, 9.87 -> 9.54 s (the
+    frontend's constant tail is now cut per window); with one busy process
+    14.85 -> 12.46 s.
 
     Where the workers are as many as the caller's CPUs, each pool thread is kept
     on a CPU of its own (``_place``): three busy threads on two cores otherwise
@@ -172,7 +177,7 @@ def map_one_thread_each(fn: Callable[[T], R], items: Sequence[T], workers: int) 
     (ours get 3/2). Unpinned, the same run took 1.47x its idle time. With CPUs
     to spare they go where the kernel puts them (two processes pinning to the
     same few CPUs of many would share those and leave the rest idle)."""
-    if workers <= 1 or len(items) < workers:
+    if workers <= 1 or len(items) < workers or hasattr(_worker, "index"):
         return None
     pool = _pool(workers)
     if pool is None:

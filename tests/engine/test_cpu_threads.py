@@ -175,12 +175,17 @@ def test_map_one_thread_each_runs_items_on_threads_of_one_intra_op_thread(two_th
 
 
 def test_map_one_thread_each_declines_what_it_cannot_share(two_threads):
-    """None, nothing run: one worker, or fewer items than workers (the caller's
-    threads do those better)."""
+    """None, nothing run: one worker, fewer items than workers (the caller's
+    threads do those better), or a call from a pool thread (it would wait on its
+    own pool)."""
     ran = []
     assert cpu_threads.map_one_thread_each(ran.append, [1, 2, 3], 1) is None
     assert cpu_threads.map_one_thread_each(ran.append, [1], 2) is None
     assert ran == []
+    if cpu_threads.omp_set_num_threads() is not None:  # a pool thread's own call runs nothing there
+        nested = cpu_threads.map_one_thread_each(lambda _: cpu_threads.map_one_thread_each(ran.append, [1, 2], 2),
+                                                 [0, 1], 2)
+        assert nested == [None, None] and ran == []
 
 
 @needs_per_thread_counts
