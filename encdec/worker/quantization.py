@@ -165,8 +165,10 @@ def float32_logits(model: nn.Module, dtype: torch.dtype, device: torch.device) -
     ties that greedy and beam search broke by token id. tiny.en on the shipped
     clips (AMD EPYC, AVX512-BF16, no AMX; float32 WER 0.1655): bf16 WER 0.1757
     -> 0.1689. Costs the head's float32 weight (the embedding keeps its bf16
-    one) and reads twice the bytes per step; on this host the float32 head at
-    8 rows is faster than oneDNN's bf16 one (small_linear_cpu, 2.7 against 4.5 ms)."""
+    one) and twice the bytes read per step: tiny.en's head at 8 rows 2.28 ms in
+    oneDNN's prepacked bf16, 3.76 ms widened (same host, alternating), the
+    float32 mode's own head. torch's CPU matmuls have no bf16 x bf16 -> float32
+    output (``torch.mm(out_dtype=)`` is CUDA-only)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return 0
     heads = [m for m in model.modules() if isinstance(m, Linear) and m.out_features == model.vocab_size]
