@@ -93,10 +93,7 @@ def available_cores() -> int:
     rounded up (``cgroup_cpu_limit``; a container given 1.5 CPUs runs 2). Read
     once per process. Threads past this only wait for each other: a kernel
     whose threads meet each phase runs at the pace of one that is off its core."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity call on this platform
-        cores = os.cpu_count() or 1
+    cores = len(_affinity()) or os.cpu_count() or 1
     quota = cgroup_cpu_limit(_read("/proc/self/cgroup") or "")
     if quota is not None:
         cores = min(cores, math.ceil(quota))
@@ -185,7 +182,7 @@ def map_one_thread_each(fn: Callable[[T], R], items: Sequence[T], workers: int) 
     import torch
 
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-    cpus = _caller_cpus()
+    cpus = _affinity()
     futures = [pool.submit(_on_one_thread, fn, item, inference, grad, cpus, len(cpus) == workers) for item in items]
     try:
         return [f.result() for f in futures]
@@ -204,8 +201,6 @@ def _on_one_thread(fn: Callable[[T], R], item: T, inference: bool, grad: bool, c
 
     if cpus:
         _place({cpus[_worker.index % len(cpus)]} if pin else set(cpus))
-    torch.get_num_threads()  # torch's own per-thread set-up first: it sets the process's count
-    omp_set_num_threads()(1)
     with torch.inference_mode() if inference else torch.set_grad_enabled(grad):
         return fn(item)
 
@@ -221,7 +216,7 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor | None:
             if omp_set_num_threads() is not None:
                 pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="encdec-item",
                                                              initializer=_start_worker, initargs=(itertools.count(),))
-                if not pool.submit(_on_one_thread, _intra_op_threads, None, False, False, [], False).result():
+                if not pool.submit(_intra_op_threads).result():
                     pool.shutdown()
                     pool = None
             _pools[key] = pool
@@ -229,13 +224,20 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor | None:
 
 
 def _start_worker(indices: Iterator[int]) -> None:
+    """A pool thread's set-up: its index, and one intra-op thread for its life
+    (OpenMP's count is per thread; nothing on this thread sets it again)."""
+    import torch
+
     _worker.index, _worker.cpus = next(indices), None
+    torch.get_num_threads()  # torch's own per-thread set-up first: it sets the process's count
+    omp_set_num_threads()(1)
 
 
-def _caller_cpus() -> list[int]:
+def _affinity() -> list[int]:
+    """The CPUs this thread may run on, sorted; [] where the platform has no affinity call."""
     try:
         return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity call on this platform: threads go where the kernel puts them
+    except (AttributeError, OSError):
         return []
 
 
@@ -250,7 +252,7 @@ def _place(cpus: set[int]) -> None:
         _worker.cpus = cpus
 
 
-def _intra_op_threads(_: object) -> bool:
+def _intra_op_threads() -> bool:
     import torch
 
     return torch.get_num_threads() == 1
