@@ -275,13 +275,21 @@ def make_random_t5(out_dir: str, *, style: str = "t5", seed: int = 0, vocab_size
     return out_dir
 
 
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """jiwer WER after lower-casing, "-" -> space, and dropping punctuation (how
-    tests and benchmarks score transcripts against the clips' sentences)."""
+def wer_transform():
+    """jiwer's transform for scoring: lower-case, "-" -> space, no punctuation,
+    words (one place, so every WER and every error count agree)."""
     import jiwer
 
-    norm = jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
+    return jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
                           jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """jiwer WER after ``wer_transform`` (how tests and benchmarks score
+    transcripts against the clips' sentences)."""
+    import jiwer
+
+    norm = wer_transform()
     return jiwer.wer(reference, hypothesis, reference_transform=norm, hypothesis_transform=norm)
 
 

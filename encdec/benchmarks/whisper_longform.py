@@ -43,10 +43,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
+
+from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -58,6 +61,7 @@ from .common import (  # noqa: E402
     load_levels,
     timed_with_load,
 )
+from .wer_compare import WerDifference, paired_difference  # noqa: E402
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
 SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
@@ -85,7 +89,7 @@ def load_clips(audio_dir: str) -> tuple[list[np.ndarray], list[str]]:
     return [sf.read(p, dtype="float32")[0] for p in files], texts[: len(files)]
 
 
-def build_file(clips: list[np.ndarray], texts: list[str], seed: int, minutes: float) -> tuple[np.ndarray, str]:
+def build_file(clips: list[np.ndarray], texts: list[str], seed: int, minutes: float) -> tuple[np.ndarray, list[str]]:
     """Shuffled clips separated by pauses (mostly 0.3-1.5 s, every 6th 3-8 s) until
     ``minutes`` long -> (16 kHz audio, the sentences spoken, in order)."""
     rng = np.random.default_rng(seed)
@@ -98,7 +102,7 @@ def build_file(clips: list[np.ndarray], texts: list[str], seed: int, minutes: fl
             n += len(parts[-2]) + len(clips[i])
             if n >= minutes * 60 * SR:
                 break
-    return np.concatenate(parts), " ".join(spoken)
+    return np.concatenate(parts), spoken
 
 
 class _Ours:
@@ -205,9 +209,11 @@ def model_dirs(names: list[str]) -> dict[str, str]:
     return out
 
 
-def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle") -> None:
+def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle",
+                 compare: Callable[[str, str], WerDifference] | None = None) -> None:
     """The ratios the issue's targets name, from ``rows`` (name -> wall s, x real time,
-    WER), all timed under one load (``label``)."""
+    WER), all timed under one load (``label``). ``compare(ours, fw)``: the paired WER
+    difference of two rows (``wer_compare``), printed beside the WERs it concerns."""
     ours_rows = {k: v for k, v in rows.items() if k.startswith("ours")}
     fw_rows = {k: v for k, v in rows.items() if k.startswith("fw")}
     if not ours_rows or not fw_rows:
@@ -216,7 +222,7 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
     fw_best = max(fw_rows, key=lambda k: fw_rows[k][1])
     (_, x, wer), (_, fx, fwer) = ours_rows[best], fw_rows[fw_best]
     print(f"  {label}: our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): "
-          f"{x / fx:.2f}x")
+          f"{x / fx:.2f}x" + (f"; WER ours - fw {compare(best, fw_best)}" if compare else ""))
     # The target's own terms: our fastest row whose WER is no worse than fw's fastest's.
     level = {k: v for k, v in ours_rows.items() if v[2] <= fwer}
     if level:
@@ -225,6 +231,15 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
               f"{level[eq][1] / fx:.2f}x")
     else:
         print(f"  {label}: none of our rows at equal or better WER than fw fastest's {fwer:.3f}")
+    if compare:  # the same with "equal" measured: no row's WER significantly worse
+        diffs = {k: compare(k, fw_best) for k in ours_rows}
+        kept = [k for k in ours_rows if diffs[k].verdict() != "worse"]
+        if kept:
+            eq = max(kept, key=lambda k: ours_rows[k][1])
+            print(f"  {label}: our fastest not significantly worse ({eq}, WER ours - fw {diffs[eq]}) / fw fastest: "
+                  f"{ours_rows[eq][1] / fx:.2f}x")
+        else:
+            print(f"  {label}: every row of ours is significantly worse than fw fastest")
     for seq in [k for k in ours_rows if k.startswith("ours sequential")]:
         sx = ours_rows[seq][1]
         for k in ("fw seq fp32", "fw seq int8", "fw seq bfloat16"):
@@ -232,9 +247,11 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
                 print(f"  {label}: {seq} / {k}: {sx / fw_rows[k][1]:.2f}x")
 
 
-def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wers: dict, audio_s: float) -> None:
+def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wers: dict, audio_s: float,
+                compare: Callable[[str, str, int], WerDifference] | None = None) -> None:
     """Per row and load: median wall s, x real time, WER, others' CPU; under a load
-    also the ratio to the row's idle time. Then the ratios of each load."""
+    also the ratio to the row's idle time. Then the ratios of each load
+    (``compare(a, b, load)``: two rows' paired WER difference under that load)."""
     print(f"{'engine':20s} {'load':>8s} {'wall s':>8s} {'x real time':>12s} {'WER':>7s} {'vs idle':>8s} "
           f"{'others CPU %':>13s}")
     rows: dict[int, dict] = {busy: {} for busy in levels}
@@ -246,7 +263,11 @@ def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wer
             print(f"{name:20s} {load_label(busy):>8s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name, busy]:7.3f} "
                   f"{vs_idle:>8s} {statistics.mean(others[name, busy]):13.0f}", flush=True)
     for busy in levels:
-        print_ratios(rows[busy], load_label(busy))
+        print_ratios(rows[busy], load_label(busy), compare and functools.partial(_at_load, compare, busy))
+
+
+def _at_load(compare: Callable[[str, str, int], WerDifference], busy: int, a: str, b: str) -> WerDifference:
+    return compare(a, b, busy)
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     torch.set_num_threads(args.threads)
     clips, texts = load_clips(args.audio_dir)
     counts = [int(c) for c in args.files.split(",")]
-    files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]
+    files = [build_file(clips, texts, seed, args.minutes) for seed in range(max(counts))]  # (audio, sentences)
     warm = build_file(clips, texts, 1000, 1.0)[0]  # not part of any timed file
     engines = set(args.engines.split(","))
     print(f"compute type {args.compute_type}; "
@@ -305,6 +326,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
             walls: dict[tuple[str, int], list[float]] = {(k, b): [] for k in runners for b in levels}
             others: dict[tuple[str, int], list[float]] = {(k, b): [] for k in runners for b in levels}
             wers: dict[tuple[str, int], float] = {}
+            hyps_of: dict[tuple[str, int], list[str]] = {}  # the last repeat's transcripts
             for rep in range(args.repeats):
                 order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
                 for name in order:
@@ -320,11 +342,13 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                             runners[name].close()
                         walls[name, busy].append(wall)
                         others[name, busy].append(other)
-                        wers[name, busy] = word_error_rate(" ".join(refs), " ".join(hyps))
+                        wers[name, busy] = word_error_rate(" ".join(" ".join(r) for r in refs), " ".join(hyps))
+                        hyps_of[name, busy] = hyps
                         if args.repeats > 1 or busy:
                             print(f"  [{rep}] {name} ({load_label(busy)}): {wall:.2f} s "
                                   f"(others' CPU {other:.0f}%)", flush=True)
-            print_table(runners, levels, walls, others, wers, audio_s)
+            print_table(runners, levels, walls, others, wers, audio_s,
+                        lambda a, b, busy: paired_difference(refs, hyps_of[a, busy], hyps_of[b, busy]))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def test_independent_windows_with_timestamps_lose_no_sentence(llm, clips):
     from encdec.benchmarks.whisper_longform import build_file
 
     _, texts, wavs = clips
-    long, ref = build_file(wavs, texts, seed=0, minutes=2.0)  # the benchmark's pauses: 0.3-1.5 s, some 3-8 s
+    long, spoken = build_file(wavs, texts, seed=0, minutes=2.0)  # the benchmark's pauses: 0.3-1.5 s, some 3-8 s
+    ref = " ".join(spoken)
     engine = llm.llm_engine
     got = {}
     for ts in (True, False):

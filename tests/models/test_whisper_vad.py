@@ -147,7 +147,8 @@ def test_independent_mode_packs_utterances_as_faster_whisper_batched(llm, speech
     from encdec.transcription.options import TranscribeOptions
 
     _, texts, wavs = speech_clips
-    audio, ref = build_file(wavs, texts, seed=0, minutes=3.0)  # pauses of 0.3-1.5 s, every 6th 3-8 s
+    audio, spoken = build_file(wavs, texts, seed=0, minutes=3.0)  # pauses of 0.3-1.5 s, every 6th 3-8 s
+    ref = " ".join(spoken)
     fine = vad.speech_regions(audio, defaults=vad.INDEPENDENT_VAD_DEFAULTS)
     coarse = vad.speech_regions(audio)
     assert len(fine) > 2 * len(coarse)
