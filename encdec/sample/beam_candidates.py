@@ -37,8 +37,16 @@ class BeamRows:
     """Where this step's beam groups sit in the logits batch."""
 
     metas: list[SequenceGroupMetadata]
-    row_index: torch.Tensor  # (num_beam_rows,) batch row of each group's beams, group by group
+    # The rows whose processed log-probs the sampler returns: each group's beams,
+    # group by group (an index tensor, or a slice where they are a run of the
+    # batch in order); in a batch of beams alone, every row in batch order
+    # (slice(0, rows)) and ``positions`` says where each group's beams are. So the
+    # sampler copies nothing, and ``select_candidates`` gathers each bucket's rows
+    # once (each copy is a pass over (rows, vocab) float32: 43 MB at 208 rows of
+    # Whisper's vocab).
+    row_index: torch.Tensor | slice
     seq_ids: set[int]  # decoder sequences that are beams (the sampler's tokens for them are unused)
+    positions: list[int] | None = None  # beam (group order) -> its row of the processed log-probs; None: the same
 
 
 def num_candidates(params: BeamRowParams) -> int:
@@ -49,19 +57,28 @@ def num_candidates(params: BeamRowParams) -> int:
 
 def find_beam_rows(metas: list[SequenceGroupMetadata], batch_rows: dict[int, int],
                    device: torch.device) -> BeamRows | None:
-    """``batch_rows``: decoder seq_id -> its row in the logits batch."""
+    """``batch_rows``: decoder seq_id -> its row in the logits batch (every row)."""
     beam_metas = [m for m in metas if isinstance(m.sampling_params, BeamRowParams)]
     if not beam_metas:
         return None
     rows = [batch_rows[sid] for m in beam_metas for sid in m.seq_data]
-    return BeamRows(beam_metas, to_device(rows, torch.long, device),
-                    {sid for m in beam_metas for sid in m.seq_data})
+    seq_ids = {sid for m in beam_metas for sid in m.seq_data}
+    if len(rows) == len(batch_rows):  # beams alone: every row, each once
+        return BeamRows(beam_metas, slice(0, len(rows)), seq_ids, None if rows == sorted(rows) else rows)
+    return BeamRows(beam_metas, rows_or_run(rows, device), seq_ids)
+
+
+def rows_or_run(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """``rows`` as an index tensor, or as a slice where they are consecutive."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return to_device(rows, torch.long, device)
 
 
 @torch.inference_mode()
 def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, BeamCandidates]:
     """``logprobs`` (num_beam_rows, vocab): processed float32 log-probs in
-    ``beam_rows.row_index`` order. The running score of beam j of a group is its
+    ``beam_rows.row_index`` order (``positions`` says where each beam is). The running score of beam j of a group is its
     sequence's ``cumulative_logprob`` (HF's running_beam_scores)."""
     vocab = logprobs.shape[1]
     starts, start = [], 0
@@ -72,10 +89,14 @@ def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, 
         buckets.setdefault((len(m.seq_data), num_candidates(m.sampling_params)), []).append(g)
     out: dict[str, BeamCandidates] = {}
     for (k, num_cand), groups in buckets.items():
-        index = to_device([starts[g] + j for g in groups for j in range(k)], torch.long, logprobs.device)
+        index = [starts[g] + j for g in groups for j in range(k)]
+        if beam_rows.positions is not None:
+            index = [beam_rows.positions[i] for i in index]
+        index = rows_or_run(index, logprobs.device)
         running = to_device([sd.cumulative_logprob for g in groups for sd in beam_rows.metas[g].seq_data.values()],
                             torch.float32, logprobs.device)
-        rows = logprobs.index_select(0, index).view(len(groups), k, vocab)
+        rows = (logprobs[index] if isinstance(index, slice) else logprobs.index_select(0, index)).view(
+            len(groups), k, vocab)
         scores = rows + running.view(-1, k, 1)
         values, flat = torch.topk(scores.view(len(groups), k * vocab), k=min(num_cand, k * vocab))
         renormed = [None] * len(groups)

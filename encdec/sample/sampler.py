@@ -186,17 +186,24 @@ class Sampler(nn.Module):
         self.generator = generator  # unseeded rows draw from it; None = torch's global RNG
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata, *,
-                logprob_rows: torch.Tensor | None = None) -> SamplerOutput:
+                logprob_rows: torch.Tensor | slice | None = None) -> SamplerOutput:
         """``logprob_rows``: rows that become float32 log-probs before step 3 (HF's
         beam search applies its processors to log-probs) and are returned, processed,
-        as ``processed_logprobs``; their sampled tokens are meaningless."""
+        as ``processed_logprobs``; their sampled tokens are meaningless. A slice (a
+        run of rows in order) is read through views: when it covers the whole
+        batch, no row is copied and none is sampled."""
         md = sampling_metadata
         num_logprobs, rows = md.max_num_logprobs, md.processed_logprobs_rows
         # (num_reqs, vocab): the log-probs each row's `logprobs` reports; raw ones
         # only when some row reports them
         reported = compute_logprobs(logits) if num_logprobs is not None and md.raw_logprobs else None
         logits = logits.to(torch.float32)  # (num_reqs, vocab)
-        if logprob_rows is not None:
+        whole = isinstance(logprob_rows, slice) and logprob_rows.indices(len(logits))[:2] == (0, len(logits))
+        if whole:
+            logits = compute_logprobs(logits)
+        elif isinstance(logprob_rows, slice):
+            logits[logprob_rows] = compute_logprobs(logits[logprob_rows])
+        elif logprob_rows is not None:
             logits[logprob_rows] = compute_logprobs(logits.index_select(0, logprob_rows))
         logits = self.apply_logits_processors(logits, md)
         if reported is None and rows is not None and num_logprobs == 0 and md.all_greedy and logprob_rows is None:
@@ -209,8 +216,15 @@ class Sampler(nn.Module):
                 reported = compute_logprobs(logits)
             else:
                 reported.index_copy_(0, rows, compute_logprobs(logits.index_select(0, rows)))
-        processed = logits.index_select(0, logprob_rows) if logprob_rows is not None else None
-        sampled = self.sample(logits, md)  # (num_reqs,)
+        processed = None
+        if isinstance(logprob_rows, slice):  # sampling may edit logits in place: a view only if it cannot
+            processed = logits[logprob_rows] if md.all_greedy else logits[logprob_rows].clone()
+        elif logprob_rows is not None:
+            processed = logits.index_select(0, logprob_rows)
+        if whole:  # beams alone: their sampled tokens are not read
+            sampled = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+        else:
+            sampled = self.sample(logits, md)  # (num_reqs,)
         logprobs = None
         if reported is not None:
             logprobs = gather_logprobs(reported, num_logprobs, sampled)
