@@ -52,3 +52,16 @@ def test_the_measured_equal_line_keeps_rows_level_within_noise(capsys):
     diffs["ours indep. + VAD"] = diffs["ours sequential"] = WerDifference(0.01, 0.001, 0.02)
     print_ratios(rows, compare=compare)
     assert "every row of ours is significantly worse than fw fastest" in capsys.readouterr().out
+
+
+def test_the_beam_rows_are_compared_like_for_like(capsys):
+    rows = {"ours indep. + VAD int8": (10.0, 300.0, 0.123),
+            "ours indep. + VAD beam 2 int8": (14.0, 210.0, 0.096),
+            "fw batched + VAD int8": (30.0, 100.0, 0.120),
+            "fw batched + VAD beam 2 int8": (40.0, 75.0, 0.097)}
+    print_ratios(rows)
+    out = capsys.readouterr().out
+    assert ("ours indep. + VAD beam 2 int8 (WER 0.096) / fw batched + VAD beam 2 int8 (WER 0.097): 2.80x"
+            in out)
+    # the beam row is the fastest of ours at equal or better WER than fw's fastest (its greedy row)
+    assert "our fastest at equal or better WER (ours indep. + VAD beam 2 int8, WER 0.096) / fw fastest: 2.10x" in out
