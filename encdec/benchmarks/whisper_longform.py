@@ -232,22 +232,14 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
     print(f"  {label}: our fastest ({best}, WER {wer:.3f}) / fw fastest ({fw_best}, WER {fwer:.3f}): "
           f"{x / fx:.2f}x" + (f"; WER ours - fw {compare(best, fw_best)}" if compare else ""))
     # The target's own terms: our fastest row whose WER is no worse than fw's fastest's.
-    level = {k: v for k, v in ours_rows.items() if v[2] <= fwer}
-    if level:
-        eq = max(level, key=lambda k: level[k][1])
-        print(f"  {label}: our fastest at equal or better WER ({eq}, WER {level[eq][2]:.3f}) / fw fastest: "
-              f"{level[eq][1] / fx:.2f}x")
-    else:
-        print(f"  {label}: none of our rows at equal or better WER than fw fastest's {fwer:.3f}")
+    _fastest_kept(label, ours_rows, fx, lambda k: ours_rows[k][2] <= fwer, "our fastest at equal or better WER",
+                  lambda k: f"{k}, WER {ours_rows[k][2]:.3f}",
+                  f"none of our rows at equal or better WER than fw fastest's {fwer:.3f}")
     if compare:  # the same with "equal" measured: no row's WER significantly worse
         diffs = {k: compare(k, fw_best) for k in ours_rows}
-        kept = [k for k in ours_rows if diffs[k].verdict() != "worse"]
-        if kept:
-            eq = max(kept, key=lambda k: ours_rows[k][1])
-            print(f"  {label}: our fastest not significantly worse ({eq}, WER ours - fw {diffs[eq]}) / fw fastest: "
-                  f"{ours_rows[eq][1] / fx:.2f}x")
-        else:
-            print(f"  {label}: every row of ours is significantly worse than fw fastest")
+        _fastest_kept(label, ours_rows, fx, lambda k: diffs[k].verdict() != "worse",
+                      "our fastest not significantly worse", lambda k: f"{k}, WER ours - fw {diffs[k]}",
+                      "every row of ours is significantly worse than fw fastest")
     for ours_b, fw_b in [(a, b) for a in ours_rows if "beam 2" in a for b in fw_rows if "beam 2" in b]:
         print(f"  {label}: {ours_b} (WER {ours_rows[ours_b][2]:.3f}) / {fw_b} (WER {fw_rows[fw_b][2]:.3f}): "
               f"{ours_rows[ours_b][1] / fw_rows[fw_b][1]:.2f}x" + (f"; WER ours - fw {compare(ours_b, fw_b)}"
@@ -257,6 +249,17 @@ def print_ratios(rows: dict[str, tuple[float, float, float]], label: str = "idle
         for k in ("fw seq fp32", "fw seq int8", "fw seq bfloat16"):
             if k in fw_rows:
                 print(f"  {label}: {seq} / {k}: {sx / fw_rows[k][1]:.2f}x")
+
+
+def _fastest_kept(label: str, ours_rows: dict, fx: float, keep: Callable[[str], bool], title: str,
+                  describe: Callable[[str], str], none_line: str) -> None:
+    """The fastest of our rows that ``keep`` admits, over fw's fastest (``fx`` x real time)."""
+    kept = [k for k in ours_rows if keep(k)]
+    if not kept:
+        print(f"  {label}: {none_line}")
+        return
+    eq = max(kept, key=lambda k: ours_rows[k][1])
+    print(f"  {label}: {title} ({describe(eq)}) / fw fastest: {ours_rows[eq][1] / fx:.2f}x")
 
 
 def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wers: dict, audio_s: float,
