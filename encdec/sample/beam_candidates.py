@@ -41,9 +41,8 @@ class BeamRows:
     # group by group (an index tensor, or a slice where they are a run of the
     # batch in order); in a batch of beams alone, every row in batch order
     # (slice(0, rows)) and ``positions`` says where each group's beams are. So the
-    # sampler copies nothing, and ``select_candidates`` gathers each bucket's rows
-    # once (each copy is a pass over (rows, vocab) float32: 43 MB at 208 rows of
-    # Whisper's vocab).
+    # sampler copies no row (each copy is a pass over (rows, vocab) float32: 43 MB
+    # at 208 rows of Whisper's vocab).
     row_index: torch.Tensor | slice
     seq_ids: set[int]  # decoder sequences that are beams (the sampler's tokens for them are unused)
     positions: list[int] | None = None  # beam (group order) -> its row of the processed log-probs; None: the same
@@ -78,8 +77,15 @@ def rows_or_run(rows: list[int], device: torch.device) -> torch.Tensor | slice:
 @torch.inference_mode()
 def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, BeamCandidates]:
     """``logprobs`` (num_beam_rows, vocab): processed float32 log-probs in
-    ``beam_rows.row_index`` order (``positions`` says where each beam is). The running score of beam j of a group is its
-    sequence's ``cumulative_logprob`` (HF's running_beam_scores)."""
+    ``beam_rows.row_index`` order (``positions`` says where each beam is). The
+    running score of beam j of a group is its sequence's ``cumulative_logprob``
+    (HF's running_beam_scores).
+
+    A group's best K over beams x vocab are among its beams' own best K each (a
+    beam's running score is one constant over its row), so each row's top K is
+    taken once, in place, and only those (rows, K) are gathered and ranked: HF's
+    candidates and scores (the same float sums), without a copy of the rows or a
+    (rows, vocab) sum (each a pass over 43 MB at 208 rows of Whisper's vocab)."""
     vocab = logprobs.shape[1]
     starts, start = [], 0
     buckets: dict[tuple[int, int], list[int]] = {}
@@ -87,26 +93,30 @@ def select_candidates(beam_rows: BeamRows, logprobs: torch.Tensor) -> dict[str, 
         starts.append(start)
         start += len(m.seq_data)
         buckets.setdefault((len(m.seq_data), num_candidates(m.sampling_params)), []).append(g)
+    width = min(max(num_cand for _, num_cand in buckets), vocab)
+    row_values, row_tokens = logprobs.topk(width, dim=-1)  # (rows, width), best first
+    asked = [m.sampling_params.beam.renormalized_logprob for m in beam_rows.metas]
+    norm = torch.logsumexp(logprobs, dim=-1) if any(asked) else None  # (rows,)
     out: dict[str, BeamCandidates] = {}
     for (k, num_cand), groups in buckets.items():
         index = [starts[g] + j for g in groups for j in range(k)]
         if beam_rows.positions is not None:
             index = [beam_rows.positions[i] for i in index]
-        index = rows_or_run(index, logprobs.device)
+        index = to_device(index, torch.long, logprobs.device)
         running = to_device([sd.cumulative_logprob for g in groups for sd in beam_rows.metas[g].seq_data.values()],
                             torch.float32, logprobs.device)
-        rows = (logprobs[index] if isinstance(index, slice) else logprobs.index_select(0, index)).view(
-            len(groups), k, vocab)
-        scores = rows + running.view(-1, k, 1)
-        values, flat = torch.topk(scores.view(len(groups), k * vocab), k=min(num_cand, k * vocab))
+        c = min(num_cand, vocab)
+        lps = row_values.index_select(0, index)[:, :c]  # (G * k, c)
+        scores = (lps + running.view(-1, 1)).view(len(groups), k * c)
+        values, flat = torch.topk(scores, k=min(num_cand, k * c))
+        parents = flat // c
+        tokens = row_tokens.index_select(0, index)[:, :c].reshape(len(groups), k * c).gather(1, flat)
         renormed = [None] * len(groups)
-        if any(beam_rows.metas[g].sampling_params.beam.renormalized_logprob for g in groups):
-            norm = torch.logsumexp(rows, dim=-1)  # (G, k)
-            renormed = (rows.view(len(groups), k * vocab).gather(1, flat) - norm.gather(1, flat // vocab)).tolist()
-        values, flat = values.tolist(), flat.tolist()
+        if any(asked[g] for g in groups):
+            renormed = (lps.reshape(len(groups), k * c).gather(1, flat)
+                        - norm.index_select(0, index).view(len(groups), k).gather(1, parents)).tolist()
+        values, parents, tokens = values.tolist(), parents.tolist(), tokens.tolist()
         for r, g in enumerate(groups):
-            asked = beam_rows.metas[g].sampling_params.beam.renormalized_logprob
-            out[beam_rows.metas[g].request_id] = BeamCandidates(
-                values[r], [i // vocab for i in flat[r]], [i % vocab for i in flat[r]],
-                renormed[r] if asked else None)
+            out[beam_rows.metas[g].request_id] = BeamCandidates(values[r], parents[r], tokens[r],
+                                                               renormed[r] if asked[g] else None)
     return out
