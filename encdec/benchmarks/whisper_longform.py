@@ -28,7 +28,7 @@ With ``--compute-type int8`` (or ``bfloat16``) our rows run ``quantization="int8
 (``dtype="bfloat16"``) and faster-whisper's rows all take that ``compute_type``
 (CTranslate2 runs bfloat16 as float32 on CPU); the row names carry it.
 All run greedy at temperature 0 first (beam 1), but the two beam-2 rows (a search of
-2 beams costs a few decode rows more and removes about a quarter of tiny.en's errors
+2 beams costs a few decode rows more and removes about a fifth of the errors
 here: the accuracy a user buys with speed to spare). Then the ratios the issue's
 targets name: our fastest over faster-whisper's fastest (with both WERs), the same
 for our fastest row at equal or better WER (and at a WER not significantly worse:
@@ -48,7 +48,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import statistics  # noqa: E402
@@ -278,11 +277,7 @@ def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wer
             print(f"{name:20s} {load_label(busy):>8s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name, busy]:7.3f} "
                   f"{vs_idle:>8s} {statistics.mean(others[name, busy]):13.0f}", flush=True)
     for busy in levels:
-        print_ratios(rows[busy], load_label(busy), compare and functools.partial(_at_load, compare, busy))
-
-
-def _at_load(compare: Callable[[str, str, int], WerDifference], busy: int, a: str, b: str) -> WerDifference:
-    return compare(a, b, busy)
+        print_ratios(rows[busy], load_label(busy), compare and (lambda a, b, busy=busy: compare(a, b, busy)))
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
