@@ -35,7 +35,7 @@ def test_token_logprobs_are_renormalised_after_the_masks(asked: bool):
         assert abs(lp - renormed[parent, token]) < 1e-5 and lp > processed[parent, token]
 
 
-def _beam_metas(groups: int, k: int, vocab: int) -> list[SequenceGroupMetadata]:
+def _beam_metas(groups: int, k: int) -> list[SequenceGroupMetadata]:
     metas, sid = [], 0
     for g in range(groups):
         data = {}
@@ -75,7 +75,7 @@ def test_a_batch_of_beams_alone_is_read_in_place(order: str):
 
     torch.manual_seed(1)
     vocab, groups, k = 40, 3, 2
-    metas = _beam_metas(groups, k, vocab)
+    metas = _beam_metas(groups, k)
     seqs = [s for m in metas for s in m.seq_data]
     extra = 1 if "sampled_row" in order else 0
     perm = list(range(len(seqs) + extra))
