@@ -34,3 +34,29 @@ def test_int8_panel_matmul_matches_the_int8_linear(monkeypatch, isa, rows):
         got = small_linear_int8_cpu.small_linear_int8(x, packed, lin.bias, post=post, isa=isa)
         assert got is not None and got.shape == (rows, 45)
         torch.testing.assert_close(got.double(), f(exact + lin.bias.double()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_panel_matmul_is_the_op_by_op_linear_bit_for_bit(rows):
+    """The one-row tile (4 accumulator pairs, summed at the end) and the vectorized
+    epilogue give the op-by-op int8 linear's floats exactly (int32 sums in any
+    order are the same sums): K of 98 quads (the 4-quad loop and a tail), N with a
+    partial last panel, with and without a bias."""
+    if not small_linear_int8_cpu.vnni_available():
+        pytest.skip("this CPU lacks the VNNI of its vector path")
+    from encdec.models.linear_int8 import int8_onednn
+
+    g = torch.Generator().manual_seed(rows)
+    for bias in (True, False):
+        lin = Linear(390, 1000, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(1000, 390, generator=g) * 0.05)
+            if bias:
+                lin.bias.copy_(torch.randn(1000, generator=g))
+        lin.quantize_int8("onednn")
+        packed = small_linear_int8_cpu.pack(lin.weight, lin.weight_scale)
+        x = torch.randn(rows, 390, generator=g) * 3
+        for post in ("none", "gelu"):
+            got = small_linear_int8_cpu.small_linear_int8(x, packed, lin.bias, post=post)
+            want = int8_onednn(lin, x, post)
+            assert got is not None and torch.equal(got, want), (bias, post, (got - want).abs().max())
