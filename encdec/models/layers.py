@@ -270,7 +270,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, inner) each
         return self.out_proj(self.attn(q, k, v, kv_cache, md, position_bias))
 
-    int8_attention = False  # quantization="int8": forward_encoder's q k^T and P v in int8 (dense_attention_cpu)
+    # quantization="int8": forward_encoder's q k^T and P v in int8 (dense_attention_cpu); a
+    # cross-attention's prefill likewise through its backend (AttentionImpl.int8_dense)
+    int8_attention = False
 
     def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
         B, T, d = h.shape

@@ -45,6 +45,7 @@ import logging
 import torch
 from torch import nn
 
+from encdec.attention import AttentionType
 from encdec.kernels.cpu.build import cpu_flags, cpu_isa
 from encdec.models.layers import Linear, MultiHeadAttention
 
@@ -151,6 +152,8 @@ def quantize(model: nn.Module, quantization: str | None) -> int:
     for m in model.modules():
         if isinstance(m, MultiHeadAttention):
             m.int8_attention = True
+            if m.attn is not None and m.attn_type == AttentionType.ENCODER_DECODER:
+                m.attn.impl.int8_dense = True
     logger.info("quantized %d linear layers to int8 (%s, per-channel weights, dynamic activations); "
                 "%d stay float32 in the fused decode step", len(linears), path, len(keep))
     return len(linears)

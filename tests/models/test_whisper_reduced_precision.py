@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encdec.attention import AttentionType
 from encdec.engine.arg_utils import compute_type_options
 from encdec.kernels.cpu import build
 from encdec.models.layers import Linear, MultiHeadAttention
@@ -60,6 +61,12 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
         assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
         # int8: the encoder's attention runs in int8 (where VNNI does: dense_attention_cpu)
         assert {m.int8_attention for m in net.encoder.modules() if isinstance(m, MultiHeadAttention)} == {mode == "int8"}
+        # and the decoder's cross-attention prefill (AttentionImpl.int8_dense), not its self-attention
+        cross = [m.attn.impl.int8_dense for m in net.decoder.modules()
+                 if isinstance(m, MultiHeadAttention) and m.attn_type == AttentionType.ENCODER_DECODER]
+        assert set(cross) == {mode == "int8"} and len(cross) == len(net.decoder.layers)
+        assert not any(m.attn.impl.int8_dense for m in net.decoder.modules()
+                       if isinstance(m, MultiHeadAttention) and m.attn_type == AttentionType.DECODER)
         # bfloat16: the logits are float32 sums (quantization.float32_logits)
         assert net.proj_out.weight.dtype == (torch.int8 if mode == "int8" else torch.float32)
         caches = llm.llm_engine.worker.cache_engine.gpu_cache

@@ -217,6 +217,10 @@ class AttentionImpl(ABC):
     # True where ``forward`` takes ``position_bias`` (a ``PositionBias`` for
     # ENCODER and DECODER self-attention); ``Attention`` refuses a bias otherwise.
     supports_position_bias = False
+    # quantization="int8" (worker/quantization.py sets it): a backend that runs
+    # prefill cross-attention in the dense C kernel runs its two products in int8
+    # there (dense_attention_cpu's ``int8``); the others ignore it.
+    int8_dense = False
 
     @abstractmethod
     def forward(

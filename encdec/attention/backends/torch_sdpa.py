@@ -102,16 +102,17 @@ _DENSE_MIN_QUERIES = 32
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-          causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q: (..., Lq, H, D), k/v: (..., Lk, H, D) -> (..., Lq, H, D)."""
+          causal: bool = False, mask: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
+    """q: (..., Lq, H, D), k/v: (..., Lk, H, D) -> (..., Lq, H, D). ``int8``: the
+    dense C kernel's int8 products, where it runs (``AttentionImpl.int8_dense``)."""
     if q.dim() == 3:
         # A batch dim of 1: on CPU, 3-D inputs miss the flash kernel (measured 2.7x
         # slower at 300 tokens, 3.2x at 512), and so does a 3-D mask beside 4-D
         # inputs (T5's (H, n, n) bias, 12 heads of 64 at 272 tokens: 3.65 vs 1.36 ms).
         return _sdpa(q[None], k[None], v[None], scale, causal=causal,
-                     mask=mask if mask is None or mask.dim() == 4 else mask[None])[0]
+                     mask=mask if mask is None or mask.dim() == 4 else mask[None], int8=int8)[0]
     if not causal and mask is None and q.shape[-3] >= _DENSE_MIN_QUERIES:
-        out = dense_attention(q, k, v, scale)  # None where the C kernel cannot run it
+        out = dense_attention(q, k, v, scale, int8=int8)  # None where the C kernel cannot run it
         if out is not None:
             return out
     out = F.scaled_dot_product_attention(
@@ -251,12 +252,14 @@ class TorchSDPAImpl(AttentionImpl):
         if k is not None and md.num_encoder_tokens:
             k, v = _write_cache(k, v, kv_cache, md.cross_slot_mapping)
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
+        # int8_dense: Whisper's sequential prefill (the previous text, ~225 queries
+        # over 1500 keys) 48 -> 39 ms a window, tiny.en int8 (AVX512-VNNI, 2 threads).
         for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
             if cached[i]:
                 kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
-                out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale)
+                out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale, int8=self.int8_dense)
             else:
-                out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale)
+                out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale, int8=self.int8_dense)
         dmd = md.decode_metadata
         if dmd is not None and _use_c_kernel(kv_cache, q):
             out[md.num_prefill_tokens:] = self._decode_c(
