@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, packed_slots
+from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
+                                                cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.device_tensors import array_to_device, to_device
@@ -176,6 +177,18 @@ def _i32(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.int32, device)
 
 
+def _parts(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One tensor per list, all views of one ``to_device`` (one tensor made, one
+    copy to a GPU) instead of one each."""
+    flat = to_device([x for values in lists for x in values], dtype, device)
+    return list(flat.split([len(values) for values in lists]))
+
+
+# Steps of at most this many decoder tokens compute their cache slots on the host
+# lists (cache_slots_list); longer ones (prefills) in tensor ops (cache_slots).
+HOST_SLOTS_MAX_TOKENS = 64
+
+
 def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     # Filled row by row in numpy: torch.tensor over padded nested lists took 0.65 ms
     # for 256 BART cross tables of up to 32 blocks, this 0.25 (every decode step).
@@ -222,30 +235,38 @@ class EncoderDecoderModelRunner:
         e_start = _prefix_sum(enc.computed)
         block_tables = _padded(dec.tables, dev)
         cross_block_tables = _padded(dec.cross_tables, dev)
-        pos = to_device(dec.positions, torch.long, dev)
-        slot_mapping = cache_slots(block_tables.to(torch.long), _i32(dec.table_rows, dev), pos, self.block_size)
+        host_slots = len(dec.tokens) <= HOST_SLOTS_MAX_TOKENS
+        longs = [dec.tokens, dec.positions]
+        if host_slots:
+            longs.append(cache_slots_list(dec.tables, dec.table_rows, dec.positions, self.block_size))
+        input_ids, pos, *slots = _parts(longs, torch.long, dev)
+        slot_mapping = slots[0] if host_slots else cache_slots(
+            block_tables.to(torch.long), _i32(dec.table_rows, dev), pos, self.block_size)
         # Written at prefill only, by the prefills that run the encoder (a cached
         # prefill's length is 0 here, so it contributes no slots).
         cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc.computed, self.block_size)
                               if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
         seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
+        seq_lens_t, q_start_t, seq_start_t, context_t, enc_lens_t, e_start_t = _parts(
+            [seq_lens, q_start, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start],
+            torch.int32, dev)
         md = self.backend.make_metadata(
             num_prefills=n,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=len(dec.tokens) - num_prefill_tokens,
             slot_mapping=slot_mapping,
             seq_lens=seq_lens,
-            seq_lens_tensor=_i32(seq_lens, dev),
+            seq_lens_tensor=seq_lens_t,
             max_prefill_seq_len=max(dec.q_lens, default=0),
             max_decode_seq_len=max(seq_lens[n:], default=0),
             max_query_len=max(dec.q_lens, default=1),
-            query_start_loc=_i32(q_start, dev),
-            seq_start_loc=_i32(q_start, dev),
-            context_lens_tensor=_i32([0] * n + [k - 1 for k in seq_lens[n:]], dev),
+            query_start_loc=q_start_t,
+            seq_start_loc=seq_start_t,
+            context_lens_tensor=context_t,
             block_tables=block_tables,
             encoder_seq_lens=enc_lens,
-            encoder_seq_lens_tensor=_i32(enc_lens, dev),
-            encoder_seq_start_loc=_i32(e_start, dev),
+            encoder_seq_lens_tensor=enc_lens_t,
+            encoder_seq_start_loc=e_start_t,
             max_encoder_seq_len=max(enc_lens, default=0),
             num_encoder_tokens=e_start[-1],
             cross_slot_mapping=cross_slot_mapping,
@@ -257,7 +278,7 @@ class EncoderDecoderModelRunner:
                                   if len(enc.tokens) < n else None),
         )
         enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
-        return ModelInput(input_ids=to_device(dec.tokens, torch.long, dev), positions=pos,
+        return ModelInput(input_ids=input_ids, positions=pos,
                           attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows)
 
     # -- persistent batch ----------------------------------------------------

@@ -320,7 +320,7 @@ else:
 
 
 def test_cache_slots_follow_the_paged_layout():
-    from encdec.attention.backends.abstract import cache_slots, packed_slots
+    from encdec.attention.backends.abstract import cache_slots, cache_slots_list, packed_slots
 
     bs, rng = 4, random.Random(0)
     tables = [rng.sample(range(50), 5) for _ in range(3)]
@@ -332,3 +332,9 @@ def test_cache_slots_follow_the_paged_layout():
     pos = torch.tensor([19, 6, 0])
     assert cache_slots(t, rows, pos, bs).tolist() == [tables[1][4] * bs + 3, tables[0][1] * bs + 2,
                                                       tables[2][0] * bs]
+    # the host-list version (a decode step's prepare) gives the same slots
+    assert cache_slots_list(tables, rows.tolist(), pos.tolist(), bs) == cache_slots(t, rows, pos, bs).tolist()
+    many_rows = [rng.randrange(3) for _ in range(40)]
+    many_pos = [rng.randrange(20) for _ in range(40)]
+    assert (cache_slots_list(tables, many_rows, many_pos, bs)
+            == cache_slots(t, torch.tensor(many_rows), torch.tensor(many_pos), bs).tolist())
