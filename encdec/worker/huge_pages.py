@@ -78,22 +78,36 @@ def move_parameters(model: nn.Module) -> int:
     ``Parameter``). Returns the bytes moved; 0 where ``enabled()`` is False.
     Call once the weights are loaded; tensors derived from them before (oneDNN's
     packed copies) are separate memory and unaffected."""
-    if not enabled():
-        return 0
     params = [p for p in model.parameters()
               if p.device.type == "cpu" and p.is_contiguous() and p.numel() * p.element_size() >= MIN_BYTES]
-    if not params:
+    moved = move_tensors([p.data for p in params])
+    if moved is None:
         return 0
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-    arena = anonymous_buffer(total)
     with torch.no_grad():
-        for p, off in zip(params, offsets):
-            nbytes = p.numel() * p.element_size()
-            dst = arena[off: off + nbytes].view(p.dtype).view(p.shape)
-            dst.copy_(p.data)
+        for p, dst in zip(params, moved):
             p.data = dst
+    total = sum(t.numel() * t.element_size() for t in moved)
     logger.info("moved %d parameters (%.0f MB) onto huge pages", len(params), total / 1e6)
     return total
+
+
+def move_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies of contiguous CPU ``tensors``, side by side in one huge-page arena
+    (each on a cache line), in order; None where ``enabled()`` is False or
+    there are none. One arena, not one mapping each: a mapping's first write
+    faults in a whole 2 MiB page, so small tensors each in their own would
+    each hold one."""
+    if not enabled() or not tensors:
+        return None
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    arena = anonymous_buffer(total)
+    out = []
+    with torch.no_grad():
+        for t, off in zip(tensors, offsets):
+            dst = arena[off: off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            dst.copy_(t)
+            out.append(dst)
+    return out

@@ -148,6 +148,7 @@ class Worker:
         quantization.quantize(model, self.load_config.quantization)  # opt-in int8 linears (CPU)
         quantization.float32_logits(model, self.dtype, self.device)  # bfloat16 on CPU: logits not rounded to it
         huge_pages.move_parameters(model)  # CPU: decode steps stream the weights; see huge_pages
+        quantization.place_decode_panels(model)  # int8: the panels decode steps stream, likewise
         num_packed = pack_linears(model)  # CPU float32/bfloat16: oneDNN, see encdec/models/layers.py
         logger.info("prepacked %d linear layers for oneDNN", num_packed)
         return model

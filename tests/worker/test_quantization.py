@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from encdec.engine.arg_utils import EngineArgs, compute_type_options
-from encdec.kernels.cpu import build
+from encdec.kernels.cpu import build, small_linear_int8_cpu
 from encdec.models.layers import Linear, onednn_available
 from encdec.worker import quantization
 
@@ -325,3 +325,44 @@ def test_quantize_without_vnni_keeps_a_fused_t5_decoder_float32(tmp_path, monkey
     assert model.encoder.layers[0].ffn.wo.int8 is not None
     assert (fc1.int8 is None) == (style == "t5")
     assert (layer.self_attn.qkv_proj.int8 is None) == (style == "t5")
+
+
+@pytest.mark.skipif(not small_linear_int8_cpu.vnni_available(), reason="no VNNI: no decode step reads int8 panels")
+def test_decode_panels_packed_at_load_into_one_huge_page_arena(monkeypatch):
+    """place_decode_panels: each decoder layer's six int8 matmuls and the LM head get
+    their panels at load, the same bytes ``pack`` makes, side by side in one arena
+    (on huge pages where Linux grants them), and the head's few-row output is unchanged."""
+    from transformers import WhisperConfig
+
+    from encdec.attention.backends.torch_sdpa import TorchSDPABackend
+    from encdec.kernels.cpu import decoder_step_cpu
+    from encdec.models.whisper import WhisperForConditionalGeneration
+    from encdec.worker import huge_pages
+    from test_huge_pages import huge_kib, thp_mode  # this folder's (pytest puts it on sys.path)
+
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    cfg = WhisperConfig(vocab_size=8192, d_model=256, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, num_mel_bins=80,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(cfg, TorchSDPABackend).eval()
+    quantization.quantize(model, "int8")
+    want = quantization.decode_panel_linears(model)
+    layer_linears = [m for ly in model.decoder.layers for m in decoder_step_cpu.decoder_linears(ly)]
+    assert want == layer_linears + [model.proj_out]  # 12 matmuls and the head, no encoder or cross K/V linear
+    x = torch.randn(3, 256)
+    before = model.proj_out(x)
+    moved = quantization.place_decode_panels(model)
+    if not huge_pages.enabled():
+        assert moved == 0
+        return
+    panels = [m.int8_panels for m in want]
+    assert moved == sum(p.wq.numel() for p in panels) > huge_pages.HUGE_PAGE
+    for m, p in zip(want, panels):
+        assert torch.equal(p.wq, small_linear_int8_cpu.pack(m.weight, m.weight_scale).wq)
+    starts = sorted(p.wq.data_ptr() for p in panels)
+    assert starts[0] % huge_pages.HUGE_PAGE == 0 and all(a % 64 == 0 for a in starts)
+    assert starts[-1] - starts[0] < moved + 64 * len(panels)  # one arena, side by side
+    if thp_mode() not in (None, "never"):
+        assert huge_kib(panels[0].wq) >= 2048, "the arena is not on huge pages"
+    assert torch.equal(model.proj_out(x), before)
