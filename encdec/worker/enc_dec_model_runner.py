@@ -179,9 +179,13 @@ def _i32(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _parts(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """One tensor per list, all views of one ``to_device`` (one tensor made, one
-    copy to a GPU) instead of one each."""
-    flat = to_device([x for values in lists for x in values], dtype, device)
-    return list(flat.split([len(values) for values in lists]))
+    copy to a GPU) instead of one each. Each view starts on 16 bytes, as a tensor
+    of its own would (Triton specializes its kernels on 16-byte-aligned pointers)."""
+    step = max(1, 16 // dtype.itemsize)
+    widths = [-(-len(values) // step) * step for values in lists]
+    flat = to_device([x for values, w in zip(lists, widths) for x in values + [0] * (w - len(values))],
+                     dtype, device)
+    return [part[: len(values)] for part, values in zip(flat.split(widths), lists)]
 
 
 # Steps of at most this many decoder tokens compute their cache slots on the host

@@ -30,3 +30,17 @@ def test_cuda_copies_queue_behind_running_kernels():
     busy = not torch.cuda.current_stream().query()
     assert busy, "to_device waited for the GPU"
     assert t.sum().item() == sum(range(1000)) and a.sum().item() == 140
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.long])
+def test_a_steps_lists_share_one_tensor_each_view_on_16_bytes(dtype):
+    """The model runner's ``_parts``: a step's index lists as views of one tensor
+    (one tensor made, one copy to a GPU), values exact, each view contiguous and
+    16-byte aligned as a tensor of its own is (Triton specializes on that)."""
+    from encdec.worker.enc_dec_model_runner import _parts
+
+    lists = [[1, 2, 3], [4], [], [5, 6, 7, 8, 9], [2**31 - 1]]
+    parts = _parts(lists, dtype, torch.device("cpu"))
+    assert [p.tolist() for p in parts] == lists
+    assert all(p.dtype == dtype and p.is_contiguous() and p.data_ptr() % 16 == 0 for p in parts)
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1  # one allocation
