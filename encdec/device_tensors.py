@@ -32,3 +32,25 @@ def array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def split_to_device(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One tensor per list, all views of one ``to_device`` (one tensor made, one
+    copy to a GPU) instead of one each. Each view starts on 16 bytes, as a tensor
+    of its own would (Triton specializes its kernels on 16-byte-aligned pointers)."""
+    step = max(1, 16 // dtype.itemsize)
+    widths = [-(-len(values) // step) * step for values in lists]
+    flat = to_device([x for values, w in zip(lists, widths) for x in values + [0] * (w - len(values))],
+                     dtype, device)
+    return [part[: len(values)] for part, values in zip(flat.split(widths), lists)]
+
+
+def padded_to_device(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Rows of unequal length (block tables) as one int32 tensor, zero-padded."""
+    # Filled row by row in numpy: torch.tensor over padded nested lists took 0.65 ms
+    # for 256 BART cross tables of up to 32 blocks, this 0.25 (every decode step).
+    width = max((len(t) for t in tables), default=0) or 1
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return array_to_device(out, device)

@@ -21,14 +21,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
                                                 cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.cpu_threads import SMALL_STEP_ROWS, single_thread
-from encdec.device_tensors import array_to_device, to_device
+from encdec.device_tensors import padded_to_device, split_to_device, to_device
 from encdec.sample.beam_candidates import BeamCandidates, find_beam_rows, select_candidates
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
@@ -177,30 +176,9 @@ def _i32(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.int32, device)
 
 
-def _parts(lists: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One tensor per list, all views of one ``to_device`` (one tensor made, one
-    copy to a GPU) instead of one each. Each view starts on 16 bytes, as a tensor
-    of its own would (Triton specializes its kernels on 16-byte-aligned pointers)."""
-    step = max(1, 16 // dtype.itemsize)
-    widths = [-(-len(values) // step) * step for values in lists]
-    flat = to_device([x for values, w in zip(lists, widths) for x in values + [0] * (w - len(values))],
-                     dtype, device)
-    return [part[: len(values)] for part, values in zip(flat.split(widths), lists)]
-
-
 # Steps of at most this many decoder tokens compute their cache slots on the host
 # lists (cache_slots_list); longer ones (prefills) in tensor ops (cache_slots).
 HOST_SLOTS_MAX_TOKENS = 64
-
-
-def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    # Filled row by row in numpy: torch.tensor over padded nested lists took 0.65 ms
-    # for 256 BART cross tables of up to 32 blocks, this 0.25 (every decode step).
-    width = max((len(t) for t in tables), default=0) or 1
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
-    return array_to_device(out, device)
 
 
 def _prefix_sum(lens: list[int]) -> list[int]:
@@ -237,13 +215,13 @@ class EncoderDecoderModelRunner:
         enc = _EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
-        block_tables = _padded(dec.tables, dev)
-        cross_block_tables = _padded(dec.cross_tables, dev)
+        block_tables = padded_to_device(dec.tables, dev)
+        cross_block_tables = padded_to_device(dec.cross_tables, dev)
         host_slots = len(dec.tokens) <= HOST_SLOTS_MAX_TOKENS
         longs = [dec.tokens, dec.positions]
         if host_slots:
             longs.append(cache_slots_list(dec.tables, dec.table_rows, dec.positions, self.block_size))
-        input_ids, pos, *slots = _parts(longs, torch.long, dev)
+        input_ids, pos, *slots = split_to_device(longs, torch.long, dev)
         slot_mapping = slots[0] if host_slots else cache_slots(
             block_tables.to(torch.long), _i32(dec.table_rows, dev), pos, self.block_size)
         # Written at prefill only, by the prefills that run the encoder (a cached
@@ -251,7 +229,7 @@ class EncoderDecoderModelRunner:
         cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc.computed, self.block_size)
                               if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
         seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
-        seq_lens_t, q_start_t, seq_start_t, context_t, enc_lens_t, e_start_t = _parts(
+        seq_lens_t, q_start_t, seq_start_t, context_t, enc_lens_t, e_start_t = split_to_device(
             [seq_lens, q_start, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start],
             torch.int32, dev)
         md = self.backend.make_metadata(

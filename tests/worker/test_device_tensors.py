@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from encdec.device_tensors import array_to_device, to_device
+from encdec.device_tensors import array_to_device, padded_to_device, split_to_device, to_device
 
 
 def test_cpu_path_is_torch_tensor():
@@ -34,13 +34,17 @@ def test_cuda_copies_queue_behind_running_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.long])
 def test_a_steps_lists_share_one_tensor_each_view_on_16_bytes(dtype):
-    """The model runner's ``_parts``: a step's index lists as views of one tensor
+    """``split_to_device`` (the model runner's): a step's index lists as views of one tensor
     (one tensor made, one copy to a GPU), values exact, each view contiguous and
     16-byte aligned as a tensor of its own is (Triton specializes on that)."""
-    from encdec.worker.enc_dec_model_runner import _parts
-
     lists = [[1, 2, 3], [4], [], [5, 6, 7, 8, 9], [2**31 - 1]]
-    parts = _parts(lists, dtype, torch.device("cpu"))
+    parts = split_to_device(lists, dtype, torch.device("cpu"))
     assert [p.tolist() for p in parts] == lists
     assert all(p.dtype == dtype and p.is_contiguous() and p.data_ptr() % 16 == 0 for p in parts)
     assert len({p.untyped_storage().data_ptr() for p in parts}) == 1  # one allocation
+
+
+def test_block_tables_padded_with_zeros():
+    t = padded_to_device([[3, 1], [7], []], torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[3, 1], [7, 0], [0, 0]]
+    assert padded_to_device([], torch.device("cpu")).shape == (0, 1)
