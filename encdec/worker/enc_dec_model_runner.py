@@ -229,9 +229,8 @@ class EncoderDecoderModelRunner:
         cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc.computed, self.block_size)
                               if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
         seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
-        seq_lens_t, q_start_t, seq_start_t, context_t, enc_lens_t, e_start_t = split_to_device(
-            [seq_lens, q_start, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start],
-            torch.int32, dev)
+        seq_lens_t, q_start_t, context_t, enc_lens_t, e_start_t = split_to_device(
+            [seq_lens, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start], torch.int32, dev)
         md = self.backend.make_metadata(
             num_prefills=n,
             num_prefill_tokens=num_prefill_tokens,
@@ -243,7 +242,7 @@ class EncoderDecoderModelRunner:
             max_decode_seq_len=max(seq_lens[n:], default=0),
             max_query_len=max(dec.q_lens, default=1),
             query_start_loc=q_start_t,
-            seq_start_loc=seq_start_t,
+            seq_start_loc=q_start_t,  # whole prompts, no cached context: the same offsets
             context_lens_tensor=context_t,
             block_tables=block_tables,
             encoder_seq_lens=enc_lens,
