@@ -22,7 +22,7 @@ _EXPORTS = {
     "build_explicit_enc_dec_prompt": "encdec.inputs",
     "zip_enc_dec_prompts": "encdec.inputs",
     "to_enc_dec_tuple_list": "encdec.inputs",
-    "configure_cpu_runtime": "encdec.worker.cpu_runtime",
+    "configure_cpu_runtime": "encdec.platform.cpu_runtime",
 }
 
 __all__ = list(_EXPORTS)

@@ -37,7 +37,7 @@ class LLM:
         self.engine_args = EngineArgs(model, **options)
         num_threads = self.engine_args.num_threads
         if num_threads is not None:
-            from encdec.worker.cpu_runtime import configure_cpu_runtime
+            from encdec.platform.cpu_runtime import configure_cpu_runtime
 
             configure_cpu_runtime(num_threads, retain_freed_memory=False)
         self.llm_engine = LLMEngine(self.engine_args)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.cpu_threads import kernel_threads, map_one_thread_each
+from encdec.platform.cpu_threads import kernel_threads, map_one_thread_each
 from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu import build, whisper_rules_cpu
 from encdec.kernels.cpu.whisper_rules_cpu import BEGIN, FIRST, LAST_TS, PENULT_TS, SUPPRESS, TIMESTAMPS
 from encdec.models.whisper_tokens import WhisperSpecialTokens

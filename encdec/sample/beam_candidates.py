@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from encdec.beam_search.rows import BeamRowParams
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 from encdec.sequence import SequenceGroupMetadata
 
 

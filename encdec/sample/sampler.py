@@ -7,7 +7,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu.greedy_cpu import greedy_argmax, greedy_logprobs
 from encdec.sample.metadata import SamplingMetadata
 

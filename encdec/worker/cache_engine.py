@@ -28,7 +28,7 @@ import math
 import torch
 
 from encdec.attention.backends.abstract import AttentionBackend
-from encdec.worker import huge_pages
+from encdec.platform import huge_pages
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch
 from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
                                                 cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
-from encdec.cpu_threads import SMALL_STEP_ROWS, single_thread
-from encdec.device_tensors import padded_to_device, split_to_device, to_device
+from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
+from encdec.platform.device_tensors import padded_to_device, split_to_device, to_device
 from encdec.sample.beam_candidates import BeamCandidates, find_beam_rows, select_candidates
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata

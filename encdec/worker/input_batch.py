@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 from encdec.sample.logits_processor import BatchUpdateBuilder, LogitsProcessors, MoveDirectionality
 from encdec.sample.metadata import SamplingMetadata
 from encdec.sampling_params import SamplingType, derive_seed

@@ -49,7 +49,7 @@ from torch import nn
 
 from encdec.attention import AttentionType
 from encdec.kernels.cpu.build import cpu_flags, cpu_isa
-from encdec.worker import huge_pages
+from encdec.platform import huge_pages
 from encdec.models.layers import Linear, MultiHeadAttention
 
 logger = logging.getLogger("encdec")

@@ -26,10 +26,11 @@ from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
 from encdec.models.registry import get_model_cls, get_model_hooks, get_model_module
+from encdec.platform import huge_pages
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
-from encdec.worker import huge_pages, quantization
+from encdec.worker import quantization
 from encdec.worker.cache_engine import (
     MAX_PREFAULT_BYTES,
     CacheEngine,

@@ -23,7 +23,7 @@ import psutil, torch
 threads = torch.get_num_threads()
 rng = torch.random.get_rng_state()
 from encdec import LLM
-from encdec.worker import host_allocator
+from encdec.platform import host_allocator
 llm = LLM(sys.argv[1])
 cfg = llm.llm_engine.cache_config
 print(json.dumps({

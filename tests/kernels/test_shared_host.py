@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from encdec.cpu_threads import available_cores
+from encdec.platform.cpu_threads import available_cores
 from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu
 
 OVERSUBSCRIBED = 4 * available_cores()

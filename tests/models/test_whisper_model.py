@@ -211,7 +211,7 @@ def test_cpu_encoder_runs_windows_one_per_thread_then_a_few_per_call(ours, worke
     test_encoder_fast_paths_match_hf)."""
     import threading
 
-    from encdec import cpu_threads
+    from encdec.platform import cpu_threads
     from encdec.audio import log_mel_spectrogram
     from encdec.models import whisper
 

@@ -337,8 +337,8 @@ def test_decode_panels_packed_at_load_into_one_huge_page_arena(monkeypatch):
     from encdec.attention.backends.torch_sdpa import TorchSDPABackend
     from encdec.kernels.cpu import decoder_step_cpu
     from encdec.models.whisper import WhisperForConditionalGeneration
-    from encdec.worker import huge_pages
-    from test_huge_pages import huge_kib, thp_mode  # this folder's (pytest puts it on sys.path)
+    from encdec.platform import huge_pages
+    from tests.platform.test_huge_pages import huge_kib, thp_mode
 
     monkeypatch.delenv(huge_pages.ENV, raising=False)
     cfg = WhisperConfig(vocab_size=8192, d_model=256, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,

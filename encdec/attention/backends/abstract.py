@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 
 
 class AttentionType(str, enum.Enum):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from encdec.attention.backends.abstract import PositionBias
-from encdec.device_tensors import to_device
+from encdec.platform.device_tensors import to_device
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from encdec.cpu_threads import kernel_threads
+from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
 
 HEAD_SIZE = 64

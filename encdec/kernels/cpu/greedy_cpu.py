@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from encdec.cpu_threads import kernel_threads
+from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from encdec.cpu_threads import kernel_threads
+from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build, small_linear_cpu
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

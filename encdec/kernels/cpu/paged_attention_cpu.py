@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from encdec.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads, kernel_threads
+from encdec.platform.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads, kernel_threads
 from encdec.kernels.cpu import build
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

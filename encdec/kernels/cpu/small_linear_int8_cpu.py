@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encdec.cpu_threads import kernel_threads
+from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build, small_linear_cpu
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 
-from encdec.cpu_threads import available_cores
-from encdec.worker.host_allocator import retain_freed_memory as _retain_freed_memory
+from encdec.platform.cpu_threads import available_cores
+from encdec.platform.host_allocator import retain_freed_memory as _retain_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +36,14 @@ def configure_cpu_runtime(num_threads: int | None = None, *, retain_freed_memory
 
     ``num_threads``: None reads ``ENCDEC_NUM_THREADS`` and otherwise torch's
     default (one per CPU of the affinity mask); either way at most
-    ``encdec.cpu_threads.available_cores()`` (the affinity mask and a cgroup
+    ``encdec.platform.cpu_threads.available_cores()`` (the affinity mask and a cgroup
     CPU quota): threads past the cores the process can get wait for each
     other at every parallel region. Where no OpenMP runtime is loaded yet (torch
     not imported), ``OMP_WAIT_POLICY`` defaults to PASSIVE: threads that wait
     at the end of a parallel region sleep, rather than spin on a core that a
     thread still at work, or another process, needs (the runtime reads it once,
     at load). ``retain_freed_memory``: see
-    ``encdec.worker.host_allocator`` (Whisper's encoder 4.7 s -> 3.3 s on 16
+    ``encdec.platform.host_allocator`` (Whisper's encoder 4.7 s -> 3.3 s on 16
     clips here); ``False`` leaves the allocator as it is. Both are
     process-wide and apply to everything in the process. Returns the thread
     count now in effect.

@@ -2,7 +2,7 @@
 
 A decode step of a few rows streams every decoder weight and the LM head once
 and is bound by how fast one core reads memory (the small steps run on one
-thread: ``encdec.cpu_threads``). With 4 KiB pages that stream walks a page
+thread: ``encdec.platform.cpu_threads``). With 4 KiB pages that stream walks a page
 table entry per 4 KiB; 2 MiB pages cut the TLB misses 512-fold. Measured on
 this project's 2-core AMD EPYC (Zen 4, AVX-512): Whisper tiny's LM head read
 (80 MB, one thread, cold cache) 3.4-3.5 ms on 4 KiB pages, 2.86 ms on huge

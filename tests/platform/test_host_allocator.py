@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 PROBE = """
 import resource, sys, torch
 torch.set_num_threads(1)
-from encdec.worker.host_allocator import retain_freed_memory
+from encdec.platform.host_allocator import retain_freed_memory
 on = retain_freed_memory()
 x = torch.ones(16 << 20)  # 64 MiB
 faults = []

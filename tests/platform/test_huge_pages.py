@@ -1,4 +1,4 @@
-"""Weights and the CPU KV cache on transparent huge pages (encdec.worker.huge_pages)."""
+"""Weights and the CPU KV cache on transparent huge pages (encdec.platform.huge_pages)."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from encdec.worker import huge_pages
+from encdec.platform import huge_pages
 from encdec.worker.cache_engine import CacheEngine
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"

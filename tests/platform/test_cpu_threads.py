@@ -1,4 +1,4 @@
-"""Small decode steps run on one intra-op thread (``encdec.cpu_threads``): the
+"""Small decode steps run on one intra-op thread (``encdec.platform.cpu_threads``): the
 decoder layers and the logits rules of a step of <= SMALL_STEP_ROWS rows, while
 the LM head, prefills and bigger steps keep torch's count, and paged decode
 attention over several rows asks for the count set aside."""
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from encdec import LLM, SamplingParams, TokensPrompt
-from encdec import cpu_threads
-from encdec.cpu_threads import SMALL_STEP_ROWS, bandwidth_threads, cgroup_cpu_limit, kernel_threads, single_thread
+from encdec.platform import cpu_threads
+from encdec.platform.cpu_threads import (SMALL_STEP_ROWS, bandwidth_threads, cgroup_cpu_limit, kernel_threads,
+                                         single_thread)
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_available_cores_is_affinity_capped_by_the_quota_rounded_up(monkeypatch)
 
 
 def test_kernel_and_torch_threads_never_exceed_available_cores(monkeypatch):
-    from encdec.worker import cpu_runtime
+    from encdec.platform import cpu_runtime
 
     monkeypatch.setattr(cpu_threads, "available_cores", lambda: 1)
     monkeypatch.setattr(cpu_runtime, "available_cores", lambda: 1)

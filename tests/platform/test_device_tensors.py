@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from encdec.device_tensors import array_to_device, padded_to_device, split_to_device, to_device
+from encdec.platform.device_tensors import array_to_device, padded_to_device, split_to_device, to_device
 
 
 def test_cpu_path_is_torch_tensor():
