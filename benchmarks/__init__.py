@@ -1,6 +1,5 @@
-"""Checkout alias: the benchmarks live in ``encdec/benchmarks`` (shipped in the
-wheel, see its ``__init__``); this makes ``python -m benchmarks.NAME_bench``
-run them from the repository root."""
-import encdec.benchmarks as _pkg
-
-__path__ = _pkg.__path__
+"""Comparison harnesses, run from a checkout as ``python -m benchmarks.NAME``:
+encdec against HF ``generate``, CTranslate2 and faster-whisper, and WER with
+jiwer. The wheel leaves this package out; the benchmarks of encdec alone ship as
+``encdec.bench`` (``encdec bench NAME``), and the ``NAME_bench`` modules here
+that share their name run those."""

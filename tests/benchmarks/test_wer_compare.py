@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from encdec.benchmarks.wer_compare import WerDifference, paired_difference, sentence_errors
-from encdec.testing import word_error_rate
+from benchmarks.wer_compare import WerDifference, paired_difference, sentence_errors
+from benchmarks.wer_compare import word_error_rate
 
 SENTENCES = [f"the quick brown fox number {i} jumps over the lazy dog" for i in range(60)]
 

@@ -3,7 +3,7 @@ row at equal or better WER than faster-whisper's fastest, so that line must skip
 faster row with a worse WER, and say so when no row of ours qualifies."""
 from __future__ import annotations
 
-from encdec.benchmarks.whisper_longform import print_ratios
+from benchmarks.whisper_longform import print_ratios
 
 
 def test_the_equal_wer_line_skips_faster_rows_with_worse_wer(capsys):
@@ -27,7 +27,7 @@ def test_no_row_at_equal_wer_is_said(capsys):
 def test_the_measured_equal_line_keeps_rows_level_within_noise(capsys):
     """With ``compare``, a row whose WER is higher but not significantly so counts
     as level; one whose interval lies above zero does not."""
-    from encdec.benchmarks.wer_compare import WerDifference
+    from benchmarks.wer_compare import WerDifference
 
     rows = {"ours independent": (10.0, 300.0, 0.140),  # fastest, significantly worse
             "ours indep. + VAD": (12.0, 250.0, 0.123),  # 0.003 worse, within noise

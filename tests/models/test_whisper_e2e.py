@@ -120,7 +120,7 @@ def test_independent_windows_with_timestamps_lose_no_sentence(llm, clips):
     from encdec.transcription import TranscribeOptions, TranscriptionJob
     from encdec.transcription.windows import cut_windows
 
-    from encdec.benchmarks.whisper_longform import build_file
+    from benchmarks.whisper_longform import build_file
 
     _, texts, wavs = clips
     long, spoken = build_file(wavs, texts, seed=0, minutes=2.0)  # the benchmark's pauses: 0.3-1.5 s, some 3-8 s

@@ -17,7 +17,7 @@ SR = 16000
 
 
 def wer(ref: str, hyp: str) -> float:
-    from encdec.testing import word_error_rate
+    from benchmarks.wer_compare import word_error_rate
 
     return word_error_rate(ref, hyp)
 
@@ -141,7 +141,7 @@ def test_independent_mode_packs_utterances_as_faster_whisper_batched(llm, speech
     do, no sentence is lost, and a user's ``vad_parameters`` still win."""
     import math
 
-    from encdec.benchmarks.whisper_longform import build_file
+    from benchmarks.whisper_longform import build_file
     from encdec.transcription import vad
     from encdec.transcription.job import TranscriptionJob
     from encdec.transcription.options import TranscribeOptions

@@ -37,14 +37,30 @@ class WerDifference:
         return f"{self.diff:+.3f} (95% interval {self.low:+.3f}..{self.high:+.3f}): {self.verdict()}"
 
 
+def wer_transform():
+    """jiwer's transform for scoring: lower-case, "-" -> space, no punctuation,
+    words (one place, so every WER and every error count agree)."""
+    import jiwer
+
+    return jiwer.Compose([jiwer.ToLowerCase(), jiwer.SubstituteRegexes({"-": " "}), jiwer.RemovePunctuation(),
+                          jiwer.RemoveMultipleSpaces(), jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """jiwer WER after ``wer_transform`` (how tests and benchmarks score
+    transcripts against the clips' sentences)."""
+    import jiwer
+
+    norm = wer_transform()
+    return jiwer.wer(reference, hypothesis, reference_transform=norm, hypothesis_transform=norm)
+
+
 def sentence_errors(sentences: Sequence[str], hypothesis: str) -> tuple[np.ndarray, np.ndarray]:
     """(errors, reference words) per sentence of one file's reference, from one
     alignment of the whole file, so their sums give exactly ``word_error_rate``
     of the joined sentences. A substitution or deletion counts at its reference
     word's sentence; an insertion at the sentence of the reference word before it."""
     import jiwer
-
-    from encdec.testing import wer_transform
 
     norm = wer_transform()
     words = np.array([len(norm(s)[0]) if s.strip() else 0 for s in sentences], dtype=np.int64)

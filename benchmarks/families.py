@@ -15,7 +15,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
-from .common import OtherCPUMonitor, load_label
+from encdec.bench.common import OtherCPUMonitor, load_label
+
+from .harness import padded, run_ct2, run_ours
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,6 @@ def run_hf_family(model_dir: str, enc, out_lens, batch: int, pad: int) -> tuple[
     import torch
     from transformers import AutoModelForSeq2SeqLM
 
-    from .bart_bench import padded
-
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir).eval()
     useful = 0
     t0 = time.perf_counter()
@@ -88,8 +88,6 @@ def run_family_bench(family: str, model_dir: str, enc_out, *, hf_batch: int, ski
     (``family_checkpoint``), and the ratios. ``compute_type`` "int8": ours with
     ``quantization="int8"`` and CTranslate2 int8 (HF stays float32)."""
     from encdec.engine.arg_utils import compute_type_options
-
-    from .bart_bench import run_ct2, run_ours
 
     fam = FAMILIES[family]
     enc, out_lens = enc_out

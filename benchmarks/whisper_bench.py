@@ -12,7 +12,7 @@ used meanwhile (a shared machine skews timings; the column says by how much).
 With ``--background-load N`` every engine also runs with N busy processes taking
 cores, printed beside the idle figures.
 Both torch engines run under ``OMP_WAIT_POLICY=PASSIVE`` (set before torch loads)
-and with glibc keeping freed memory (``encdec.benchmarks.common.allocator_for_both_sides``).
+and with glibc keeping freed memory (``encdec.bench.common.allocator_for_both_sides``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import glob  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
-from .common import (  # noqa: E402
+from encdec.bench.common import (  # noqa: E402
     add_background_load_arg,
     allocator_for_both_sides,
     isa_header,
@@ -35,7 +35,7 @@ from .common import (  # noqa: E402
 )
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
+SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "speech")
 
 
 def run_encdec(model_dir: str, wavs, threads: int, max_new: int, busy: int = 0, compute_type: str = "float32"):

