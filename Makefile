@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH)"
 	# serve: the server tests; cuda: xFormers, whose CPU reference path the attention tests check
 	$(PY) -m pip install -q -e ".[test,serve,cuda]"
+	# The C kernels, compiled now rather than by the first run (cached per ISA;
+	# without a compiler encdec runs torch's paths, so set-up goes on).
+	$(VENV)/bin/encdec build-kernels || echo "C kernels not built: encdec runs torch's paths"
 	touch $@
 
 run: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""``encdec generate | transcribe | bench | serve``."""
+"""``encdec generate | transcribe | bench | build-kernels | serve``."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +77,29 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.run(args.which, args.rest)
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    import time
+
+    from encdec.kernels.cpu import build
+
+    isa = build.checked_isa(args.isa)
+    t0 = time.perf_counter()
+    try:
+        built = build.build_all(isa, notice=False)
+    except RuntimeError as e:
+        print(f"encdec build-kernels: {e}: the kernels' callers run torch's paths", file=sys.stderr)
+        return 1
+    failed = {source: error for source, error in built.items() if error is not None}
+    for source, error in failed.items():
+        print(f"encdec build-kernels: {source} ({isa}) failed: {error}", file=sys.stderr)
+    if built:
+        print(f"compiled {len(built) - len(failed)} of {len(built)} CPU kernels for {isa} in "
+              f"{time.perf_counter() - t0:.1f} s into {build.cache_dir()}")
+    else:
+        print(f"all {len(build.sources())} CPU kernels for {isa} already built in {build.cache_dir()}")
+    return 1 if failed else 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from encdec.entrypoints.openai.api_server import serve
@@ -130,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=sorted([*bench.names(), *bench.CHECKOUT_ONLY]))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
+
+    from encdec.kernels.cpu.build import ISA_FLAGS
+
+    k = sub.add_parser("build-kernels", help="compile the C kernels for this CPU now (else the first use does)",
+                       description="Compile every C kernel for this CPU's instruction set into the kernel cache "
+                       "($ENCDEC_CACHE_DIR, default ~/.cache/encdec); kernels already built are kept.")
+    k.add_argument("--isa", default=None, choices=tuple(ISA_FLAGS),
+                   help="instruction set to build for (default: the best this CPU runs, or $ENCDEC_CPU_ISA)")
+    k.set_defaults(func=_build_kernels)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the serve extra)",
                         description="An OpenAI-compatible server: /v1/completions, /v1/audio/"

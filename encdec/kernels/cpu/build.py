@@ -9,7 +9,14 @@ kernel is built once per instruction set with explicit flags, never
 ``$ENCDEC_CACHE_DIR`` (default ``~/.cache/encdec``) under a name keyed by the
 source's hash, the flags and the ISA, so a changed kernel rebuilds, a cache
 shared between hosts never hands one a binary it cannot run, and concurrent
-builders never see half a file. No torch headers: a build takes about a second.
+builders never see half a file. No torch headers: a kernel builds in about a
+second (the fused decode step in a few).
+
+``build_all`` compiles every kernel of one ISA that is not cached yet, in
+parallel on the cores the process can get: ``encdec build-kernels`` runs it at
+set-up, and the first ``load`` that finds its kernel unbuilt runs it too, so a
+process compiles at most once per ISA and says so once (a WARNING, which an
+unconfigured logger still prints: the first request is seconds slower).
 
 Nothing here raises: a missing source, no compiler, a failed build or
 ``ENCDEC_DISABLE_C_KERNELS=1`` makes ``load`` return None (with a warning, once
@@ -26,7 +33,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -55,8 +64,19 @@ ISA_ENV = "ENCDEC_CPU_ISA"
 _VNNI_FLAGS = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
 
 
-def _cache_dir() -> str:
-    return os.environ.get("ENCDEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "encdec")
+CACHE_ENV = "ENCDEC_CACHE_DIR"
+# Seconds one kernel takes to build on one core, about (the notice's estimate;
+# the fused decode step, which includes two other kernels, takes the most).
+_BUILD_SECONDS = {"decoder_step_cpu.c": 3.5}
+_DEFAULT_BUILD_SECONDS = 0.8
+_build_lock = threading.Lock()  # one builder per process; processes race safely (os.replace)
+_announced = False  # the one-time compile notice was given in this process
+
+
+def cache_dir() -> str:
+    """Where built kernels (and other per-host measurements) are kept:
+    ``$ENCDEC_CACHE_DIR``, default ``~/.cache/encdec``."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "encdec")
 
 
 @cache
@@ -129,38 +149,92 @@ def _local_includes(src: bytes, seen: frozenset[bytes] = frozenset()) -> list[by
     return out
 
 
+def sources() -> list[str]:
+    """Every kernel source of this folder (``<name>_cpu.c``), sorted."""
+    return sorted(f for f in os.listdir(_DIR) if f.endswith("_cpu.c"))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def built_path(source: str, isa: str) -> str:
+    """The cache file ``source`` built for ``isa`` is (or would be) kept in."""
+    with open(os.path.join(_DIR, source), "rb") as f:
+        src = f.read()
+    flags = [*_FLAGS, *ISA_FLAGS[isa]]
+    key = hashlib.sha256(b"\0".join([src, *_local_includes(src), " ".join(flags).encode(), isa.encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"{os.path.splitext(source)[0]}_{isa}_{key}.so")
+
+
+def _compile(cc: str, source: str, isa: str) -> str | None:
+    """Build ``source`` for ``isa`` into the cache; None, or why it failed."""
+    tmp = ""
+    try:
+        path = built_path(source, isa)
+        os.makedirs(cache_dir(), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+        os.close(fd)
+        subprocess.run([cc, os.path.join(_DIR, source), "-o", tmp, *_FLAGS, *ISA_FLAGS[isa]],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
+        return None
+    except (subprocess.SubprocessError, OSError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+        return f"{e} {detail.decode(errors='replace')[:500]}".strip()
+
+
+def build_all(isa: str | None = None, *, notice: bool = True) -> dict[str, str | None]:
+    """Compile every kernel not yet built for ``isa`` (default ``cpu_isa()``),
+    in parallel; the kernels it compiled, each with None or why its build failed
+    (empty: all were cached). Gives the one-time notice (``notice``) when it compiles.
+    ValueError for an ISA this CPU does not run; RuntimeError without a compiler
+    (or with ``ENCDEC_DISABLE_C_KERNELS=1``) where a kernel is missing."""
+    global _announced
+    isa = checked_isa(isa)
+    with _build_lock:
+        missing = [s for s in sources() if not os.path.exists(built_path(s, isa))]
+        if not missing:
+            return {}
+        cc = _compiler()
+        if os.environ.get("ENCDEC_DISABLE_C_KERNELS") == "1":
+            raise RuntimeError("ENCDEC_DISABLE_C_KERNELS=1 turns the C kernels off")
+        if cc is None:
+            raise RuntimeError("no C compiler found (cc, gcc or $CC)")
+        workers = max(1, min(len(missing), len(os.sched_getaffinity(0))))
+        if notice and not _announced:
+            _announced = True
+            seconds = [_BUILD_SECONDS.get(s, _DEFAULT_BUILD_SECONDS) for s in missing]
+            logger.warning("compiling CPU kernels (%s), one time, ~%.0f s; `encdec build-kernels` does it at set-up",
+                           isa, max(max(seconds), sum(seconds) / workers))
+        with ThreadPoolExecutor(workers) as pool:
+            return dict(zip(missing, pool.map(lambda s: _compile(cc, s, isa), missing)))
+
+
 @cache
 def load(source: str, fallback: str, isa: str) -> ctypes.CDLL | None:
     """``source`` (a file name in this folder) compiled for ``isa``, or None;
-    ``fallback`` says in the warning what runs instead."""
+    ``fallback`` says in the warning what runs instead. A kernel not built yet
+    builds with every other missing one (``build_all``)."""
     if os.environ.get("ENCDEC_DISABLE_C_KERNELS") == "1":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    if _compiler() is None:
         logger.warning("no C compiler found for %s: %s", source, fallback)
         return None
-    src_path = os.path.join(_DIR, source)
-    flags = [*_FLAGS, *ISA_FLAGS[isa]]
-    tmp = ""
     try:
-        with open(src_path, "rb") as f:
-            src = f.read()
-        key = hashlib.sha256(b"\0".join([src, *_local_includes(src), " ".join(flags).encode(), isa.encode(),
-                                         platform.machine().encode()])).hexdigest()[:16]
-        path = os.path.join(_cache_dir(), f"{os.path.splitext(source)[0]}_{isa}_{key}.so")
-        if not os.path.exists(path):
-            os.makedirs(_cache_dir(), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-            os.close(fd)
-            subprocess.run([cc, src_path, "-o", tmp, *flags], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
+        path = built_path(source, isa)
+        error = None if os.path.exists(path) else build_all(isa).get(source)
+        if error is None and not os.path.exists(path):  # built by another builder but since removed: once more
+            error = _compile(_compiler() or "cc", source, isa)
+        if error is not None:
+            logger.warning("building %s for %s failed (%s): %s", source, isa, error, fallback)
+            return None
         return ctypes.CDLL(path)
-    except (subprocess.SubprocessError, OSError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("building %s for %s failed (%s %s): %s", source, isa, e,
-                       detail.decode(errors="replace")[:500], fallback)
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+    except OSError as e:
+        logger.warning("loading %s for %s failed (%s): %s", source, isa, e, fallback)
         return None
 
 
