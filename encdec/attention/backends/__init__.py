@@ -1,0 +1,1 @@
+"""Attention backends behind one interface: torch SDPA (the reference), torch-native and xFormers."""

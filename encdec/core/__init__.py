@@ -1,0 +1,1 @@
+"""Bookkeeping of a step, without torch: scheduling, preemption, stop checks, the typed step outputs."""

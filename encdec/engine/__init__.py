@@ -1,0 +1,1 @@
+"""The engine: ``LLMEngine`` (add_request, step, abort), its async wrapper and request processing."""
