@@ -148,6 +148,19 @@ def load_audio(audio: Any, sampling_rate: int = SAMPLE_RATE) -> np.ndarray:
                      f"got {type(audio).__name__}")
 
 
+def resample_stream_chunk(samples: np.ndarray, rate: int) -> np.ndarray:
+    """A live stream's chunk at ``rate`` (16 or 24 kHz) -> 16 kHz, chunk by chunk:
+    24 kHz is resampled 2:3 polyphase, whose chunk edges do not matter to a voice
+    detector (a whole file goes through ``load_audio``'s resampler instead)."""
+    if rate == SAMPLE_RATE:
+        return samples
+    if rate != 24000:
+        raise ValueError(f"a live stream's sample rate must be 16000 or 24000, got {rate}")
+    from scipy.signal import resample_poly
+
+    return resample_poly(samples, 2, 3).astype(np.float32)
+
+
 def pad_or_trim(audio: torch.Tensor, length: int = N_SAMPLES) -> torch.Tensor:
     """Zero-pad or cut the last axis to ``length`` samples."""
     n = audio.shape[-1]

@@ -198,9 +198,9 @@ class LLM:
         ``None`` chunk ends a turn). Options as ``transcribe``'s, checked here, before
         the first chunk is read (``encdec.transcription.stream``)."""
         from encdec.transcribe import resolve_options
-        from encdec.transcription.live import Turn
+        from encdec.transcription.live import LiveSession
         from encdec.transcription.stream import transcribe_stream
 
         _, options = resolve_options(self, options, **option_kwargs)
-        Turn(sample_rate, partial_every=partial_every)  # refuses a bad rate or cadence now
+        LiveSession(sample_rate, partial_every=partial_every)  # refuses a bad rate or cadence now
         return transcribe_stream(self, chunks, options, sample_rate=sample_rate, partial_every=partial_every)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from encdec.transcription.live import PARTIAL_EVERY_S, Turn, pcm16_to_float
+from encdec.transcription.live import PARTIAL_EVERY_S, LiveSession, TurnEnded, pcm16_to_float
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Transcription
 
@@ -35,35 +35,39 @@ class StreamSegment:
 
 def transcribe_stream(llm: Any, chunks: Iterable[Any], options: TranscribeOptions, *, sample_rate: int = 16000,
                       partial_every: float = PARTIAL_EVERY_S) -> Iterator[StreamSegment]:
+    """Drive a ``LiveSession`` (no voice detector: ``None`` chunks commit) over ``chunks``."""
     from encdec.transcribe import run_jobs
 
     engine = llm.llm_engine
-    turn, start, total = Turn(sample_rate, partial_every=partial_every), 0, 0
+    session = LiveSession(sample_rate, partial_every=partial_every)
 
     def run(job: Any) -> Transcription:
         with llm.engine_lock():  # between passes the LLM is free for other calls
             (result,) = run_jobs(engine, [job], use_tqdm=False)
         return result
 
-    def final() -> Iterator[StreamSegment]:
-        if turn.num_samples:
-            result = run(turn.final_job(engine, options))
-            delta = turn.agreement.final(result.text)
-            yield StreamSegment(True, result.text, delta, start / sample_rate, total / sample_rate, result)
+    def finals(events: list[Any]) -> Iterator[StreamSegment]:
+        for event in events:
+            turn = event.turn
+            if isinstance(event, TurnEnded) and turn.turn.num_samples:
+                result = run(turn.final_job(engine, options))
+                final = session.final_text(turn, result.text)
+                yield StreamSegment(True, result.text, final.delta, turn.start / sample_rate,
+                                    turn.fed / sample_rate, result)
 
     for i, chunk in enumerate(chunks):
         if chunk is None:
-            yield from final()
-            turn, start = Turn(sample_rate, partial_every=partial_every), total
+            yield from finals(session.commit())
             continue
-        samples = _samples(chunk, i)
-        turn.append(samples)
-        total += len(samples)
-        if turn.partial_due():
-            delta = turn.agreement.partial(run(turn.partial_job(engine, options)).text)
-            if delta:
-                yield StreamSegment(False, turn.agreement.text, delta, start / sample_rate, total / sample_rate)
-    yield from final()
+        yield from finals(session.feed(_samples(chunk, i)))
+        turn = session.partial_due()
+        if turn is not None:
+            session.begin_partial(turn)
+            partial = session.end_partial(turn, run(turn.partial_job(engine, options)).text)
+            if partial is not None:
+                yield StreamSegment(False, partial.text, partial.delta, turn.start / sample_rate,
+                                    session.total / sample_rate)
+    yield from finals(session.finish())
 
 
 def _samples(chunk: Any, index: int) -> np.ndarray:

@@ -182,6 +182,13 @@ class SpeechTurns:
         self.speaking = False
         self._silence_from: int | None = None  # frame where the current silence began
 
+    def reset(self) -> None:
+        """Start over as a new detector would (its clock too), keeping the loaded model."""
+        self._model.reset_states()
+        self._pending = np.zeros(0, np.float32)
+        self._frames = 0
+        self.speaking, self._silence_from = False, None
+
     def feed(self, wav16: np.ndarray) -> list[tuple[str, int]]:
         import torch
 

@@ -13,10 +13,9 @@ import pytest
 
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.async_llm_engine import AsyncLLMEngine
-from encdec.entrypoints.openai.realtime import PartialBudget, pass_priorities
 from encdec.entrypoints.openai.transcription_jobs import JobProgress, run_job
 from encdec.transcription import TranscribeOptions, make_job
-from encdec.transcription.live import FINAL_PRIORITY, PARTIAL_PRIORITY, Turn
+from encdec.transcription.live import FINAL_PRIORITY, PARTIAL_PRIORITY, PartialBudget, Turn, pass_priorities
 
 
 class _Admitted(JobProgress):

@@ -1,4 +1,5 @@
-"""Live transcription: text while someone speaks, then the final text of the turn.
+"""One turn of live transcription: its samples, when its partial passes are
+due, and the words two passes agree on (``LiveSession`` drives turns).
 
 One turn (an utterance: from speech start to speech stop, or between a
 client's commits) grows as audio arrives. Every ``partial_every`` seconds of
