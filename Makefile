@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_PROGRESS_BARS ?= 1
+export NO_MKDOCS_2_WARNING ?= 1
+# The docs (docs/, mkdocs.yml) build first: a broken link or heading fails the run.
+DOCS := $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 .PHONY: run test test-all bench clean
 
@@ -29,9 +32,11 @@ run: $(VENV)/.installed
 # multilingual and reduced-precision Whisper comparisons, the packaging and load
 # tests); test-all runs every test.
 test: $(VENV)/.installed
+	$(DOCS)
 	$(PY) -m pytest -q -p no:cacheprovider -rs -m "not slow"
 
 test-all: $(VENV)/.installed
+	$(DOCS)
 	$(PY) -m pytest -q -p no:cacheprovider -rs
 
 bench: $(VENV)/.installed
@@ -39,4 +44,4 @@ bench: $(VENV)/.installed
 	$(PY) -m benchmarks.whisper_bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
