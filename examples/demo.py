@@ -61,7 +61,7 @@ def whisper_demo() -> None:
 def main() -> None:
     import encdec
 
-    encdec.configure_cpu_runtime()  # process-wide CPU settings for full speed (README: Speed)
+    encdec.configure_cpu_runtime()  # process-wide CPU settings for full speed (docs/speed.md)
     whisper_demo()
     bart_demo(sys.argv[1] if len(sys.argv) > 1 else None)
 
