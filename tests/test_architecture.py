@@ -1,11 +1,12 @@
 """The house rules a reviewer would otherwise check by hand, read from the source
 with ``ast`` (nothing is imported): no import cycle between ``encdec`` modules
-(every import counts: function-level ones and a package ``__init__``'s
-re-exports), no module over 400 lines and no function over 80, the comparison
-libraries (HF ``generate``, CTranslate2, faster-whisper, jiwer) never imported at
-a module's top level, beam search decided outside the engine, no ``isinstance``
-on a beam row class standing for a sampling type, and every package says what it
-owns in its ``__init__`` docstring."""
+(every import that can run counts: function-level ones and a package
+``__init__``'s re-exports, eager or lazy), no module over 400 lines and no
+function over 80, the comparison libraries (HF ``generate``, CTranslate2,
+faster-whisper, jiwer) never imported at a module's top level, the checkout's
+``benchmarks/`` and ``tests/`` never imported, beam search decided outside the
+engine, no ``isinstance`` on a beam row class standing for a sampling type, and
+every package says what it owns in its ``__init__`` docstring."""
 from __future__ import annotations
 
 import ast
@@ -57,6 +58,16 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in SOURCES else base for alias in node.names]
 
 
+def _type_checking_imports(tree: ast.Module) -> set[int]:
+    """The imports under ``if TYPE_CHECKING:``: they never run (annotations are strings
+    under ``from __future__ import annotations``), so they are not edges."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
 def _lazily_named(node: ast.AST) -> list:
     """The string constants ``node`` may name a module by for a lazy import."""
     if isinstance(node, ast.Dict):
@@ -69,13 +80,16 @@ def _lazily_named(node: ast.AST) -> list:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """``encdec`` module -> the ``encdec`` modules it imports anywhere in its file,
-    lazily named ones included: a module's dotted name as a value in a dict (a
+    """``encdec`` module -> the ``encdec`` modules it imports anywhere in its file
+    (``if TYPE_CHECKING:`` blocks aside), lazily named ones included: a module's dotted name as a value in a dict (a
     package's table of lazy exports, as ``encdec/__init__``'s) or given to
     ``import_module``."""
     graph: dict[str, set[str]] = {name: set() for name in SOURCES}
     for name, tree in TREES.items():
+        typing_only = _type_checking_imports(tree)
         for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             for value in _lazily_named(node):
                 if value in SOURCES and value != name:
                     graph[name].add(value)
@@ -199,6 +213,15 @@ def test_no_comparison_library_imported_at_module_level():
             if bad:
                 found.append(f"{_rel(SOURCES[name])}:{node.lineno} {bad}")
     assert not found, "module-level imports of comparison libraries:\n" + "\n".join(found)
+
+
+def test_the_package_never_imports_the_checkout():
+    """benchmarks/ and tests/ are not in the wheel: no encdec module may import them, even lazily."""
+    found = [f"{_rel(SOURCES[name])}:{node.lineno}" for name, tree in TREES.items() for node in ast.walk(tree)
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+             and any(m.split(".")[0] in ("benchmarks", "tests")
+                     for m in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]))]
+    assert not found, f"encdec modules importing benchmarks/ or tests/: {found}"
 
 
 def test_the_engine_does_not_run_beam_search():
