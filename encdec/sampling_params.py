@@ -19,6 +19,7 @@ from encdec.param_checks import check_number as _num
 from encdec.param_checks import int_list as _int_list
 from encdec.param_checks import prompt_token_logprobs as _prompt_token_logprobs
 from encdec.param_checks import str_list as _str_list
+from encdec.param_checks import truncation as _truncation
 
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 _MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
@@ -28,6 +29,7 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+    BEAM = 3  # a beam search row (BeamRowParams): greedy logits, HF's beam rules choose the token
 
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
@@ -108,6 +110,13 @@ class SamplingParams:
     detokenize: bool = True
     extra_args: dict[str, Any] | None = None
     no_repeat_ngram_size: int = 0  # HF's: ban any n-gram of this size from repeating (0 = off)
+    # vLLM's: cut the encoder prompt (token ids; audio features are never cut) to
+    # k tokens, -1: to the model's encoder positions; None: a longer prompt is
+    # refused. ``truncation_side`` "left" keeps the last k (vLLM's); "right" the
+    # first k, a final eos kept (HF's tokenizer(truncation=True), what
+    # LLM.generate(..., truncation=True) asks for).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     # Set by the engine, not the user: eos ids folded into the stop set, and the
     # bad words as token-id sequences (see update_from_tokenizer).
@@ -129,6 +138,7 @@ class SamplingParams:
         self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
         self.prompt_token_logprobs = _prompt_token_logprobs(self.prompt_token_logprobs)
+        self.truncate_prompt_tokens = _truncation(self.truncate_prompt_tokens, self.truncation_side)
         if self.best_of is None:
             self.best_of = self.n
         for name in ("n", "best_of", "top_k", "min_tokens", "no_repeat_ngram_size"):
@@ -267,3 +277,39 @@ class SamplingParams:
 
 # Re-export (API.md): BeamSearchParams lives with the beam search code.
 from encdec.beam_search.params import BeamSearchParams  # noqa: E402,F401
+
+
+@dataclass(kw_only=True)
+class BeamRowParams(SamplingParams):
+    """The ``SamplingParams`` a beam request's rows run with: greedy (so
+    validation, eos folding, the max_tokens cap, the persistent batch and every
+    logits processor treat its rows like any other), carrying the user's
+    ``BeamSearchParams``. Its ``sampling_type`` is ``BEAM``: the sampler selects
+    the group's candidates and the scheduler's beam search decides its beams."""
+
+    beam: BeamSearchParams | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.beam is None:
+            raise ValueError("BeamRowParams needs beam=BeamSearchParams(...)")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        return SamplingType.BEAM
+
+    @classmethod
+    def from_beam_params(cls, params: BeamSearchParams) -> BeamRowParams:
+        """``best_of = beam_width``: the group is made with ``beam_width`` sequences,
+        which share the decoder prompt's blocks and the one cross table."""
+        extra = {key: getattr(params, key) for key in ("forced_bos_token_id", "forced_eos_token_id")
+                 if getattr(params, key) is not None and getattr(params, key) is not False}
+        return cls(
+            n=1, best_of=params.beam_width, temperature=0.0, max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens, detokenize=False,
+            no_repeat_ngram_size=params.no_repeat_ngram_size, extra_args=extra or None,
+            prompt_token_logprobs=params.prompt_token_logprobs, truncate_prompt_tokens=params.truncate_prompt_tokens,
+            truncation_side=params.truncation_side, beam=params)

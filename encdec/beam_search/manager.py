@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from encdec.beam_search.rows import BeamRowParams
 from encdec.beam_search.scorer import RequestScalars, beam_step
+from encdec.core.outputs import BeamCandidates
 from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.outputs import CompletionOutput, RequestOutput
-from encdec.sample.beam_candidates import BeamCandidates
+from encdec.sampling_params import BeamRowParams, SamplingType
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _NEG = -1.0e9
@@ -84,7 +84,7 @@ class BeamSearchManager:
 
     @staticmethod
     def is_beam_group(group: SequenceGroup) -> bool:
-        return isinstance(group.sampling_params, BeamRowParams)
+        return group.sampling_params.sampling_type is SamplingType.BEAM
 
     def add_group(self, group: SequenceGroup) -> None:
         params: BeamRowParams = group.sampling_params

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import CacheConfig, SchedulerConfig
 from encdec.core import step_update
+from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.preemption import Preemption
 from encdec.core.scheduler_outputs import (
     BeamDecision,
@@ -119,7 +120,7 @@ class Scheduler(Preemption):
         self.block_manager.free_cross(group)
         self._add_order.pop(group.request_id, None)
 
-    def update(self, scheduler_outputs: SchedulerOutputs, runner_output,
+    def update(self, scheduler_outputs: SchedulerOutputs, runner_output: ModelRunnerOutput,
                beam_decisions: list[BeamDecision] = ()) -> list[SequenceGroup]:
         """Apply one step's results to its sequences (``encdec.core.step_update``):
         sampled tokens appended and stop-checked, beam decisions applied, finished

@@ -29,6 +29,11 @@ class SchedulerOutputs:
     # of the step's metadata.
     seq_ids_joined: list[int] = field(default_factory=list)
     seq_ids_left: list[int] = field(default_factory=list)
+    # request_id -> the tokens it may sample this step (structured outputs' grammar
+    # state): a bitmask over the vocabulary, 32 tokens per int, bit set = allowed,
+    # for the sampler to apply before any other processor. None: no request is
+    # constrained (nothing fills it yet).
+    token_masks: dict[str, list[int]] | None = None
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """What a step's results do to its sequences, applied by ``Scheduler.update``
 (the one owner of sequence state, as nano-vllm's ``Scheduler.postprocess``):
 
-    sampled tokens   appended; the stop checker ends the sequence on eos, a stop
-                     id or string, max_tokens or max_model_len; a finished
+    sampled tokens   appended in order; the stop checker ends the sequence on
+                     eos, a stop id or string, max_tokens or max_model_len (the
+                     tokens after one that ends it are dropped); a finished
                      sequence's blocks are freed at once
     beam decisions   parents kept by one new beam append in place, by m > 1
                      beams fork m - 1 times first (shared blocks, copy-on-write
@@ -10,13 +11,14 @@
                      search finishes and frees every beam
     prompt logprobs  kept on the group the first time a prefill reports them
 
-Pure bookkeeping: the runner's output is read by field names, no torch.
+Pure bookkeeping on ``encdec.core.outputs``' types, no torch.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from encdec.core.outputs import ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import BeamDecision, SchedulerOutputs
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -34,20 +36,25 @@ def mark_computed(sched: SchedulerOutputs) -> None:
             s.seq_group.metrics.first_token_time = now
 
 
-def append_samples(samples: list[Any], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
+def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
                    stop_checker: StopChecker) -> None:
-    """``samples``: the runner's sampled tokens (``seq_id``, ``token_id``, ``logprobs``)."""
+    """Each sequence's tokens, stop-checked one by one. Only a sequence's last
+    token may leave its text for later (``StopChecker.check(defer_text=True)``):
+    the detokenizer decodes a sequence's newest token only."""
     seqs = {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
             for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
     for sample in samples:
         seq, group = seqs[sample.seq_id]
-        seq.append_token_id(sample.token_id, sample.logprobs)
-        stop_checker.check(seq, group.sampling_params, defer_text=True)
-        if seq.is_finished():
-            block_manager.free(seq)
+        last = len(sample.sampled_token_ids) - 1
+        for i, token_id in enumerate(sample.sampled_token_ids):
+            seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
+            stop_checker.check(seq, group.sampling_params, defer_text=i == last)
+            if seq.is_finished():
+                block_manager.free(seq)
+                break
 
 
-def keep_prompt_logprobs(runner_output: Any, groups: dict[str, SequenceGroup]) -> None:
+def keep_prompt_logprobs(runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup]) -> None:
     """A recomputed prefill reports them again; the first report stays."""
     for request_id, lps in runner_output.prompt_logprobs.items():
         group = groups.get(request_id)

@@ -22,6 +22,7 @@ from typing import Any
 
 from encdec.beam_search.manager import BeamSearchManager
 from encdec.config import SchedulerConfig
+from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
 from encdec.core.stop_checker import StopChecker
 from encdec.engine.arg_utils import EngineArgs
@@ -139,22 +140,20 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------
     def process_requests(self, prompts: Seq[PromptType],
-                         params_list: Seq[SamplingParams | None], *,
-                         priority: Seq[int] | None = None,
-                         truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
+                         params_list: Seq[SamplingParams | None]) -> list[tuple[dict, SamplingParams]]:
         """Validate and tokenize a whole call without touching engine state
-        (``encdec.engine.processor.Processor.process_requests``)."""
-        return self.processor.process_requests(prompts, params_list, priority=priority, truncation=truncation)
+        (``encdec.engine.processor.Processor.process_requests``); per-request
+        options travel on the params (``truncate_prompt_tokens``)."""
+        return self.processor.process_requests(prompts, params_list)
 
-    def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
-                        priority: int = 0, truncation: bool = False) -> tuple[dict, SamplingParams]:
+    def process_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[dict, SamplingParams]:
         """``process_requests`` for one prompt (errors carry no index)."""
-        return self.processor.process_request(prompt, params, priority=priority, truncation=truncation)
+        return self.processor.process_request(prompt, params)
 
     def add_processed_request(self, request_id: str, inputs: dict, params: SamplingParams,
                               arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue what ``process_requests`` returned. Pass the same ``priority`` to
-        both; it is checked here again before anything changes."""
+        """Queue what ``process_requests`` returned, at ``priority`` (the request's
+        own, checked here before anything changes)."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.processor.check_priority(priority)
@@ -175,7 +174,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        inputs, params = self.process_request(prompt, params, priority=priority)
+        inputs, params = self.process_request(prompt, params)
         self.add_processed_request(request_id, inputs, params, arrival_time, priority)
 
     def abort_request(self, request_id: str | list[str]) -> list[str]:
@@ -200,12 +199,12 @@ class LLMEngine:
         output = self.worker.execute_model(metas, sched, while_device_runs=self.stop_checker.flush_text)
         return self._update(sched, output)
 
-    def _update(self, sched: SchedulerOutputs, output: Any) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutputs, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Counters, beam decisions, then the scheduler applies the step."""
         self.stop_checker.flush_text()  # a step with nothing to run called no while_device_runs
         for s in sched.scheduled_seq_groups[: sched.num_prefill_groups]:
             self.num_prompt_tokens += s.token_chunk_size + s.seq_group.encoder_seq.get_len()
-        self.num_generated_tokens += len(output.samples)
+        self.num_generated_tokens += sum(len(s.sampled_token_ids) for s in output.samples)
         decisions = []
         if output.beam_candidates:  # beam groups: tokens come from HF's beam rules, not sampling
             self.num_generated_tokens += sum(self.groups[r].num_seqs(SequenceStatus.RUNNING)

@@ -15,16 +15,13 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq  # encdec.sequence.Sequence is the other one
 from typing import Any
 
-import numpy as np
-
-from encdec.beam_search.params import BeamSearchParams
-from encdec.beam_search.rows import BeamRowParams
 from encdec.block_manager.capacity import kv_blocks_needed
 from encdec.block_manager.manager import watermark_blocks
 from encdec.config import CacheConfig, ModelConfig, SchedulerConfig
 from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.registry import get_model_hooks
-from encdec.sampling_params import SamplingParams
+from encdec.param_checks import check_priority
+from encdec.sampling_params import BeamRowParams, BeamSearchParams, SamplingParams
 
 # Generation-config tokens a request inherits from the checkpoint unless it sets them.
 FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")
@@ -69,33 +66,24 @@ class Processor:
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
 
     def process_requests(self, prompts: Seq[PromptType],
-                         params_list: Seq[SamplingParams | None], *,
-                         priority: Seq[int] | None = None,
-                         truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
+                         params_list: Seq[SamplingParams | None]) -> list[tuple[dict, SamplingParams]]:
         """Validate and tokenize a whole call. The audio of all prompts becomes
-        features in one batched call. ``truncation``: cut an encoder prompt longer
-        than the model's positions as HF's ``tokenizer(truncation=True)`` does (its
-        final eos kept) instead of refusing it. ``BeamSearchParams`` become the
-        params of the beams' rows."""
+        features in one batched call. Each request's options travel on its params
+        (``truncate_prompt_tokens``: its encoder prompt cut instead of refused).
+        ``BeamSearchParams`` become the params of the beams' rows."""
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._process(prompts, params_list, priority, indexed=True, truncation=truncation)
+        return self._process(prompts, params_list, indexed=True)
 
-    def process_request(self, prompt: PromptType, params: SamplingParams | None, *,
-                        priority: int = 0, truncation: bool = False) -> tuple[dict, SamplingParams]:
+    def process_request(self, prompt: PromptType, params: SamplingParams | None) -> tuple[dict, SamplingParams]:
         """``process_requests`` for one prompt (errors carry no index)."""
-        return self._process([prompt], [params], [priority], indexed=False, truncation=truncation)[0]
+        return self._process([prompt], [params], indexed=False)[0]
 
-    def _process(self, prompts: Seq[PromptType], params_list: Seq[SamplingParams | None],
-                 priority: Seq[int] | None, *, indexed: bool,
-                 truncation: bool = False) -> list[tuple[dict, SamplingParams]]:
+    def _process(self, prompts: Seq[PromptType], params_list: Seq[SamplingParams | None], *,
+                 indexed: bool) -> list[tuple[dict, SamplingParams]]:
         checked: dict[int, SamplingParams] = {}  # id(user params) -> checked; a shared one is checked once
         for i, params in enumerate(params_list):
             with prompt_errors(i if indexed else None):
-                if priority is not None:
-                    self.check_priority(priority[i])
                 if id(params) not in checked:
                     checked[id(params)] = self._check_params(params)
         # The tokenizer's defaults, except for Whisper, whose special tokens the
@@ -107,17 +95,12 @@ class Processor:
         out = []
         for i, (inputs, params) in enumerate(zip(all_inputs, params_list)):
             with prompt_errors(i if indexed else None):
-                out.append(self._check_request(inputs, checked[id(params)], truncation=truncation))
+                out.append(self._check_request(inputs, checked[id(params)]))
         return out
 
     def check_priority(self, priority: Any) -> None:
-        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
-        if priority != 0 and self.scheduler_config.policy != "priority":
-            # vLLM raises too, rather than ignore it.
-            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
-                             f"(scheduling_policy={self.scheduler_config.policy!r}); pass "
-                             "scheduling_policy='priority' to LLM to use priorities")
+        """A request's priority under this engine's scheduling policy (``param_checks.check_priority``)."""
+        check_priority(priority, self.scheduler_config.policy)
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         """The checks that need the model: token ids against the vocabulary,
@@ -168,21 +151,39 @@ class Processor:
         params.extra_args = extra or None
         return params
 
-    def _check_request(self, inputs: dict, params: SamplingParams, *,
-                       truncation: bool = False) -> tuple[dict, SamplingParams]:
+    def _truncate(self, inputs: dict, params: SamplingParams) -> dict:
+        """``inputs`` with the encoder prompt cut as ``params.truncate_prompt_tokens``
+        asks (vLLM's: k tokens, -1 the model's encoder positions): "left" keeps the
+        last k, "right" the first k with a final eos kept (HF's
+        ``tokenizer(truncation=True)``). Audio features are never cut."""
+        k = params.truncate_prompt_tokens
+        limit = self.model_config.max_encoder_len
+        if k is None or "encoder_features" in inputs:
+            return inputs
+        if k > limit:
+            raise ValueError(f"truncate_prompt_tokens={k} is more than the model's {limit} encoder positions; "
+                             f"give at most {limit}, or -1 for the model's limit")
+        ids = inputs["encoder_prompt_token_ids"]
+        keep = limit if k == -1 else k
+        if len(ids) <= keep:
+            return inputs
+        if params.truncation_side == "left":
+            ids = ids[-keep:]
+        else:
+            ids = ids[:keep - 1] + ids[-1:] if ids[-1] == self.eos_token_id and keep > 1 else ids[:keep]
+        return {**inputs, "encoder_prompt_token_ids": ids}
+
+    def _check_request(self, inputs: dict, params: SamplingParams) -> tuple[dict, SamplingParams]:
         """Lengths, token ids and KV capacity of one processed prompt; returns the
-        inputs (truncated if asked) and their own params with ``max_tokens`` fitted
-        to the decoder's positions."""
+        inputs (truncated if its params ask) and their own params with
+        ``max_tokens`` fitted to the decoder's positions."""
+        inputs = self._truncate(inputs, params)
         dec_len, enc_len = len(inputs["prompt_token_ids"]), len(inputs["encoder_prompt_token_ids"])
         cfg = self.model_config
-        if enc_len > cfg.max_encoder_len and truncation and "encoder_features" not in inputs:
-            ids, keep = inputs["encoder_prompt_token_ids"], cfg.max_encoder_len
-            ids = ids[:keep - 1] + ids[-1:] if ids[-1] == self.eos_token_id else ids[:keep]
-            inputs = {**inputs, "encoder_prompt_token_ids": ids}
-            enc_len = len(ids)
         if enc_len > cfg.max_encoder_len:
             raise ValueError(f"encoder prompt is {enc_len} tokens, longer than the model's "
-                             f"{cfg.max_encoder_len} encoder positions; pass truncation=True to cut it")
+                             f"{cfg.max_encoder_len} encoder positions; set truncate_prompt_tokens in its "
+                             "params, or pass truncation=True to LLM.generate or LLM.translate, to cut it")
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")

@@ -1,5 +1,5 @@
 """Candidate selection for beam search: each beam group's top-K continuations
-(the engine side, ``encdec.beam_search``, turns them into beams).
+(``SamplingType.BEAM`` rows; the scheduler's beam search turns them into beams).
 
 HF scores every (beam, token) pair of a request by the beam's running score
 plus the token's processed log-probability and keeps the best K over the
@@ -14,22 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from encdec.beam_search.rows import BeamRowParams
+from encdec.core.outputs import BeamCandidates
 from encdec.platform.device_tensors import to_device
+from encdec.sampling_params import BeamRowParams, SamplingType
 from encdec.sequence import SequenceGroupMetadata
-
-
-@dataclass
-class BeamCandidates:
-    """One group's K best continuations, best first (HF's topk order)."""
-
-    scores: list[float]  # summed log-probs (float32 values)
-    parents: list[int]  # the beam (slot in the group's seq order) each extends
-    tokens: list[int]  # the token each appends
-    # the token's log-prob with its row renormalised after the processors' masks (what
-    # HF's Whisper fallback rule averages; the search ranks on `scores`); None unless
-    # the request's BeamSearchParams.renormalized_logprob
-    token_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -57,7 +45,7 @@ def num_candidates(params: BeamRowParams) -> int:
 def find_beam_rows(metas: list[SequenceGroupMetadata], batch_rows: dict[int, int],
                    device: torch.device) -> BeamRows | None:
     """``batch_rows``: decoder seq_id -> its row in the logits batch (every row)."""
-    beam_metas = [m for m in metas if isinstance(m.sampling_params, BeamRowParams)]
+    beam_metas = [m for m in metas if m.sampling_params.sampling_type is SamplingType.BEAM]
     if not beam_metas:
         return None
     rows = [batch_rows[sid] for m in beam_metas for sid in m.seq_data]

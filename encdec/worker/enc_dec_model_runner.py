@@ -18,38 +18,22 @@ batch's order, which is what the logits processors index by.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
                                                 cache_slots_list, packed_slots)
+from encdec.core.outputs import ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import padded_to_device, split_to_device, to_device
-from encdec.sample.beam_candidates import BeamCandidates, find_beam_rows, select_candidates
+from encdec.sample.beam_candidates import find_beam_rows, select_candidates
 from encdec.sample.sampler import Sampler, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
-
-
-@dataclass
-class SampledToken:
-    seq_id: int
-    token_id: int
-    logprobs: dict[int, Logprob] = field(default_factory=dict)  # empty unless asked
-
-
-@dataclass
-class ModelRunnerOutput:
-    samples: list[SampledToken]  # one per sampled decoder sequence
-    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
-    # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)
-    prompt_token_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
-    # beam groups (no samples): request_id -> the top continuations over its beams
-    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 class AskedPosition(NamedTuple):
@@ -321,7 +305,7 @@ class EncoderDecoderModelRunner:
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
         lp = self._logprobs(out.logprobs_tensors, [rows[i].meta.sampling_params.logprobs for i in order])
-        samples = [SampledToken(rows[i].seq_id, tok, lp[r] if lp else {})
+        samples = [SampledTokens(rows[i].seq_id, [tok], [lp[r]] if lp else [])
                    for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i].seq_id not in beam_seqs]
         return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
                                  prompt_token_logprobs=token_lps, beam_candidates=candidates)

@@ -105,7 +105,8 @@ class InputBatch:
         self.req_id_to_index[req_id] = index
         self.batch_update_builder.add(index, params, prompt_token_ids, output_token_ids)
 
-        greedy = params.sampling_type == SamplingType.GREEDY
+        # beam rows rank their candidates on unscaled log-probs, as greedy rows do
+        greedy = params.sampling_type in (SamplingType.GREEDY, SamplingType.BEAM)
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else self.vocab_size
         values = (0.0 if greedy else params.temperature, params.top_p, top_k,
                   params.frequency_penalty, params.presence_penalty, params.repetition_penalty)

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager.capacity import longest_request_blocks
 from encdec.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
+from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
@@ -30,7 +31,7 @@ from encdec.platform import huge_pages
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
-from encdec.worker import quantization
+from encdec import quantization
 from encdec.worker.cache_engine import (
     MAX_PREFAULT_BYTES,
     CacheEngine,
@@ -42,7 +43,7 @@ from encdec.worker.cache_engine import (
     typical_decoder_len,
 )
 from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
-from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, ModelRunnerOutput
+from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner
 from encdec.worker.input_batch import InputBatch
 
 logger = logging.getLogger("encdec")

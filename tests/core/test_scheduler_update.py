@@ -1,4 +1,4 @@
-"""``Scheduler.update``: the one owner of a step's sequence state. Fake runner
+"""``Scheduler.update``: the one owner of a step's sequence state. Runner
 outputs (no model): tokens appended and stop-checked, finished sequences freed,
 beam decisions applied (fork, drop, append, finish), the persistent batch's
 joins and leaves, and statistics that stay bounded over a long run."""
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from dataclasses import dataclass, field
 
 from encdec.core import scheduler as scheduler_module
+from encdec.core.outputs import ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingParams
@@ -16,20 +16,6 @@ from encdec.sequence import SequenceStatus
 from tests.core.test_scheduler import assert_all_free, make_group, make_scheduler
 
 EOS = 2
-
-
-@dataclass
-class Sample:
-    seq_id: int
-    token_id: int
-    logprobs: dict = field(default_factory=dict)
-
-
-@dataclass
-class RunnerOutput:
-    samples: list[Sample]
-    prompt_logprobs: dict = field(default_factory=dict)
-    prompt_token_logprobs: dict = field(default_factory=dict)
 
 
 def scheduler(num_gpu: int = 64, **kw):
@@ -40,8 +26,8 @@ def scheduler(num_gpu: int = 64, **kw):
 
 def run_step(sched, token_of=lambda seq_id: 7):
     metas, out = sched.schedule()
-    samples = [Sample(sid, token_of(sid)) for m in metas for sid in m.seq_data]
-    return metas, out, sched.update(out, RunnerOutput(samples))
+    samples = [SampledTokens(sid, [token_of(sid)]) for m in metas for sid in m.seq_data]
+    return metas, out, sched.update(out, ModelRunnerOutput(samples))
 
 
 def test_update_appends_stops_on_eos_and_frees():
@@ -88,7 +74,7 @@ def test_beam_decision_forks_drops_and_appends_sharing_blocks():
     decision = BeamDecision("beams", finished=False, dropped=[s2], beams=[
         BeamUpdate(s0, s0, 11, -0.5), BeamUpdate(s0, 100, 12, -0.7), BeamUpdate(s1, s1, 13, -0.9)])
     _, out = sched.schedule()
-    sched.update(out, RunnerOutput([]), [decision])
+    sched.update(out, ModelRunnerOutput([]), [decision])
     seqs = g.get_seqs(SequenceStatus.RUNNING)
     assert [s.seq_id for s in seqs] == [s0, 100, s1]
     assert [s.get_last_token_id() for s in seqs] == [11, 12, 13]
@@ -98,7 +84,7 @@ def test_beam_decision_forks_drops_and_appends_sharing_blocks():
     assert s2 not in bm.block_tables
     _, out = sched.schedule()
     assert out.seq_ids_joined == [100] and out.seq_ids_left == [s2]
-    finished = sched.update(out, RunnerOutput([]), [BeamDecision("beams", finished=True)])
+    finished = sched.update(out, ModelRunnerOutput([]), [BeamDecision("beams", finished=True)])
     assert finished == [g] and all(s.is_finished() for s in g.get_seqs())
     assert_all_free(sched)
 

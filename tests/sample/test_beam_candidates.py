@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from encdec.beam_search.params import BeamSearchParams
-from encdec.beam_search.rows import BeamRowParams
 from encdec.sample.beam_candidates import find_beam_rows, select_candidates
+from encdec.sampling_params import BeamRowParams
 from encdec.sequence import SequenceData, SequenceGroupMetadata
 
 

@@ -1,0 +1,50 @@
+"""What a step's model runner hands the scheduler (``Scheduler.update``):
+typed, torch-free, one owner applies each part.
+
+    samples          per sampled decoder sequence: the tokens it appends this
+                     step (one today; several once a drafter's tokens are
+                     verified), each with its log-probs when asked
+    beam_candidates  per beam group (``SamplingType.BEAM``): the sampler's top-K
+                     continuations over its beams; the scheduler's beam search
+                     turns them into the group's next beams
+    prompt logprobs  per prefill that asked, once
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from encdec.sequence import Logprob
+
+
+@dataclass
+class SampledTokens:
+    """The tokens one decoder sequence (a persistent-batch row) appends this step."""
+
+    seq_id: int
+    sampled_token_ids: list[int]  # in order; the stop checker may end the sequence before the last
+    # per token of sampled_token_ids: its log-prob, then the request's top-k; [] unless asked
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class BeamCandidates:
+    """One beam group's K best continuations, best first (HF's topk order)."""
+
+    scores: list[float]  # summed log-probs (float32 values)
+    parents: list[int]  # the beam (slot in the group's seq order) each extends
+    tokens: list[int]  # the token each appends
+    # the token's log-prob with its row renormalised after the processors' masks (what
+    # HF's Whisper fallback rule averages; the search ranks on `scores`); None unless
+    # the request's BeamSearchParams.renormalized_logprob
+    token_logprobs: list[float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    samples: list[SampledTokens]  # one per sampled decoder sequence that is not a beam
+    # request_id -> per decoder-prompt position: {token id: Logprob} (None for the first)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)
+    prompt_token_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
+    # request_id -> its candidates, for beam groups (their rows are in no sample)
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
