@@ -1,6 +1,7 @@
 """The C kernels: one ``<name>_cpu.c`` and one ``<name>_cpu.py`` wrapper each,
-compiled on first use by ``build`` (once per machine and ISA, never
-``-march=native``) and called through ctypes.
+compiled by ``build`` (once per machine and ISA, never ``-march=native``: at
+set-up by ``encdec build-kernels``, else all at once at the first use) and
+called through ctypes.
 
 Every wrapper has the same contract:
 
