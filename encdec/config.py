@@ -84,6 +84,9 @@ class ModelConfig:
     checkpoint_path: str | None = None  # the local directory ``model`` resolved to
 
 
+QUANTIZATIONS = ("int8",)  # LoadConfig.quantization's values besides None (encdec.quantization runs them)
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """What the worker needs to put a model on a device (``EngineArgs.load_config()``)."""
@@ -96,4 +99,4 @@ class LoadConfig:
     max_model_len: int | None  # None: the model's decoder positions
     attention_backend: str | None  # None: the selector's choice for the device
     enforce_eager: bool  # CUDA: decode steps without CUDA graphs (no effect on CPU)
-    quantization: str | None = None  # None, or "int8": int8 linears on CPU (worker.quantization)
+    quantization: str | None = None  # None or one of QUANTIZATIONS ("int8": int8 linears on CPU)

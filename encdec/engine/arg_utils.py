@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from encdec.config import CacheConfig, LoadConfig, PreemptionMode
+from encdec.config import QUANTIZATIONS, CacheConfig, LoadConfig, PreemptionMode
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 # faster-whisper's / CTranslate2's compute_type -> our engine options (CPU)
@@ -52,7 +52,7 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={"choices": _DTYPES})
     # CPU, opt-in: int8 linears (weights per output channel, activations quantized on the
     # fly; encoder, decoder and LM head); default None: the weights as dtype says.
-    quantization: str | None = field(default=None, metadata={"choices": ("int8",)})
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
     # KV cache type; auto: the model's dtype. bfloat16 also under float32 weights on CPU
     # (torch_sdpa backend: the C decode kernels widen it; half the bytes a decode step
     # reads), and compute_type int8's default.
@@ -96,8 +96,9 @@ class EngineArgs:
             raise ValueError(f"model must be a hub id or a local directory, got {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be None or {' or '.join(map(repr, QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

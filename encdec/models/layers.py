@@ -1,24 +1,15 @@
-"""Layers BART and Whisper share: ``Linear`` (oneDNN-prepacked on CPU) and
-``MultiHeadAttention`` with its checkpoint name map.
+"""Layers the model families share: ``Linear``, ``MultiHeadAttention`` with its
+checkpoint name map (``fused_projection``, ``load_fused``) and ``FusedDecodeStep``.
 
-``Linear``: nn.Linear whose CPU float32 matmul can run on a prepacked oneDNN weight.
-
-Measured on this project's 2-core AMD EPYC machine (torch 2.13, 2 threads),
-oneDNN with a weight packed once beats the default sgemm at every decode
-size: 768x2304 at 16 rows 0.55 -> 0.29 ms, the BART LM head (768x50265) at
-64 rows 64 -> 25 ms, Whisper's (384x51865) at 16 rows 16 -> 5 ms, and large
-encoder batches by 1.1-1.4x. Results agree with ``F.linear`` to float32
-rounding. Parameter names are nn.Linear's, so checkpoints load unchanged.
-
-Reduced precision (opt-in, ``encdec.worker.quantization``): a bfloat16 weight
-packs for oneDNN's bf16 matmul (float32 accumulation); ``quantize_int8`` turns
-a Linear into int8 weights per output channel with float32 scales, its
-activations quantized per row on the fly (the matmuls: ``linear_int8``).
+``Linear`` is nn.Linear (the same parameter names, so checkpoints load unchanged)
+whose CPU float32 or bfloat16 matmul runs on a oneDNN weight packed once
+(``pack``), agreeing with ``F.linear`` to float32 rounding. Quantized, it
+delegates every call to its ``quant_method`` (``encdec.quantization``: the
+method owns how its weights are made and multiplied; the layer holds them).
 """
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,10 +19,12 @@ from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
 from encdec.attention.backends.abstract import PositionBias
+from encdec.attention.bias_tables import distance_table
 from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.build import cpu_isa
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
-from encdec.models.linear_int8 import INT8_PATHS, apply_act_, int8_fbgemm, int8_onednn
+from encdec.models.activation import FUSED_ACTIVATIONS, apply_act_
+from encdec.quantization.int8 import Int8LinearMethod
 
 
 def onednn_available() -> bool:
@@ -39,18 +32,15 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-FUSED_ACTIVATIONS = ("gelu", "relu")  # what Linear.forward_act fuses into the matmul (exact GELU, ReLU)
-
-
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     fused_gelu = False  # packed: forward_gelu uses oneDNN's GELU post-op (gelu_path, chosen at pack time)
     small_rows = False  # packed: inputs of a few rows run small_linear_cpu on panels of the weight
     panels: torch.Tensor | None = None  # small_linear_cpu.pack(weight), made at the first call of a few rows
-    int8: object | None = None  # quantize_int8: the int8 weight as int8_path runs it (forward runs only it)
-    int8_path = ""  # quantize_int8: how the int8 matmul runs (INT8_PATHS)
-    int8_panels: Any = None  # quantize_int8: small_linear_int8_cpu.PackedInt8, made at the first call of a few rows
-    int8_small_rows = False  # quantize_int8: inputs of a few rows run small_linear_int8_cpu (see _int8)
+    quant_method: Int8LinearMethod | None = None  # quantize_int8: runs every call (None: the float weight)
+    int8: object | None = None  # quant_method's: the int8 weight as its path runs it
+    int8_panels: Any = None  # quant_method's: small_linear_int8_cpu.PackedInt8, made at the first call of a few rows
+    int8_small_rows = False  # quant_method's: inputs of a few rows run small_linear_int8_cpu
     widened = False  # widen_to_float32: inputs of a narrower float dtype are widened to the weight's
 
     def pack(self) -> bool:
@@ -60,7 +50,7 @@ class Linear(nn.Linear):
         encoder never sees one)."""
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not onednn_available()
-                or self.int8 is not None):
+                or self.quant_method is not None):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
@@ -74,30 +64,11 @@ class Linear(nn.Linear):
         return True
 
     def quantize_int8(self, path: str) -> None:
-        """Int8 weight per output channel (symmetric, scale = max |w| / 127, float32);
-        the float weight is dropped (an LM head tied to its embedding unties: the
-        embedding keeps its own). ``forward`` then quantizes each call's activations
-        per row on the fly, and multiplies by ``path`` (one of ``INT8_PATHS``, as
-        ``quantization.int8_path`` picks): "onednn" (``torch._int_mm``, s8 x s8 with
-        VNNI), "fbgemm", or "fbgemm-7bit" (activations in 7 bits, for CPUs whose
-        int8 products saturate 16 bits)."""
-        if path not in INT8_PATHS:
-            raise ValueError(f"Linear.quantize_int8: path must be one of {INT8_PATHS}, got {path!r}")
-        w = self.weight.detach().float()
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127  # (out_features,) float32
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.register_buffer("weight_scale", scale)
-        self.int8_path = path
-        self.int8_small_rows = path == "onednn" and small_linear_int8_cpu.vnni_available()
-        if path == "onednn":
-            self.int8 = q.t()  # (in, out): _int_mm's right operand, the weight's own memory
-        else:
-            with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
-                warnings.simplefilter("ignore", UserWarning)
-                zero = torch.zeros_like(scale, dtype=torch.long)
-                qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-            self.int8 = torch.ops.quantized.linear_prepack(qw, None)
+        """Delegate to ``Int8LinearMethod(path)`` (``path`` one of ``INT8_PATHS``, as
+        ``quantization.int8_path`` picks), which quantizes the loaded weight now
+        and runs every later call; the float packing is dropped."""
+        self.quant_method = Int8LinearMethod(path)
+        self.quant_method.process_weights_after_loading(self)
         self.unpack()
 
     def widen_to_float32(self) -> None:
@@ -111,29 +82,9 @@ class Linear(nn.Linear):
         self.widened = True
         self.unpack()
 
-    def _int8(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        """A few rows (a decode step's LM head, an op-by-op decoder's linears)
-        run the decode step's int8 panel kernel: oneDNN's path's values bit for
-        bit (the same per-row quantization, exact int32 sums, the bias in one FMA).
-        Measured (Xeon family 6 model 207, AVX-512 VNNI, 2 threads, weights warm):
-        Whisper base's LM head (51865 x 512) at 1 row 0.77 -> 0.59 ms, at 8 rows
-        1.93 -> 0.73, at 64 rows 4.79 -> 3.57; 2048 x 512 at 8 rows 0.18 -> 0.03."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] == 0:
-            return x.new_empty(*lead, self.out_features)
-        if self.int8_small_rows and x2.shape[0] <= small_linear_cpu.MAX_ROWS:
-            out = small_linear_int8_cpu.small_linear_int8(x2, self.int8_panel_weight(), self.bias, post=act)
-            if out is not None:
-                return out.view(*lead, self.out_features)
-        run = int8_onednn if self.int8_path == "onednn" else int8_fbgemm
-        return run(self, x2, act).view(*lead, self.out_features)
-
     def int8_panel_weight(self) -> small_linear_int8_cpu.PackedInt8:
-        """The int8 weight in the decode step's panels (``small_linear_int8_cpu.pack``; made once, then kept)."""
-        if self.int8_panels is None:
-            self.int8_panels = small_linear_int8_cpu.pack(self.weight, self.weight_scale)
-        return self.int8_panels
+        """The int8 weight in the decode step's panels (``Int8LinearMethod.panel_weight``)."""
+        return self.quant_method.panel_weight(self)
 
     def panel_weight(self) -> torch.Tensor:
         """The weight in small_linear_cpu's panels (made once, then kept)."""
@@ -167,8 +118,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.widened:
             x = x.float()
-        if self.int8 is not None:
-            return self._int8(x, "none")
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, "none")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self._packed(x, "none")
@@ -184,8 +135,8 @@ class Linear(nn.Linear):
         for ReLU, and for GELU per ``gelu_path``)."""
         if act not in (*FUSED_ACTIVATIONS, "none"):
             raise ValueError(f"Linear.forward_act: act must be 'gelu', 'relu' or 'none', got {act!r}")
-        if self.int8 is not None:
-            return self._int8(x, act)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, act)
         if self.packed is None:
             return apply_act_(F.linear(x, self.weight, self.bias), act)
         return self._packed(x, act)
@@ -270,9 +221,15 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv_proj(h).chunk(3, dim=-1)  # (num_tokens, inner) each
         return self.out_proj(self.attn(q, k, v, kv_cache, md, position_bias))
 
-    # quantization="int8": forward_encoder's q k^T and P v in int8 (dense_attention_cpu); a
-    # cross-attention's prefill likewise through its backend (AttentionImpl.int8_dense)
-    int8_attention = False
+    int8_attention = False  # forward_encoder's q k^T and P v in int8 (use_int8_attention)
+
+    def use_int8_attention(self) -> None:
+        """quantization="int8": ``forward_encoder``'s q k^T and P v in int8 where the
+        dense C kernel runs them (``dense_attention_cpu``), and a cross-attention's
+        prefill likewise through its backend (``AttentionImpl.use_int8_dense``)."""
+        self.int8_attention = True
+        if self.attn is not None and self.attn_type == AttentionType.ENCODER_DECODER:
+            self.attn.impl.use_int8_dense()
 
     def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
         B, T, d = h.shape
@@ -357,8 +314,6 @@ class FusedDecodeStep:
             return False
         table = None
         if position_bias is not None:
-            from encdec.attention.backends.torch_sdpa import distance_table
-
             table = distance_table(position_bias, md.decode_metadata.max_decode_seq_len)
         return decoder_step_cpu.decode_step(
             h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,

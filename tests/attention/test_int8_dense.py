@@ -1,5 +1,5 @@
 """quantization="int8": the torch_sdpa backend's prefill cross-attention runs the
-dense C kernel's int8 products when its impl's ``int8_dense`` is set (Whisper's
+dense C kernel's int8 products once its impl's ``use_int8_dense`` granted them (Whisper's
 sequential prefill: the previous text's ~225 queries over 1500 keys), and only
 there: prompts under the dense kernel's minimum stay on torch's SDPA."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_prefill_cross_attention_takes_the_int8_dense_kernel_when_asked():
     impl = TorchSDPABackend.get_impl_cls()(H, D, D ** -0.5, H, AttentionType.ENCODER_DECODER)
     assert impl.int8_dense is False  # the default: float32
     fp32 = impl.forward(q, k, v, cache, md).view(45, H, D)
-    impl.int8_dense = True
+    assert impl.use_int8_dense()
     int8 = impl.forward(q, k, v, cache, md).view(45, H, D)
 
     def dense(rows, keys, as_int8):

@@ -23,7 +23,7 @@ def _t5_bias(heads: int, seed: int) -> RelativePositionBias:
 def test_biased_kernel_matches_float64_reference(block_size, heads, kv_heads, D, isa, monkeypatch):
     """Rows of 1..300 tokens (queries and keys past the largest bucket, 128),
     keys in shuffled blocks; scale 1 as T5's and 0.125."""
-    from encdec.attention.backends.torch_sdpa import distance_table
+    from encdec.attention.bias_tables import distance_table
 
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert paged_attention_cpu.path(isa) == isa
@@ -134,6 +134,7 @@ def test_encoder_bias_by_offset_equals_the_bias_matrix(n, monkeypatch):
     (``offset_table``), equals torch's SDPA given ``prefill``'s (H, n, n) matrix
     (queries and keys past the largest bucket at 200); the dense kernel takes
     every call of 32 queries or more."""
+    from encdec.attention import bias_tables
     from encdec.attention.backends import torch_sdpa
     from encdec.kernels.cpu import dense_attention_cpu
 
@@ -152,6 +153,6 @@ def test_encoder_bias_by_offset_equals_the_bias_matrix(n, monkeypatch):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(x.double().transpose(0, 1) for x in (q, k, v)), attn_mask=pb.prefill(n).double(), scale=1.0)
     torch.testing.assert_close(out.double(), ref.transpose(0, 1), atol=2e-5, rtol=1e-5)
-    offsets = torch_sdpa.offset_table(pb, n)
+    offsets = bias_tables.offset_table(pb, n)
     i = torch.arange(n)
     assert torch.equal(offsets[:, i[None, :] - i[:, None] + n - 1], pb.prefill(n))  # the same bias, by offset

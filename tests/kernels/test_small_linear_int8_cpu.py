@@ -44,7 +44,7 @@ def test_one_row_panel_matmul_is_the_op_by_op_linear_bit_for_bit(rows):
     partial last panel, with and without a bias."""
     if not small_linear_int8_cpu.vnni_available():
         pytest.skip("this CPU lacks the VNNI of its vector path")
-    from encdec.models.linear_int8 import int8_onednn
+    from encdec.quantization.int8 import int8_onednn
 
     g = torch.Generator().manual_seed(rows)
     for bias in (True, False):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from encdec.models.layers import Linear, onednn_available, pack_linears
-from encdec.worker import quantization
+from encdec import quantization
 
 
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")

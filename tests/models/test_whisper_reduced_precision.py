@@ -13,7 +13,7 @@ from encdec.attention import AttentionType
 from encdec.engine.arg_utils import compute_type_options
 from encdec.kernels.cpu import build
 from encdec.models.layers import Linear, MultiHeadAttention
-from encdec.worker.quantization import check_bfloat16, fused_step_linears
+from encdec.quantization import check_bfloat16, fused_step_linears
 
 MAX_NEW = 96
 # int8 as compute_type="int8" sets it: int8 linears, K/V cached in bfloat16
@@ -42,7 +42,7 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
     """Each mode's WER; bfloat16 also where LLM refuses it as slower (the refusal is
     bypassed here: its accuracy is the question, not its speed)."""
     from encdec import LLM, SamplingParams
-    from encdec.worker import quantization
+    from encdec import quantization
 
     _, texts, wavs = clips
     prompts = [{"prompt": PROMPTS[name], "multi_modal_data": {"audio": (w, 16000)}} for w in wavs]

@@ -125,8 +125,8 @@ class PositionBias(ABC):
     from a sequence's first token (a decoder's from its decoder prompt). Backends
     that take a bias set ``AttentionImpl.supports_position_bias``; torch_sdpa's C
     paged decode kernel reads it as one (heads, distance) table per step
-    (``torch_sdpa.distance_table``) and its C dense kernel (encoder self-attention)
-    as one (heads, offset) table per length (``torch_sdpa.offset_table``), both
+    (``bias_tables.distance_table``) and its C dense kernel (encoder self-attention)
+    as one (heads, offset) table per length (``bias_tables.offset_table``), both
     relying on T5's bias depending on ``key - query`` alone; cross-attention never
     takes one. A GPU backend gets the same object: ``compute`` for any
     positions, or the packed forms below.
@@ -217,10 +217,15 @@ class AttentionImpl(ABC):
     # True where ``forward`` takes ``position_bias`` (a ``PositionBias`` for
     # ENCODER and DECODER self-attention); ``Attention`` refuses a bias otherwise.
     supports_position_bias = False
-    # quantization="int8" (worker/quantization.py sets it): a backend that runs
-    # prefill cross-attention in the dense C kernel runs its two products in int8
-    # there (dense_attention_cpu's ``int8``); the others ignore it.
+    # True once ``use_int8_dense`` was granted: prefill cross-attention's two
+    # products run in int8 where this impl's dense kernel runs them.
     int8_dense = False
+
+    def use_int8_dense(self) -> bool:
+        """Ask for prefill cross-attention's q k^T and P v in int8 (the engine's
+        ``quantization="int8"``); returns whether this impl has such a path and
+        will take it. The default: no int8 path, False, nothing changes."""
+        return False
 
     @abstractmethod
     def forward(

@@ -12,7 +12,7 @@ that way), and gathers them otherwise.
 A ``PositionBias`` (T5) enters self-attention as SDPA's additive mask per
 prefill sequence (``bias.prefill(n)``, the C dense kernel not used then); at
 decode the C paged kernel takes one (H, max_len) row of it by distance
-(``distance_table``), or, without the kernel, ``bias.decode(seq_lens, max_len)``
+(``bias_tables.distance_table``), or, without the kernel, ``bias.decode(seq_lens, max_len)``
 goes under the padding mask. Cross-attention never takes a bias.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from encdec.attention.backends.abstract import (
     cache_slots,
     write_to_cache,
 )
+from encdec.attention.bias_tables import distance_table, offset_table
 from encdec.kernels.cpu import paged_attention_cpu
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
 
@@ -104,7 +105,7 @@ _DENSE_MIN_QUERIES = 32
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
           causal: bool = False, mask: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
     """q: (..., Lq, H, D), k/v: (..., Lk, H, D) -> (..., Lq, H, D). ``int8``: the
-    dense C kernel's int8 products, where it runs (``AttentionImpl.int8_dense``)."""
+    dense C kernel's int8 products, where it runs (``TorchSDPAImpl.use_int8_dense``)."""
     if q.dim() == 3:
         # A batch dim of 1: on CPU, 3-D inputs miss the flash kernel (measured 2.7x
         # slower at 300 tokens, 3.2x at 512), and so does a 3-D mask beside 4-D
@@ -134,28 +135,6 @@ def _cross_kv(flat: torch.Tensor, sl: tuple[int, int] | torch.Tensor,
     else:
         k, v = flat[0][sl], flat[1][sl]
     return k.to(dtype), v.to(dtype)
-
-
-def distance_table(bias: PositionBias, max_len: int) -> torch.Tensor:  # (H, max_len) float32
-    """The paged kernel's ``position_bias``: ``[h, d]`` = the bias of a key d
-    positions before its query. T5's bias depends only on ``key - query``, so one
-    query at ``max_len - 1`` over keys ``max_len - 1 .. 0`` serves every row of
-    the step; memoized on the bias (one stack, one step), so built once for all layers."""
-    def make() -> torch.Tensor:
-        keys = torch.arange(max_len - 1, -1, -1, device=bias.device)
-        return bias.compute(keys[:1], keys)[:, 0].contiguous()
-    return bias._memo(("distance", max_len), make)
-
-
-def offset_table(bias: PositionBias, n: int) -> torch.Tensor:  # (H, 2n - 1) float32
-    """The dense kernel's ``offset_bias`` for one sequence of ``n`` tokens over
-    each other: ``[h, o]`` = the bias of a key ``o - (n - 1)`` positions after its
-    query (T5's depends only on that offset, as ``distance_table`` relies on
-    too). Memoized on the bias: built once per length for all layers."""
-    def make() -> torch.Tensor:
-        keys = torch.arange(2 * n - 1, device=bias.device)
-        return bias.compute(keys[n - 1: n], keys)[:, 0].contiguous()
-    return bias._memo(("offsets", n), make)
 
 
 def _encoder_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -191,6 +170,13 @@ def _use_c_kernel(kv_cache: torch.Tensor, q: torch.Tensor) -> bool:
 
 class TorchSDPAImpl(AttentionImpl):
     supports_position_bias = True
+
+    def use_int8_dense(self) -> bool:
+        """Granted: prefill cross-attention's sequences that take the dense C kernel
+        run its int8 products (``dense_attention_cpu``'s ``int8``; the kernel runs
+        float32 where this CPU lacks their VNNI)."""
+        self.int8_dense = True
+        return True
 
     def _decode_c(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                   lens: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

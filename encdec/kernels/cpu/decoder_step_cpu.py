@@ -148,7 +148,7 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
     rounded as torch rounds, read widened); self and cross tables (int32,
     row-major) and lengths (int32) are the attention metadata's; ``position_bias``
     (T5): self-attention's (H, >= longest self length) float32 distance table
-    (``torch_sdpa.distance_table``). Returns ``h``;
+    (``bias_tables.distance_table``). Returns ``h``;
     None, having done nothing, where the step does not qualify: no build for
     ``isa``, more than ``MAX_ROWS`` rows, a cache or metadata tensor of another
     layout."""

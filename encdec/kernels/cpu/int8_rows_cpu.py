@@ -3,7 +3,7 @@ matmul, per-row quantization of its input and dequantization (with bias and
 activation) of its int32 result, one pass each (see the C file for why).
 
 ``Linear`` runs them around ``torch._int_mm`` where oneDNN multiplies int8 with
-VNNI (``encdec.worker.quantization.int8_path``). Built by ``build.load`` for
+VNNI (``encdec.quantization.int8_path``). Built by ``build.load`` for
 ``build.cpu_isa()``: AVX-512, AVX2, or plain C for "none"; ``path(isa)`` says
 which code a build runs. Where no compiler works, the functions return None and
 ``Linear`` takes the same steps in torch ops (slower, the same values up to

@@ -1,4 +1,4 @@
-"""Reduced precision on CPU (encdec.worker.quantization): int8 and bfloat16
+"""Reduced precision on CPU (encdec.quantization): int8 and bfloat16
 linears against a float64 reference within each format's own error bound, per
 ISA path this host runs (ENCDEC_CPU_ISA); the float32 C kernels decline bf16;
 the options' validation."""
@@ -12,7 +12,7 @@ import torch
 from encdec.engine.arg_utils import EngineArgs, compute_type_options
 from encdec.kernels.cpu import build, small_linear_int8_cpu
 from encdec.models.layers import Linear, onednn_available
-from encdec.worker import quantization
+from encdec import quantization
 
 torch.set_num_threads(1)
 BF16_EPS = 2.0**-8  # bfloat16's unit roundoff (8 significant bits), rounded up
