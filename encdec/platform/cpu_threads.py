@@ -2,12 +2,12 @@
 and one for small decode steps, where OpenMP's wake-up costs more than the work.
 
 Under ``OMP_WAIT_POLICY=PASSIVE`` (the benchmarks' policy, on both sides) the
-workers sleep between parallel regions, and waking them costs about 100 us
-here. A decode step of a few rows is dozens of small matmuls and vocab-wide
-elementwise ops, each a parallel region: on one thread they are faster. The
-LM head (an 80 MB weight for Whisper tiny, read once a step) and the paged
-attention over many rows' cross K/V stream memory, which one core does not
-saturate: those keep the full count.
+workers sleep between parallel regions, and waking them is costly. A decode step
+of a few rows is dozens of small matmuls and vocab-wide elementwise ops, each a
+parallel region: those run on one thread (``single_thread``, up to
+``SMALL_STEP_ROWS``). Kernels that stream memory one core does not saturate (the
+LM head, paged attention over many rows' cross K/V: ``bandwidth_threads``) keep
+the full count.
 """
 from __future__ import annotations
 

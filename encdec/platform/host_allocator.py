@@ -3,17 +3,15 @@
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with
 fresh ``mmap`` pages and unmaps them on free, so each large activation is
 page-faulted and zeroed again every time it is made: Whisper's encoder makes
-tensors of 37-150 MB per layer at batch 16. Measured on this 2-core CPU:
-a LayerNorm over (24000, 384) took 15 ms with fresh pages and 2.3 ms without,
-a GELU over (16, 384, 3000) 32 ms vs 4.7 ms, the Whisper tiny encoder on 16
-clips 4.7 s vs 3.3 s (and HF's encoder 4.9-5.9 s vs 3.6-3.8 s).
+tensors of 37-150 MB per layer at batch 16, and the faults cost more than the
+ops that fill them.
 
 ``retain_freed_memory`` makes glibc serve them from its heap and keep the
 freed heap (``M_MMAP_MAX=0``, a 1 GiB ``M_TRIM_THRESHOLD``), the effect of a
 caching allocator. It is process-wide, so everything else in the process
 (HF models included) gets it too, and only programs apply it, through
-``encdec.configure_cpu_runtime()`` (an ``LLM`` never does by itself); the cost is that peak activation memory
-stays resident. ``ENCDEC_RETAIN_FREED_MEMORY=0`` turns it off; other processes
+``encdec.configure_cpu_runtime()`` (an ``LLM`` never does by itself); the cost
+is that peak activation memory stays resident. ``ENCDEC_RETAIN_FREED_MEMORY=0`` turns it off; other processes
 get the same with ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824``.
 Buffers that must stay lazily mapped (the KV cache) use ``mmap`` directly.
 """

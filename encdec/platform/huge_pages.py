@@ -3,15 +3,9 @@
 A decode step of a few rows streams every decoder weight and the LM head once
 and is bound by how fast one core reads memory (the small steps run on one
 thread: ``encdec.platform.cpu_threads``). With 4 KiB pages that stream walks a page
-table entry per 4 KiB; 2 MiB pages cut the TLB misses 512-fold. Measured on
-this project's 2-core AMD EPYC (Zen 4, AVX-512): Whisper tiny's LM head read
-(80 MB, one thread, cold cache) 3.4-3.5 ms on 4 KiB pages, 2.86 ms on huge
-pages; a batch-1 tiny.en decode step after a cache flush, 300 runs each,
-alternating: decoder forward 4.01 -> 3.88 ms with the weights moved, 4.01 ->
-3.91 ms with the KV cache on huge pages; LM head 2.61 -> 2.42 ms (2 threads).
-The cost is at first touch: Linux zeroes a 2 MiB page more slowly than 512
-small ones (1 GiB: 0.66-0.74 s against 0.23-0.26 s), paid when the cache is
-prefaulted (``CacheEngine``) and when the weights are copied.
+table entry per 4 KiB; 2 MiB pages cut the TLB misses 512-fold. The cost is at
+first touch (Linux zeroes a 2 MiB page more slowly than 512 small ones), paid
+when the cache is prefaulted (``CacheEngine``) and when the weights are copied.
 
 Linux grants huge pages to private anonymous mappings that ask for them
 (``madvise`` mode, this host's setting); elsewhere, or when it declines, the
