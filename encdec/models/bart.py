@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
+from encdec.platform.device_tensors import to_device
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}

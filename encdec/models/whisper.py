@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
-from encdec.platform.cpu_threads import kernel_threads, map_one_thread_each
 from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
@@ -40,6 +39,7 @@ from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encde
     prepare_decoder_prompt,
     special_token_ids,
 )
+from encdec.platform.cpu_threads import kernel_threads, map_one_thread_each
 
 # Windows per encoder call on CPU. A window's activations are 2.3 MB (tiny) and
 # its fc1 output 9.2 MB, so a few windows stay in the last-level cache between

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu import build, whisper_rules_cpu
 from encdec.kernels.cpu.whisper_rules_cpu import BEGIN, FIRST, LAST_TS, PENULT_TS, SUPPRESS, TIMESTAMPS
 from encdec.models.whisper_tokens import WhisperSpecialTokens
+from encdec.platform.device_tensors import to_device
 from encdec.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
 _NEG_INF = float("-inf")

@@ -7,8 +7,8 @@ from itertools import chain
 import torch
 from torch import nn
 
-from encdec.platform.device_tensors import to_device
 from encdec.kernels.cpu.greedy_cpu import greedy_argmax, greedy_logprobs
+from encdec.platform.device_tensors import to_device
 from encdec.sample.metadata import SamplingMetadata
 
 _SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)

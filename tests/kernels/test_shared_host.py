@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from encdec.platform.cpu_threads import available_cores
 from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu
+from encdec.platform.cpu_threads import available_cores
 
 OVERSUBSCRIBED = 4 * available_cores()
 # Bound on a loaded run against the idle one-thread run: generous, as the host

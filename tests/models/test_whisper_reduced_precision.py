@@ -61,7 +61,7 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
         assert all((m.int8 is not None) == (mode == "int8" and id(m) not in keep) for m in linears)
         # int8: the encoder's attention runs in int8 (where VNNI does: dense_attention_cpu)
         assert {m.int8_attention for m in net.encoder.modules() if isinstance(m, MultiHeadAttention)} == {mode == "int8"}
-        # and the decoder's cross-attention prefill (AttentionImpl.int8_dense), not its self-attention
+        # and the decoder's cross-attention prefill (AttentionImpl.use_int8_dense), not its self-attention
         cross = [m.attn.impl.int8_dense for m in net.decoder.modules()
                  if isinstance(m, MultiHeadAttention) and m.attn_type == AttentionType.ENCODER_DECODER]
         assert set(cross) == {mode == "int8"} and len(cross) == len(net.decoder.layers)

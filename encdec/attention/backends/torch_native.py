@@ -48,8 +48,8 @@ from encdec.attention.backends.packed_prefill import (  # noqa: F401  (FLEX_BLOC
     per_sequence,
     uniform_batch,
 )
-from encdec.platform.device_tensors import to_device
 from encdec.kernels.triton.paged_attention import paged_attention
+from encdec.platform.device_tensors import to_device
 
 MAX_GROUP_ROWS = 16  # decode rows per shared-cross-table group: one query tile of the kernel
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encdec.platform.cpu_threads import bandwidth_threads
 from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
+from encdec.platform.cpu_threads import bandwidth_threads
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Rows a step may have: the matmuls run as fast as oneDNN's at any count (within 5%

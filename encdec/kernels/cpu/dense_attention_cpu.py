@@ -15,8 +15,8 @@ import ctypes
 
 import torch
 
-from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
+from encdec.platform.cpu_threads import kernel_threads
 
 HEAD_SIZE = 64
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -18,8 +18,8 @@ import ctypes
 
 import torch
 
-from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
+from encdec.platform.cpu_threads import kernel_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel("greedy_cpu.c", "greedy_logprob_f32", [_P, _I64, _I64, _I64, _P, _P, _P, ctypes.c_int],

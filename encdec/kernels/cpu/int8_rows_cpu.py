@@ -15,8 +15,8 @@ import ctypes
 
 import torch
 
-from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build, small_linear_cpu
+from encdec.platform.cpu_threads import kernel_threads
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _FALLBACK = "int8 linears quantize and dequantize in torch ops (slower)"

@@ -12,8 +12,8 @@ import ctypes
 
 import torch
 
-from encdec.platform.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads, kernel_threads
 from encdec.kernels.cpu import build
+from encdec.platform.cpu_threads import BANDWIDTH_MIN_SEQS, bandwidth_threads, kernel_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _KERNEL = build.Kernel(

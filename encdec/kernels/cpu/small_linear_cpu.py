@@ -14,8 +14,8 @@ import ctypes
 
 import torch
 
-from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build
+from encdec.platform.cpu_threads import kernel_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = 32  # output columns per panel (PW in the C file)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from encdec.platform.cpu_threads import kernel_threads
 from encdec.kernels.cpu import build, small_linear_cpu
+from encdec.platform.cpu_threads import kernel_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = small_linear_cpu.PANEL
