@@ -17,7 +17,6 @@ _EXPORTS = {
     "fused_step_linears": "encdec.quantization.passes",
     "decode_panel_linears": "encdec.quantization.passes",
     "place_decode_panels": "encdec.quantization.passes",
-    "check_bfloat16": "encdec.quantization.bfloat16",
     "float32_logits": "encdec.quantization.bfloat16",
     "kv_cache_dtype": "encdec.quantization.bfloat16",
 }

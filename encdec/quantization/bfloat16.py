@@ -4,29 +4,17 @@ bf16 weights and activations run oneDNN's bf16 matmuls (float32 accumulation) an
 torch's bf16 softmax and layer norms (float32 inside); the float32 C kernels
 decline bf16 tensors and their callers take torch's path. Rules that must hold:
 the logits are float32 sums (``float32_logits``), never rounded to bfloat16; a
-CPU where bfloat16 runs slower than float32 refuses it (``check_bfloat16``); the
-KV cache holds the model's dtype, or bfloat16 under float32 weights where the C
-decode kernels widen it (``kv_cache_dtype``).
+CPU where bfloat16 runs slower than float32 refuses it (measured:
+``encdec.platform.precision``); the KV cache holds the model's dtype, or
+bfloat16 under float32 weights where the C decode kernels widen it
+(``kv_cache_dtype``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from encdec.kernels.cpu.build import cpu_flags, cpu_isa
 from encdec.models.layers import Linear
-
-
-def check_bfloat16(device: torch.device, dtype: torch.dtype) -> None:
-    """ValueError for bfloat16 on a CPU where it runs slower than float32: every
-    CPU without AMX-BF16, or with kernels capped below AVX-512 (bf16 also leaves
-    the float32 C kernels: fused decode step, attention)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return
-    if cpu_isa() != "avx512" or "amx_bf16" not in cpu_flags():
-        raise ValueError(f"dtype='bfloat16' on this CPU (kernels' ISA {cpu_isa()}, no AMX-BF16) runs slower "
-                         "than float32 (measured up to 1.1x slower with AVX512-BF16, never faster): "
-                         "use dtype='float32' (exact) or quantization='int8'")
 
 
 def float32_logits(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

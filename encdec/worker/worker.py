@@ -27,7 +27,7 @@ from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
 from encdec.models.registry import get_model_cls, get_model_hooks, get_model_module
-from encdec.platform import huge_pages
+from encdec.platform import huge_pages, precision
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
@@ -129,7 +129,7 @@ class Worker:
         self.device = resolve_device(args.device)
         self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
-        quantization.check_bfloat16(self.device, self.dtype)
+        precision.check_cpu_dtype(self.device, self.dtype)  # bfloat16/float16 only where faster than float32
         quantization.check_quantization(args.quantization, self.device, self.dtype)
         self.model_config = _model_config(args, self.checkpoint, self.dtype)
         self.backend = get_attn_backend(args.attention_backend, self.device.type, dtype=self.dtype)

@@ -13,7 +13,8 @@ from encdec.attention import AttentionType
 from encdec.engine.arg_utils import compute_type_options
 from encdec.kernels.cpu import build
 from encdec.models.layers import Linear, MultiHeadAttention
-from encdec.quantization import check_bfloat16, fused_step_linears
+from encdec.platform import precision
+from encdec.quantization import fused_step_linears
 
 MAX_NEW = 96
 # int8 as compute_type="int8" sets it: int8 linears, K/V cached in bfloat16
@@ -32,7 +33,7 @@ def wer(ref: str, hyp: str) -> float:
 
 def bf16_runs_here() -> bool:
     try:
-        check_bfloat16(torch.device("cpu"), torch.bfloat16)
+        precision.check_cpu_dtype(torch.device("cpu"), torch.bfloat16)
     except ValueError:
         return False
     return True
@@ -42,14 +43,13 @@ def mode_wers(model: str, name: str, clips, monkeypatch) -> dict[str, float]:
     """Each mode's WER; bfloat16 also where LLM refuses it as slower (the refusal is
     bypassed here: its accuracy is the question, not its speed)."""
     from encdec import LLM, SamplingParams
-    from encdec import quantization
 
     _, texts, wavs = clips
     prompts = [{"prompt": PROMPTS[name], "multi_modal_data": {"audio": (w, 16000)}} for w in wavs]
     modes = list(MODES)
     if not bf16_runs_here():
-        monkeypatch.setattr(quantization, "check_bfloat16", lambda device, dtype: None)
-        print("\nbfloat16: LLM refuses it on this CPU (no AMX-BF16, slower than float32); run past the refusal")
+        monkeypatch.setattr(precision, "check_cpu_dtype", lambda device, dtype: None)
+        print("\nbfloat16: LLM refuses it on this CPU (measured slower than float32); run past the refusal")
     out = {}
     for mode in modes:
         llm = LLM(model=model, num_threads=torch.get_num_threads(), kv_cache_memory=256 * 2**20,
@@ -124,10 +124,9 @@ def test_transcribe_cli_compute_type(ct2_dir, clips, capsys, monkeypatch):
     assert rc == 2 and "contradicts dtype" in capsys.readouterr().err
 
 
-def test_llm_refuses_bf16_where_slower(ct2_dir):
+def test_llm_refuses_bf16_where_slower(ct2_dir, monkeypatch):
     from encdec import LLM
 
-    if bf16_runs_here():
-        pytest.skip("this CPU has AMX-BF16: bfloat16 is allowed")
-    with pytest.raises(ValueError, match="dtype='bfloat16' on this CPU .* slower"):
+    monkeypatch.setenv(precision.RATIOS_ENV, "bfloat16=1.8")  # as a CPU where it measured slower
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' runs 1\.8x slower than float32 on this CPU"):
         LLM(model=str(ct2_dir), dtype="bfloat16")

@@ -100,3 +100,15 @@ def test_another_setting_measures_again(fresh, monkeypatch):
 def test_kept_beside_the_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("ENCDEC_CACHE_DIR", str(tmp_path))
     assert precision.cache_file() == str(tmp_path / "precision.json")
+
+
+def test_llm_refuses_a_slower_dtype_before_loading(fresh, monkeypatch, tiny_bart):
+    from encdec import LLM
+
+    monkeypatch.setenv(precision.RATIOS_ENV, "float16=5.5,bfloat16=0.5")
+    with pytest.raises(ValueError, match=r"dtype='float16' runs 5\.5x slower than float32"):
+        LLM(tiny_bart, dtype="float16")
+    assert LLM(tiny_bart, dtype="bfloat16", kv_cache_memory=16 << 20).llm_engine is not None  # faster: loads
+    monkeypatch.setenv(precision.RATIOS_ENV, "bfloat16=1.2")
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' runs 1\.2x slower"):
+        LLM(tiny_bart, dtype="bfloat16")

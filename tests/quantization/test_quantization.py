@@ -250,19 +250,6 @@ def test_fused_decoder_step_takes_int8_weights_with_vnni_only_and_declines_bf16(
     assert decoder_step_cpu.decoder_weights([ly]) is None
 
 
-@pytest.mark.parametrize("isa", build.host_isas())
-def test_bfloat16_refused_where_emulated(monkeypatch, isa):
-    monkeypatch.setenv(build.ISA_ENV, isa)
-    cpu = torch.device("cpu")
-    native = isa == "avx512" and "amx_bf16" in build.cpu_flags()
-    if native:
-        quantization.check_bfloat16(cpu, torch.bfloat16)
-    else:
-        with pytest.raises(ValueError, match="bfloat16.*slower than float32"):
-            quantization.check_bfloat16(cpu, torch.bfloat16)
-    quantization.check_bfloat16(cpu, torch.float32)
-
-
 def test_option_validation():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="quantization"):
