@@ -238,6 +238,10 @@ class SequenceGroup:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         # Raw log-probs at chosen prompt positions (SamplingParams.prompt_token_logprobs).
         self.prompt_token_logprobs: dict[int, dict[int, float]] | None = None
+        # A beam request's search state beyond its running sequences (the finished
+        # pool; encdec.beam_search.manager), set when the scheduler admits it to
+        # its queues; None for every other request.
+        self.beam_state: Any = None
 
     @property
     def prompt(self) -> str | None:

@@ -3,8 +3,8 @@
 
     params.py      BeamSearchParams (the user's), BeamSearchOutput (vLLM's shape)
     scorer.py      HF's rules: running beams, the finished pool, early stopping
-    manager.py     engine side: decides each step's beams (the scheduler applies
-                   the decision), builds outputs; candidates: encdec/sample/beam_candidates.py
+    manager.py     decides each step's beams for ``Scheduler.update``, which applies
+                   them; builds outputs; candidates: encdec/sample/beam_candidates.py
     defaults.py    a checkpoint's generation defaults, read as HF reads them
 
 This package's ``__init__`` imports nothing, so ``encdec.sampling_params`` can

@@ -1,11 +1,12 @@
-"""Engine side of beam search: a beam request's beams are the decoder sequences
-of its one ``SequenceGroup``.
+"""Beam search's decisions: a beam request's beams are the decoder sequences
+of its one ``SequenceGroup``; the scheduler asks for each step's decisions and
+applies them (``Scheduler.update``).
 
 The group is created with ``beam_width`` sequences sharing the decoder prompt's
 blocks and the request's single cross-attention table; beam j's running score is
 its sequence's ``cumulative_logprob`` (HF starts beams 1..k-1 at -1e9, so the
 first step draws every candidate from beam 0). After each step
-(``process``), the new running beams are made from their parents:
+(``decide``), the new running beams are made from their parents:
 
     parent kept by one new beam    the sequence appends the token in place
     parent kept by m > 1 beams     m - 1 forks (block manager ``fork``: shared
@@ -14,12 +15,13 @@ first step draws every candidate from beam 0). After each step
 
 so a step copies at most one partly filled block per fork, never a beam's whole
 KV. Finished hypotheses are copied out as token lists into a pool of the k
-best (HF's ``beam_scores``); when HF's stopping rules say so the group's
-sequences finish and ``make_output`` returns the pool, best first.
+best (HF's ``beam_scores``), held on the group (``SequenceGroup.beam_state``);
+when HF's stopping rules say so the group's sequences finish and
+``make_output`` returns the pool, best first.
 """
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,42 +74,34 @@ class _BeamState:
 
 
 class BeamSearchManager:
-    """Holds every live beam request's state; the engine calls ``add_group``,
-    ``process`` (each step: decisions for the scheduler), ``make_output`` (when
-    finished) and ``forget`` (abort). ``seq_counter``: the engine's source of
+    """The scheduler calls ``start`` (a beam group enters its queues) and
+    ``decide`` (each step's decisions, which it applies); the output side calls
+    ``make_output`` (finished). Holds no request: each group's state rides on
+    the group, and goes with it. ``seq_counter``: the engine's source of
     decoder seq ids, for the forks it decides."""
 
-    def __init__(self, seq_counter: itertools.count, tokenizer: Any):
+    def __init__(self, seq_counter: Iterator[int], tokenizer: Any):
         self._seq_counter = seq_counter
         self._tokenizer = tokenizer
-        self._states: dict[str, _BeamState] = {}
 
-    @staticmethod
-    def is_beam_group(group: SequenceGroup) -> bool:
-        return group.sampling_params.sampling_type is SamplingType.BEAM
-
-    def add_group(self, group: SequenceGroup) -> None:
+    def start(self, group: SequenceGroup) -> None:
         params: BeamRowParams = group.sampling_params
+        assert params.sampling_type is SamplingType.BEAM
         for seq in group.get_seqs()[1:]:
             seq.data.cumulative_logprob = _NEG
         bos = params.beam.forced_bos_token_id
         prompt = group.prompt_token_ids
         forced_bos_in_prompt = bos is not None and len(prompt) == 2 and prompt[1] == bos
-        self._states[group.request_id] = _BeamState(group, params, forced_bos_in_prompt)
-
-    def forget(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-
-    def num_live_requests(self) -> int:
-        return len(self._states)
+        group.beam_state = _BeamState(group, params, forced_bos_in_prompt)
 
     # -- one step ----------------------------------------------------------------
-    def process(self, candidates: dict[str, BeamCandidates],
-                groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
-        """This step's beams of each group in ``candidates``; changes no sequence."""
+    def decide(self, candidates: dict[str, BeamCandidates],
+               groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
+        """This step's beams of each group in ``candidates``; changes no sequence
+        (only the groups' search states)."""
         buckets: dict[tuple[int, int], list[str]] = {}
         for request_id, cand in candidates.items():
-            state = self._states[request_id]
+            state = groups[request_id].beam_state
             key = (state.params.beam.beam_width, len(cand.scores))
             buckets.setdefault(key, []).append(request_id)
         return [d for ids in buckets.values() for d in self._process_bucket(ids, candidates, groups)]
@@ -116,7 +110,8 @@ class BeamSearchManager:
                         groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
         scalars, ends, reasons = [], [], []
         for request_id in ids:
-            state, group, cand = self._states[request_id], groups[request_id], candidates[request_id]
+            group, cand = groups[request_id], candidates[request_id]
+            state = group.beam_state
             seqs = group.get_seqs(SequenceStatus.RUNNING)
             cur_len = seqs[0].get_len()
             beam = state.params.beam
@@ -127,7 +122,7 @@ class BeamSearchManager:
             why = [self._end_reason(state, seqs[p], t, cur_len) for p, t in zip(cand.parents, cand.tokens)]
             reasons.append(why)
             ends.append([w is not None for w in why])
-        states = [self._states[i] for i in ids]
+        states = [groups[i].beam_state for i in ids]
         step = beam_step(
             scalars, torch.tensor([candidates[i].scores for i in ids], dtype=torch.float32),
             torch.tensor(ends, dtype=torch.bool), torch.stack([s.pool_scores for s in states]),
@@ -197,7 +192,7 @@ class BeamSearchManager:
 
     # -- results -----------------------------------------------------------------
     def make_output(self, group: SequenceGroup) -> RequestOutput:
-        state = self._states.pop(group.request_id, None)
+        state = group.beam_state
         if state is None or group.error is not None:
             return RequestOutput.from_seq_group(group)
         params = state.params

@@ -38,13 +38,14 @@ from encdec.core import step_update
 from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.preemption import Preemption
 from encdec.core.scheduler_outputs import (
-    BeamDecision,
+    BeamDecider,
     ScheduledSequenceGroup,
     SchedulerOutputs,
     SchedulerStats,
     StepBlocks,
 )
 from encdec.core.stop_checker import StopChecker
+from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "SchedulerStats"]
@@ -58,15 +59,19 @@ class Scheduler(Preemption):
     """``lora_config``: vLLM's argument, accepted for its shape; LoRA is not
     supported (anything but None is refused). ``stop_checker``: what ends a
     sequence after each appended token (``update``); the default knows token
-    ids only (no detokenizer, no eos)."""
+    ids only (no detokenizer, no eos). ``beams``: decides each step's beams of
+    ``SamplingType.BEAM`` groups (``update`` applies them); without it such a
+    group is refused."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 lora_config: object | None = None, *, stop_checker: StopChecker | None = None):
+                 lora_config: object | None = None, *, stop_checker: StopChecker | None = None,
+                 beams: BeamDecider | None = None):
         if lora_config is not None:
             raise ValueError("lora_config: LoRA adapters are not supported by encdec")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.stop_checker = stop_checker or StopChecker(scheduler_config.max_model_len)
+        self.beams = beams
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -88,6 +93,11 @@ class Scheduler(Preemption):
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        if seq_group.sampling_params is not None and seq_group.sampling_params.sampling_type is SamplingType.BEAM:
+            if self.beams is None:
+                raise ValueError(f"request {seq_group.request_id} asks for beam search but this "
+                                 "scheduler has no beam search (Scheduler(..., beams=...))")
+            self.beams.start(seq_group)
         self._add_order[seq_group.request_id] = next(self._counter)
         self.waiting.append(seq_group)
 
@@ -120,18 +130,19 @@ class Scheduler(Preemption):
         self.block_manager.free_cross(group)
         self._add_order.pop(group.request_id, None)
 
-    def update(self, scheduler_outputs: SchedulerOutputs, runner_output: ModelRunnerOutput,
-               beam_decisions: list[BeamDecision] = ()) -> list[SequenceGroup]:
+    def update(self, scheduler_outputs: SchedulerOutputs, runner_output: ModelRunnerOutput) -> list[SequenceGroup]:
         """Apply one step's results to its sequences (``encdec.core.step_update``):
-        sampled tokens appended and stop-checked, beam decisions applied, finished
-        sequences and groups freed and out of ``running``. Returns the groups that
-        finished in this step, the ones ``schedule`` could never run first."""
+        sampled tokens appended and stop-checked, beam groups' candidates decided
+        (``beams``) and the decisions applied, finished sequences and groups freed
+        and out of ``running``. Returns the groups that finished in this step, the
+        ones ``schedule`` could never run first."""
         sched = scheduler_outputs
         groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
         step_update.mark_computed(sched)
         step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker)
         step_update.keep_prompt_logprobs(runner_output, groups)
-        for decision in beam_decisions:
+        decisions = self.beams.decide(runner_output.beam_candidates, groups) if runner_output.beam_candidates else []
+        for decision in decisions:
             step_update.apply_beam_decision(decision, groups[decision.request_id], self.block_manager)
         finished = list(sched.ignored_seq_groups)
         finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]

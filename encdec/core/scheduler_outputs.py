@@ -3,7 +3,9 @@ imports torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from encdec.core.outputs import BeamCandidates
 from encdec.sequence import SequenceGroup
 
 
@@ -55,6 +57,17 @@ class BeamDecision:
     finished: bool  # the search is over: every running beam finishes and is freed
     beams: list[BeamUpdate] = field(default_factory=list)  # the new beams in order; [] if finished
     dropped: list[int] = field(default_factory=list)  # running seq_ids no new beam extends
+
+
+class BeamDecider(Protocol):
+    """Beam search as the scheduler uses it (``encdec.beam_search.manager``)."""
+
+    def start(self, group: SequenceGroup) -> None:
+        """A beam group enters the queues: its search state, on the group."""
+
+    def decide(self, candidates: dict[str, BeamCandidates],
+               groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
+        """Each candidate group's beams after this step; changes no sequence."""
 
 
 @dataclass

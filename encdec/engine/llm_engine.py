@@ -7,7 +7,8 @@
 The worker owns the device (model, KV cache, persistent batch, runner); the
 processor checks and tokenizes requests before anything is queued; the
 scheduler owns every sequence's state, and ``Scheduler.update`` applies a
-step's tokens and beam decisions.
+step's tokens and beam decisions; the output processor owns the text and the
+``RequestOutput``s.
 """
 from __future__ import annotations
 
@@ -20,16 +21,15 @@ from collections.abc import Sequence as Seq  # encdec.sequence.Sequence is the o
 from dataclasses import dataclass, replace
 from typing import Any
 
-from encdec.beam_search.manager import BeamSearchManager
 from encdec.config import SchedulerConfig
 from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
-from encdec.core.stop_checker import StopChecker
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.encoder_key import encoder_cache_key
 from encdec.engine.processor import Processor
 from encdec.inputs import PromptType
-from encdec.outputs import Detokenizer, RequestOutput
+from encdec.output_processor import OutputProcessor
+from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 from encdec.worker.worker import Worker
@@ -95,13 +95,14 @@ class LLMEngine:
                                    feature_device=str(self.worker.device))
         self.tokenizer = self.processor.tokenizer
         self.eos_token_id = self.processor.eos_token_id
-        self.stop_checker = StopChecker(mc.max_model_len, detokenizer=Detokenizer(self.tokenizer),
-                                        eos_token_id=self.eos_token_id)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, stop_checker=self.stop_checker)
         self.seq_counter = itertools.count()
+        self.output_processor = OutputProcessor(self.tokenizer, max_model_len=mc.max_model_len,
+                                                eos_token_id=self.eos_token_id, seq_ids=self.seq_counter)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
+                                   stop_checker=self.output_processor.stop_checker,
+                                   beams=self.output_processor.beams)
         self._num_request_ids = 0  # next id new_request_id() gives
         self.groups: dict[str, SequenceGroup] = {}
-        self.beam_search = BeamSearchManager(self.seq_counter, self.tokenizer)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
@@ -167,10 +168,8 @@ class LLMEngine:
         key = encoder_cache_key(inputs, self._model_identity) if self.cache_config.enable_encoder_cache else None
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
-        self.groups[request_id] = group
-        if self.beam_search.is_beam_group(group):
-            self.beam_search.add_group(group)
         self.scheduler.add_seq_group(group)
+        self.groups[request_id] = group
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -182,7 +181,6 @@ class LLMEngine:
         aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
             self.groups.pop(group.request_id, None)
-            self.beam_search.forget(group.request_id)
             aborted.append(group.request_id)
         return aborted
 
@@ -196,27 +194,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled forward; returns the requests that finished in it."""
         metas, sched = self.scheduler.schedule()
-        output = self.worker.execute_model(metas, sched, while_device_runs=self.stop_checker.flush_text)
+        output = self.worker.execute_model(metas, sched, while_device_runs=self.output_processor.flush_text)
         return self._update(sched, output)
 
     def _update(self, sched: SchedulerOutputs, output: ModelRunnerOutput) -> list[RequestOutput]:
-        """Counters, beam decisions, then the scheduler applies the step."""
-        self.stop_checker.flush_text()  # a step with nothing to run called no while_device_runs
+        """Counters, then the scheduler applies the step; finished requests' outputs."""
+        self.output_processor.flush_text()  # a step with nothing to run called no while_device_runs
         for s in sched.scheduled_seq_groups[: sched.num_prefill_groups]:
             self.num_prompt_tokens += s.token_chunk_size + s.seq_group.encoder_seq.get_len()
         self.num_generated_tokens += sum(len(s.sampled_token_ids) for s in output.samples)
-        decisions = []
-        if output.beam_candidates:  # beam groups: tokens come from HF's beam rules, not sampling
-            self.num_generated_tokens += sum(self.groups[r].num_seqs(SequenceStatus.RUNNING)
-                                             for r in output.beam_candidates)
-            decisions = self.beam_search.process(output.beam_candidates, self.groups)
-        finished = self.scheduler.update(sched, output, decisions)
+        if output.beam_candidates:  # one token per running beam, chosen by HF's beam rules
+            self.num_generated_tokens += sum(s.seq_group.num_seqs(SequenceStatus.RUNNING)
+                                             for s in sched.scheduled_seq_groups
+                                             if s.seq_group.request_id in output.beam_candidates)
+        finished = self.scheduler.update(sched, output)
         now, outs = time.time(), []
         for group in finished:
             group.metrics.finished_time = now
             self.groups.pop(group.request_id, None)
-            outs.append(self.beam_search.make_output(group) if self.beam_search.is_beam_group(group)
-                        else RequestOutput.from_seq_group(group))
+            outs.append(self.output_processor.make_output(group))
         return outs
 
     def num_free_blocks(self) -> tuple[int, int]:
@@ -237,8 +233,7 @@ class LLMEngine:
         """What the given unfinished requests have produced so far (``step`` returns
         finished requests only); streaming servers read this after each step."""
         groups = self.groups
-        self.stop_checker.flush_text()  # the last step's text, left for the next step's kernels
-        return {rid: RequestOutput.from_seq_group(groups[rid]) for rid in request_ids if rid in groups}
+        return self.output_processor.partial_outputs(groups[rid] for rid in request_ids if rid in groups)
 
     def get_request_progress(self) -> dict[str, tuple[int, float]]:
         """(output tokens so far, arrival time) of every unfinished request, for

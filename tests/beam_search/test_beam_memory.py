@@ -128,5 +128,5 @@ def test_aborted_beam_groups_leak_nothing_and_disturb_nobody(beam_barts, referen
     assert set(outs) == {str(i) for i in range(len(prompts))} - set(aborted)
     for rid, o in outs.items():
         assert summary(o) == summary(ref[int(rid)]), rid
-    assert not engine.beam_search.num_live_requests()
+    assert not engine.get_num_unfinished_requests()
     assert_all_free(llm)

@@ -34,7 +34,7 @@ def test_beam_search_returns_every_hypothesis_best_first(llm):
             assert s.tokens == [2, 0] + c.token_ids and s.score == c.score and s.text == c.text
             assert s.score == pytest.approx(s.cum_logprob / len(c.token_ids) ** 1.5, rel=1e-5)
             assert s.finish_reason in ("stop", "length")
-    assert llm.llm_engine.beam_search.num_live_requests() == 0
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_beam_and_sampled_requests_share_steps(llm):
@@ -69,7 +69,6 @@ def test_bad_beam_request_queues_nothing(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(prompts, params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.beam_search.num_live_requests() == 0
 
 
 def test_long_encoder_prompt_is_refused_or_truncated_as_hf(llm):

@@ -8,7 +8,7 @@ import gc
 import tracemalloc
 
 from encdec.core import scheduler as scheduler_module
-from encdec.core.outputs import ModelRunnerOutput, SampledTokens
+from encdec.core.outputs import BeamCandidates, ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingParams
@@ -64,8 +64,30 @@ def test_update_stops_at_max_tokens():
     assert_all_free(sched)
 
 
+class Decided:
+    """Beam search whose next decision is given (its rules are tested in
+    tests/beam_search): what ``update`` does with a decision."""
+
+    def __init__(self) -> None:
+        self.next: BeamDecision | None = None
+
+    def start(self, group) -> None:
+        pass
+
+    def decide(self, candidates, groups) -> list[BeamDecision]:
+        assert set(candidates) == set(groups) == {self.next.request_id}
+        return [self.next]
+
+
+def beam_step(sched, decision: BeamDecision):
+    _, out = sched.schedule()
+    sched.beams.next = decision
+    return out, sched.update(out, ModelRunnerOutput([], beam_candidates={"beams": BeamCandidates([], [], [])}))
+
+
 def test_beam_decision_forks_drops_and_appends_sharing_blocks():
     sched = scheduler()
+    sched.beams = Decided()
     g = make_group("beams", arrival=0, n=3, dec_len=6)
     sched.add_seq_group(g)
     sched.schedule()
@@ -73,8 +95,7 @@ def test_beam_decision_forks_drops_and_appends_sharing_blocks():
     # Beam 0 is kept by two new beams (one forks), beam 1 by one, beam 2 by none.
     decision = BeamDecision("beams", finished=False, dropped=[s2], beams=[
         BeamUpdate(s0, s0, 11, -0.5), BeamUpdate(s0, 100, 12, -0.7), BeamUpdate(s1, s1, 13, -0.9)])
-    _, out = sched.schedule()
-    sched.update(out, ModelRunnerOutput([]), [decision])
+    beam_step(sched, decision)
     seqs = g.get_seqs(SequenceStatus.RUNNING)
     assert [s.seq_id for s in seqs] == [s0, 100, s1]
     assert [s.get_last_token_id() for s in seqs] == [11, 12, 13]
@@ -82,9 +103,8 @@ def test_beam_decision_forks_drops_and_appends_sharing_blocks():
     bm = sched.block_manager
     assert bm.get_block_table(seqs[1])[0] == bm.get_block_table(seqs[0])[0]  # the fork shares the prompt block
     assert s2 not in bm.block_tables
-    _, out = sched.schedule()
+    out, finished = beam_step(sched, BeamDecision("beams", finished=True))
     assert out.seq_ids_joined == [100] and out.seq_ids_left == [s2]
-    finished = sched.update(out, ModelRunnerOutput([]), [BeamDecision("beams", finished=True)])
     assert finished == [g] and all(s.is_finished() for s in g.get_seqs())
     assert_all_free(sched)
 

@@ -23,4 +23,4 @@ def test_partial_outputs_carry_the_last_steps_text(tiny_bart):
     assert [p.token_ids for p in partial] == [c.token_ids for c in cut]
     assert [p.text for p in partial] == [c.text for c in cut]
     assert final.text.startswith(partial[-1].text) and any(p.text for p in partial)
-    assert eng.stop_checker._pending_text == []
+    assert eng.output_processor.stop_checker._pending_text == []
