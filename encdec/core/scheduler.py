@@ -86,8 +86,10 @@ class Scheduler(Preemption):
         self.stats = SchedulerStats()
         self.num_steps = 0
         self._by_priority = scheduler_config.policy == "priority"
-        # Tie-break for equal arrival times: the order groups were added.
-        self._add_order: dict[str, int] = {}
+        # The one index of unfinished requests, whichever queue holds them:
+        # request_id -> (the order groups were added: the tie-break for equal
+        # arrival times, the group). In at add_seq_group, out when freed.
+        self._requests: dict[str, tuple[int, SequenceGroup]] = {}
         self._counter = itertools.count()
         self._batch_seq_ids: dict[int, None] = {}  # last step's scheduled seq_ids, in order
 
@@ -98,8 +100,17 @@ class Scheduler(Preemption):
                 raise ValueError(f"request {seq_group.request_id} asks for beam search but this "
                                  "scheduler has no beam search (Scheduler(..., beams=...))")
             self.beams.start(seq_group)
-        self._add_order[seq_group.request_id] = next(self._counter)
+        self._requests[seq_group.request_id] = (next(self._counter), seq_group)
         self.waiting.append(seq_group)
+
+    def get_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """The unfinished request's group, whichever queue holds it; None if unknown or finished."""
+        entry = self._requests.get(request_id)
+        return entry[1] if entry is not None else None
+
+    def get_seq_groups(self) -> list[SequenceGroup]:
+        """Every unfinished request's group, in the order they were added."""
+        return [group for _, group in self._requests.values()]
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -128,7 +139,7 @@ class Scheduler(Preemption):
         for seq in group.get_seqs():
             self.block_manager.free(seq)
         self.block_manager.free_cross(group)
-        self._add_order.pop(group.request_id, None)
+        self._requests.pop(group.request_id, None)
 
     def update(self, scheduler_outputs: SchedulerOutputs, runner_output: ModelRunnerOutput) -> list[SequenceGroup]:
         """Apply one step's results to its sequences (``encdec.core.step_update``):
@@ -163,7 +174,7 @@ class Scheduler(Preemption):
         """Ascending = more urgent: scheduled first, preempted last. fcfs ignores
         ``priority``; the priority policy ranks by it first."""
         return (g.priority if self._by_priority else 0, g.arrival_time,
-                self._add_order.get(g.request_id, 0))
+                self._requests.get(g.request_id, (0,))[0])
 
     def _outranks_swapped(self, group: SequenceGroup) -> bool:
         """Swapped groups resume before new ones are admitted; under the priority

@@ -102,7 +102,6 @@ class LLMEngine:
                                    stop_checker=self.output_processor.stop_checker,
                                    beams=self.output_processor.beams)
         self._num_request_ids = 0  # next id new_request_id() gives
-        self.groups: dict[str, SequenceGroup] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
@@ -136,7 +135,7 @@ class LLMEngine:
         while True:
             request_id = str(self._num_request_ids)
             self._num_request_ids += 1
-            if request_id not in self.groups:
+            if self.scheduler.get_seq_group(request_id) is None:
                 return request_id
 
     # -- requests ----------------------------------------------------------------
@@ -155,7 +154,7 @@ class LLMEngine:
                               arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue what ``process_requests`` returned, at ``priority`` (the request's
         own, checked here before anything changes)."""
-        if request_id in self.groups:
+        if self.scheduler.get_seq_group(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.processor.check_priority(priority)
         block_size = self.cache_config.block_size
@@ -169,7 +168,6 @@ class LLMEngine:
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
         self.scheduler.add_seq_group(group)
-        self.groups[request_id] = group
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -180,7 +178,6 @@ class LLMEngine:
         """Abort unfinished requests (unknown ids are ignored); returns the ids aborted."""
         aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
-            self.groups.pop(group.request_id, None)
             aborted.append(group.request_id)
         return aborted
 
@@ -211,7 +208,6 @@ class LLMEngine:
         now, outs = time.time(), []
         for group in finished:
             group.metrics.finished_time = now
-            self.groups.pop(group.request_id, None)
             outs.append(self.output_processor.make_output(group))
         return outs
 
@@ -232,11 +228,11 @@ class LLMEngine:
     def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
         """What the given unfinished requests have produced so far (``step`` returns
         finished requests only); streaming servers read this after each step."""
-        groups = self.groups
-        return self.output_processor.partial_outputs(groups[rid] for rid in request_ids if rid in groups)
+        groups = [self.scheduler.get_seq_group(rid) for rid in request_ids]
+        return self.output_processor.partial_outputs(g for g in groups if g is not None)
 
     def get_request_progress(self) -> dict[str, tuple[int, float]]:
         """(output tokens so far, arrival time) of every unfinished request, for
         token-latency metrics."""
-        return {rid: (sum(s.get_output_len() for s in g.get_seqs()), g.arrival_time)
-                for rid, g in self.groups.items()}
+        return {g.request_id: (sum(s.get_output_len() for s in g.get_seqs()), g.arrival_time)
+                for g in self.scheduler.get_seq_groups()}

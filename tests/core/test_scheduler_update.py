@@ -142,6 +142,6 @@ def test_ten_thousand_requests_keep_scheduler_memory_bounded(monkeypatch):
     assert len(sched.stats.admitted_at_step) == 512
     assert sched.stats.num_encoder_passes == 11000
     run_step(sched)  # the last batch leaves the runner's batch
-    assert not sched._add_order and not sched._batch_seq_ids
+    assert not sched._requests and not sched._batch_seq_ids
     assert not sched.block_manager.block_tables and not sched.block_manager.cross_block_tables
     assert_all_free(sched)

@@ -21,7 +21,7 @@ def _all_free(llm: LLM) -> bool:
     engine = llm.llm_engine
     gpu, cpu = engine.num_free_blocks()
     cfg = engine.cache_config
-    return (gpu == cfg.num_gpu_blocks and cpu == cfg.num_cpu_blocks and not engine.groups
+    return (gpu == cfg.num_gpu_blocks and cpu == cfg.num_cpu_blocks and not engine.scheduler.get_seq_groups()
             and not engine.has_unfinished_requests())
 
 
@@ -206,11 +206,13 @@ def test_bad_token_ids_and_audio_for_a_text_model(bart_llm, via, prompts, match,
 @VIA
 def test_priority_under_fcfs_is_refused_as_vllm_does(bart_llm, via):
     params = SamplingParams(temperature=0, max_tokens=3)
-    if via == "process_requests":
+    if via == "process_requests":  # priority travels with the request: checked where it is queued
+        with pytest.raises(TypeError, match="priority must be an int"):
+            bart_llm.llm_engine.add_request("p", GOOD, params, priority=1.5)
+    else:
         refuse(bart_llm, via, [GOOD, GOOD], params, ValueError, r"^prompt 1: got priority 3 but priority "
                r"scheduling is not enabled \(scheduling_policy='fcfs'\)", priority=[0, 3])
         refuse(bart_llm, via, [GOOD], params, TypeError, r"^prompt 0: priority must be an int", priority=[1.5])
-    else:
         refuse(bart_llm, via, [GOOD, GOOD], params, ValueError,
                "got priority 3 but priority scheduling is not enabled", priority=[3, 3])
     engine = bart_llm.llm_engine

@@ -45,7 +45,7 @@ def all_free(llm: LLM) -> bool:
     engine = llm.llm_engine
     cfg = engine.cache_config
     return (engine.num_free_blocks() == (cfg.num_gpu_blocks, cfg.num_cpu_blocks)
-            and not engine.groups and not engine.has_unfinished_requests())
+            and not engine.scheduler.get_seq_groups() and not engine.has_unfinished_requests())
 
 
 @pytest.fixture(scope="module")

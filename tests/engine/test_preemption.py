@@ -59,7 +59,7 @@ def assert_all_free(llm: LLM) -> None:
                                         engine.cache_config.num_cpu_blocks)
     bm = engine.scheduler.block_manager
     assert not bm.block_tables and not bm.cross_block_tables
-    assert not engine.groups and not engine.has_unfinished_requests()
+    assert not engine.scheduler.get_seq_groups() and not engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_forked_sequences_share_cross_and_prompt_blocks(tiny_bart):
     engine.add_request("r", TokensPrompt(prompt_token_ids=list(range(5, 45))),  # 3 cross blocks
                        SamplingParams(n=3, temperature=5.0, seed=7, max_tokens=20, ignore_eos=True))
     engine.step()  # prefill: the prompt [2, 0] computed once, three tokens sampled
-    group = engine.groups["r"]
+    group = engine.scheduler.get_seq_group("r")
     seqs = group.get_seqs()
     tables = [bm.get_block_table(s) for s in seqs]
     assert len(seqs) == 3 and tables[0] == tables[1] == tables[2] and len(tables[0]) == 1
@@ -158,7 +158,7 @@ def test_aborts_in_every_queue_leak_nothing_and_disturb_nobody(tiny_bart, refere
                 victim = rng.choice(list(queue)).request_id
                 engine.abort_request(victim)
                 aborted[victim] = name
-                assert victim not in engine.groups
+                assert engine.scheduler.get_seq_group(victim) is None
     assert set(aborted.values()) == {"waiting", "running", "swapped"}, aborted
     assert set(outs) == {str(i) for i in range(n)} - set(aborted)
     for rid, o in outs.items():
