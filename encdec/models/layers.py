@@ -145,9 +145,8 @@ class Linear(nn.Linear):
 def gelu_path(isa: str | None = None) -> str:
     """How a packed ``forward_gelu`` runs for ``isa`` (default the kernels' ISA,
     ``build.cpu_isa()``): "fused" (oneDNN's post-op) or "separate" (matmul, then
-    torch's GELU in place). Same values either way. Measured on Whisper tiny's fc1
-    (1500x384 -> 1536, 2 threads, AMD EPYC): AVX-512, fused 8.98 ms vs separate
-    9.05; AVX2, fused 11.06 ms vs separate 9.76 (the post-op's erf is slow there)."""
+    torch's GELU in place). Same values either way; the post-op's erf is slow
+    below AVX-512."""
     return "fused" if (isa or cpu_isa()) == "avx512" else "separate"
 
 
@@ -157,13 +156,13 @@ ROW_BUCKET_MAX = 1024  # rows; larger inputs (encoder windows: 1500 per window) 
 
 def _row_bucket(rows: int) -> int:
     """The row count a packed matmul of ``rows`` rows runs at. oneDNN builds a
-    primitive per input shape (about 3 ms each on this project's 2-core host,
-    measured at 384x1536) and keeps 1024 in its cache; decoder prefills of every
-    prompt length (Whisper's conditioned long-form windows: 1-224 tokens, times
-    each layer's weight shapes) would build one per length and overflow it. Row
-    counts past 32 are rounded up to a multiple of 32, so at most 32 shapes per
-    weight exist below 1024 rows; decode batches (<= 32 rows) run unpadded.
-    Each output row depends on its input row only, so the padding changes no result."""
+    primitive per input shape (milliseconds each) and keeps 1024 in its cache;
+    decoder prefills of every prompt length (Whisper's conditioned long-form
+    windows: 1-224 tokens, times each layer's weight shapes) would build one per
+    length and overflow it. Row counts past 32 are rounded up to a multiple of
+    32, so at most 32 shapes per weight exist below 1024 rows; decode batches
+    (<= 32 rows) run unpadded. Each output row depends on its input row only, so
+    the padding changes no result."""
     if rows <= ROW_BUCKET or rows >= ROW_BUCKET_MAX or rows % ROW_BUCKET == 0:
         return rows
     return -(-rows // ROW_BUCKET) * ROW_BUCKET
