@@ -154,8 +154,8 @@ async def _timed(coro) -> tuple[object, float]:
 async def run_level(engine, metrics, clips, n: int, seconds: float, partial_every: float, offline_audio, *,
                     partial_limit: int = 1, stagger: bool = False) -> dict:
     """One stream count; with ``stagger`` stream k starts k/n of a turn cycle late."""
-    from encdec.entrypoints.openai.realtime import PartialBudget
-    from encdec.entrypoints.openai.transcription_jobs import run_job
+    from encdec.transcription.live import PartialBudget
+    from encdec.transcription.driver import run_job
     from encdec.transcription import TranscribeOptions, make_job
 
     cycle = 0.3 + float(np.mean([len(c) for c in clips])) / 16000 + 1.0  # one clip with its silences

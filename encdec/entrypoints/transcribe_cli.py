@@ -14,7 +14,7 @@ import tempfile
 
 from encdec.engine.arg_utils import compute_type_options
 from encdec.entrypoints.cli_options import add_dataclass_args, add_engine_args, dataclass_values, engine_options
-from encdec.transcribe import FORMATS, format_transcription
+from encdec.transcription import FORMATS, format_transcription
 from encdec.transcription.options import TranscribeOptions
 
 

@@ -14,11 +14,12 @@ The protocol (``SequentialJob`` and ``IndependentJob`` both speak it)::
 A job never touches the engine: it reads an ``EngineView`` (``tokenizer``,
 ``hf_config``, ``generation_config``, and ``call_model`` for word alignment,
 which runs on the engine's own thread) and only says what to run next and folds
-results in. One driver core (``encdec.transcription.driver.JobRouter``: request
-ids, routing each finished output back to (job, ticket), the requests a job gave
-up) runs it under ``encdec.transcribe.run_jobs`` (synchronous, all jobs of a
-call in one continuous batch), the HTTP server and the realtime sessions
-(asyncio, ``AsyncLLMEngine``).
+results in (``encdec.transcription.protocol``: the view, ``JobRequest`` and the
+set-up both jobs share). One driver module (``encdec.transcription.driver``)
+runs jobs: ``run_jobs`` (synchronous, all jobs of a call in one continuous
+batch: ``LLM.transcribe``, through ``encdec.transcription.offline``) and
+``run_job`` (asyncio, ``AsyncLLMEngine``: the HTTP server and the realtime
+sessions).
 ``next_requests()`` hands each request out once; ``done`` is true when nothing
 is open or pending; ``seconds_done`` / ``duration`` give progress in audio seconds;
 ``abandoned_tickets()`` names requests handed out that the job no longer needs
@@ -45,9 +46,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from encdec.transcription.engine_view import EngineView, engine_view
-from encdec.transcription.job import IndependentJob, JobRequest, TranscriptionJob
+from encdec.transcription.job import IndependentJob, TranscriptionJob
 from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.protocol import EngineView, JobRequest, engine_view
 from encdec.transcription.result import (
            FORMATS,
            Segment,

@@ -1,8 +1,8 @@
 """``IndependentJob``: one audio input -> one ``Transcription`` by the
-independent-window algorithm, as a series of engine requests; and what every
-job shares (``JobRequest``, the window prompts). The job decides what to ask; a
-driver (``encdec.transcription.driver``) submits, steps and routes outputs
-back. See ``encdec.transcription`` for the protocol."""
+independent-window algorithm, as a series of engine requests. The job decides
+what to ask; a driver (``encdec.transcription.driver``) submits, steps and
+routes outputs back. See ``encdec.transcription`` for the protocol and
+``encdec.transcription.protocol`` for what every job shares."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,35 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE, load_audio
-from encdec.inputs import PromptType
+from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
 from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
-from encdec.transcription.engine_view import engine_view
 from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.protocol import JobBase, finished_completion, text_prompt_ids, window_prompt
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import best_attempt, needs_fallback, split_window
 from encdec.transcription.windows import SILENCE_PEAK, cut_windows, segments_from_tokens
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    """One engine request a job asks for."""
-
-    ticket: int  # job-local id; give it back with the output to ``add_output``
-    prompt: PromptType  # audio window (16 kHz array) or its log-mel features + decoder prompt ids
-    params: SamplingParams
-
-
-def finished_completion(output: RequestOutput, index: int):
-    """The completion of a finished job request; errors and aborts raise, naming the input."""
-    if getattr(output, "error", None):
-        raise ValueError(f"audio input {index}: {output.error}")
-    completion = output.outputs[0]
-    if completion.finish_reason == "abort":
-        raise RuntimeError(f"audio input {index}: request {output.request_id} was aborted")
-    return completion
 
 
 @dataclass
@@ -53,21 +33,7 @@ class _Piece:
     attempts: list[tuple[list[int], float, float]] = field(default_factory=list)
 
 
-def window_prompt(window: np.ndarray, dec_ids: list[int]) -> dict:
-    """A window's 16 kHz samples (the engine computes their log-mel) + decoder prompt ids."""
-    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (window, SAMPLE_RATE)}},
-            "decoder_prompt": {"prompt_token_ids": dec_ids}}
-
-
-def features_prompt(features: Any, dec_ids: list[int]) -> dict:
-    """A window's (n_mels, 3000) log-mel, encoded as it is, + decoder prompt ids.
-    The same tensor for every attempt at a window: one encoder pass with the
-    engine's encoder cache."""
-    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio_features": features}},
-            "decoder_prompt": {"prompt_token_ids": dec_ids}}
-
-
-class IndependentJob:
+class IndependentJob(JobBase):
     """One audio input (path, ``(array, sample_rate)`` or 16 kHz 1-D array) ->
     a ``Transcription``, as a series of engine requests.
 
@@ -86,14 +52,8 @@ class IndependentJob:
     def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
         from encdec.models.whisper import language_token
 
-        engine = engine_view(engine)
-        self.index = index  # position of this input in its call, for error messages
-        self.options = options
-        try:
-            wav = load_audio(audio)  # the one decode (and resample) of this input
-        except ValueError as e:
-            raise ValueError(f"audio input {index}: {e}") from None
-        self.duration = len(wav) / SAMPLE_RATE  # seconds of audio
+        super().__init__(engine, options, index=index)
+        wav = self._load(audio)
         windows = cut_windows(wav)  # (start sample, 16 kHz samples), views of wav
         # VAD packs the speech into windows; result() maps times back.
         self._tmap, self._no_speech = None, False
@@ -104,13 +64,6 @@ class IndependentJob:
             _, vad_windows, self._tmap = pack_speech(wav, regions)
             windows = vad_windows or windows[:1]  # no speech: one window, for language detection
             self._no_speech = not vad_windows
-        self._aligner = None
-        if options.word_timestamps:
-            from encdec.transcription.alignment import WordAligner
-
-            self._aligner = WordAligner(engine.call_model, engine.hf_config, engine.generation_config,
-                                        engine.tokenizer)
-        self._hf_config, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
         # The fallback ladder (rules.needs_fallback, as the sequential mode's and HF's batched
@@ -125,9 +78,6 @@ class IndependentJob:
         self._prev = self._prompt_ids(options.initial_prompt)
         self._pieces = [_Piece(start, w) for start, w in windows]  # in time order
         self._dec: list[int] = []  # the windows' decoder prompt, once the language is known
-        self._asked: dict[int, _Piece | None] = {}  # ticket -> its piece (None: language detection)
-        self._ready: list[JobRequest] = []  # asked for, not yet handed out
-        self.num_requests = 0  # engine requests asked for (language detection, windows, rests)
         self.language: str | None = None  # language code, once known
         if not self._multilingual:
             self._start_windows("en")
@@ -140,11 +90,6 @@ class IndependentJob:
             self._start_windows(next(k[2:-2] for k, v in self._gc.lang_to_id.items() if v == token))
 
     # -- the protocol --------------------------------------------------------------
-    def next_requests(self) -> list[JobRequest]:
-        """Requests to submit now, each handed out once; [] while waiting on outputs."""
-        out, self._ready = self._ready, []
-        return out
-
     def abandoned_tickets(self) -> list[int]:
         """Tickets handed out that the job no longer needs: none here (every window is kept)."""
         return []
@@ -221,10 +166,7 @@ class IndependentJob:
 
     # -- steps -----------------------------------------------------------------------
     def _ask(self, piece: _Piece | None, prompt: dict, params: SamplingParams) -> None:
-        ticket = self.num_requests  # never reused, so a retry of a window gets its own ticket
-        self.num_requests += 1
-        self._asked[ticket] = piece
-        self._ready.append(JobRequest(ticket, prompt, params))
+        self._new_request(piece, prompt, params)
 
     def _attempt(self, index: int) -> SamplingParams | BeamSearchParams:
         """The params of attempt ``index``, at ``options.temperature[index]`` (``decoding.attempt_params``)."""
@@ -286,7 +228,7 @@ class IndependentJob:
         ``max_length // 2 - 1`` text tokens."""
         if not prompt:
             return []
-        text_ids = self._tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        text_ids = text_prompt_ids(self._tokenizer, prompt)
         return [self._gc.prev_sot_token_id] + text_ids[-(self._hf_config.max_target_positions // 2 - 1):]
 
 

@@ -64,15 +64,14 @@ from typing import Any
 
 import numpy as np
 
-from encdec.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, load_audio, log_mel_spectrogram
+from encdec.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
 from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
 from encdec.transcription.features import whole_file_log_mel, window_features
-from encdec.transcription.engine_view import engine_view
-from encdec.transcription.job import JobRequest, features_prompt, finished_completion
 from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.protocol import JobBase, features_prompt, finished_completion, text_prompt_ids
 from encdec.transcription.result import Segment, Transcription
 from encdec.transcription.rules import (
     best_attempt,
@@ -84,18 +83,12 @@ from encdec.transcription.rules import (
 from encdec.transcription.seek import FRAMES_PER_SECOND, Window, clip_frames
 
 
-class SequentialJob:
+class SequentialJob(JobBase):
     """One audio input -> a ``Transcription`` by the sequential algorithm (module docstring)."""
 
     def __init__(self, engine: Any, audio: Any, options: TranscribeOptions, *, index: int = 0) -> None:
-        engine = engine_view(engine)
-        self.index = index
-        self.options = options
-        try:
-            wav = load_audio(audio)
-        except ValueError as e:
-            raise ValueError(f"audio input {index}: {e}") from None
-        self.duration = len(wav) / SAMPLE_RATE
+        super().__init__(engine, options, index=index)
+        wav = self._load(audio)
         self._tmap, speech = None, True
         if options.vad_filter:  # decode the speech only; result() maps times back
             from encdec.transcription.vad import pack_speech, speech_regions
@@ -104,8 +97,7 @@ class SequentialJob:
             speech = bool(regions)
             if speech:
                 wav, _, self._tmap = pack_speech(wav, regions)
-        hf, self._gc, self._tokenizer = engine.hf_config, engine.generation_config, engine.tokenizer
-        gc = self._gc
+        hf, gc = self._hf_config, self._gc
         self._ids = WhisperSpecialTokens.of(gc)
         self._vocab, self._max_length = hf.vocab_size, hf.max_target_positions
         if len(wav) > N_SAMPLES:  # (n_mels, frames): HF's long-form features, the one log-mel of the file
@@ -114,21 +106,16 @@ class SequentialJob:
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         # No speech at all: no window is decoded (a multilingual model still detects the language).
         self._clips = clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
-        self._aligner = self._silence = None
-        if options.word_timestamps:
-            from encdec.transcription.alignment import WordAligner
-
-            self._aligner = WordAligner(engine.call_model, hf, engine.generation_config, engine.tokenizer)
+        self._silence = None
         if options.hallucination_silence_threshold is not None:
             from encdec.transcription.silence import HallucinationFilter, silent_frames
 
             self._silence = HallucinationFilter(options.hallucination_silence_threshold,
                                                 silent_frames(wav, self._features.shape[1]))
         self._clip, self._seek = 0, self._clips[0][0]
-        encode = lambda text: self._tokenizer.encode(" " + text.strip(), add_special_tokens=False)
-        self._prompt_text = encode(options.initial_prompt) if options.initial_prompt else []
-        self._hotwords = encode(options.hotwords) if options.hotwords else None
-        self._prefix = encode(options.prefix) if options.prefix else None
+        self._prompt_text = text_prompt_ids(self._tokenizer, options.initial_prompt)
+        self._hotwords = text_prompt_ids(self._tokenizer, options.hotwords) or None
+        self._prefix = text_prompt_ids(self._tokenizer, options.prefix) or None
         self._history: list[list[int]] = [self._prompt_text] if self._prompt_text else []
         self._condition = options.condition_on_previous_text
         base = options.sampling_params
@@ -138,11 +125,8 @@ class SequentialJob:
         self.language: str | None = None
         self.language_probability: float | None = None
         self.encoder_passes = 0  # requests that ran the encoder (retries don't, with the encoder cache)
-        self.num_requests = 0
         self.encoder_cache_reported = False  # some output said whether it reused an encoder pass
         self.windows_skipped = 0  # windows dropped by the no-speech rule
-        self._asked: dict[int, str] = {}  # ticket -> "detect" | "window"
-        self._ready: list[JobRequest] = []
         self._abandoned: list[int] = []  # tickets the driver should abort (abandoned_tickets)
         self._dropped: set[int] = set()  # abandoned tickets whose output may still arrive
         self._window: Window | None = None
@@ -161,10 +145,6 @@ class SequentialJob:
             self._set_language(next(k[2:-2] for k, v in self._ids.lang_to_id.items() if v == token), None)
 
     # -- the protocol --------------------------------------------------------------
-    def next_requests(self) -> list[JobRequest]:
-        out, self._ready = self._ready, []
-        return out
-
     def abandoned_tickets(self) -> list[int]:
         """Tickets handed out that the job no longer needs (retries made moot by
         an earlier temperature passing): the driver aborts them. An output of
@@ -229,11 +209,7 @@ class SequentialJob:
 
     # -- steps -----------------------------------------------------------------------
     def _ask(self, kind: str, dec: list[int], params: SamplingParams, features: Any) -> int:
-        ticket = self.num_requests
-        self.num_requests += 1
-        self._asked[ticket] = kind
-        self._ready.append(JobRequest(ticket, features_prompt(features, dec), params))
-        return ticket
+        return self._new_request(kind, features_prompt(features, dec), params)  # kind: "detect" | "window"
 
     def _set_language(self, language: str, probability: float | None) -> None:
         from encdec.models.whisper import default_decoder_prompt

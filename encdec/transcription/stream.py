@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from encdec.transcription.driver import run_jobs
 from encdec.transcription.live import PARTIAL_EVERY_S, LiveSession, TurnEnded, pcm16_to_float
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.result import Transcription
@@ -36,8 +37,6 @@ class StreamSegment:
 def transcribe_stream(llm: Any, chunks: Iterable[Any], options: TranscribeOptions, *, sample_rate: int = 16000,
                       partial_every: float = PARTIAL_EVERY_S) -> Iterator[StreamSegment]:
     """Drive a ``LiveSession`` (no voice detector: ``None`` chunks commit) over ``chunks``."""
-    from encdec.transcribe import run_jobs
-
     engine = llm.llm_engine
     session = LiveSession(sample_rate, partial_every=partial_every)
 

@@ -37,7 +37,7 @@ INDEPENDENT_VAD_DEFAULTS: dict[str, Any] = {**VAD_DEFAULTS, "min_silence_duratio
                                             "max_speech_duration_s": N_SAMPLES / SAMPLE_RATE}
 
 
-_LOAD_LOCK = threading.Lock()  # jobs are built on several threads (encdec.transcribe)
+_LOAD_LOCK = threading.Lock()  # jobs are built on several threads (encdec.transcription.offline)
 
 
 def _silero_model() -> tuple[Any, bool]:

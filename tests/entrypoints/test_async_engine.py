@@ -136,7 +136,7 @@ class _AbandoningJob:
 def test_run_job_aborts_what_the_job_abandons(engine):
     """The server's job driver aborts an abandoned request at once: the job never
     gets its output, and every KV block is free when the job returns."""
-    from encdec.entrypoints.openai.transcription_jobs import run_job
+    from encdec.transcription.driver import run_job
 
     job = _AbandoningJob()
 
@@ -159,7 +159,7 @@ def test_run_job_aborts_what_the_job_abandons(engine):
 def test_run_jobs_aborts_what_the_job_abandons(bart_llm):
     """The same for ``LLM.transcribe``'s synchronous driver: the call ends when the
     third request does (~30 steps), not when the abandoned 400-token one would."""
-    from encdec.transcribe import run_jobs
+    from encdec.transcription.driver import run_jobs
 
     engine = bart_llm.llm_engine
     steps, step = [], engine.step

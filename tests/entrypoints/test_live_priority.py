@@ -13,7 +13,7 @@ import pytest
 
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.async_llm_engine import AsyncLLMEngine
-from encdec.entrypoints.openai.transcription_jobs import JobProgress, run_job
+from encdec.transcription.driver import JobProgress, run_job
 from encdec.transcription import TranscribeOptions, make_job
 from encdec.transcription.live import FINAL_PRIORITY, PARTIAL_PRIORITY, PartialBudget, Turn, pass_priorities
 

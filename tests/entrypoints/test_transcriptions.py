@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from encdec.entrypoints.openai.serving_transcription import SEGMENT_FIELDS
-from encdec.transcribe import format_transcription
+from encdec.transcription import format_transcription
 
 from .conftest import SPEECH
 

@@ -116,7 +116,7 @@ def test_independent_windows_with_timestamps_lose_no_sentence(llm, clips):
     Whisper ends a window in an open segment (it leaves the last sentence for
     "later"), the rest of that window is decoded as a piece of its own, so the
     text is as complete as without timestamps, and nothing is said twice."""
-    from encdec.transcribe import run_jobs
+    from encdec.transcription.driver import run_jobs
     from encdec.transcription import TranscribeOptions, TranscriptionJob
     from encdec.transcription.windows import cut_windows
 

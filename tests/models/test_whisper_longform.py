@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from encdec import SamplingParams
-from encdec.transcribe import run_jobs
+from encdec.transcription.driver import run_jobs
 from encdec.transcription import SequentialJob, TranscribeOptions
 
 TEMPS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)

@@ -8,15 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from encdec.transcribe import (
-    SEARCH_SAMPLES,
-    Segment,
-    Transcription,
-    _as_inputs,
-    _segments,
-    _windows,
-    format_transcription,
-)
+from encdec.transcription import Segment, Transcription, format_transcription
+from encdec.transcription.offline import _as_inputs
+from encdec.transcription.windows import SEARCH_SAMPLES
+from encdec.transcription.windows import cut_windows as _windows
+from encdec.transcription.windows import segments_from_tokens as _segments
 
 SR, N = 16000, 480000
 TS, EOT = 50363, 50256

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from encdec import SamplingParams
-from encdec.transcribe import _as_inputs
+from encdec.transcription.offline import _as_inputs
 from encdec.transcription import TranscribeOptions, TranscriptionJob
 
 torch.set_num_threads(1)
@@ -139,7 +139,7 @@ class PublicEngine:
 
 
 def test_transcribe_uses_only_public_engine_methods(llm, clips, long_wav):
-    from encdec.transcribe import transcribe
+    from encdec.transcription.offline import transcribe
 
     files, _ = clips
     engine = PublicEngine(llm.llm_engine)
@@ -150,14 +150,14 @@ def test_transcribe_uses_only_public_engine_methods(llm, clips, long_wav):
     assert engine.used["add_processed_request"] == 3 and engine.used["step"] > 0
     assert set(engine.used) <= PublicEngine.PUBLIC
     root = os.path.join(os.path.dirname(__file__), "..", "..", "encdec")
-    for path in [os.path.join(root, "transcribe.py"), *glob.glob(os.path.join(root, "transcription", "*.py"))]:
+    for path in glob.glob(os.path.join(root, "transcription", "**", "*.py"), recursive=True):
         src = open(path).read()
         assert not re.search(r"\b(llm|engine)\._", src), path
         assert "request_counter" not in src, path
 
 
 def test_failure_mid_run_aborts_what_the_call_queued(llm, long_wav):
-    from encdec.transcribe import transcribe
+    from encdec.transcription.offline import transcribe
 
     engine = PublicEngine(llm.llm_engine, fail_at_step=3)
     with pytest.raises(KeyboardInterrupt):

@@ -38,8 +38,8 @@ from encdec.entrypoints.openai.realtime_protocol import (
     SessionConfig,
     server_event,
 )
-from encdec.entrypoints.openai.transcription_jobs import JobProgress, run_job
 from encdec.transcription import TranscribeOptions
+from encdec.transcription.driver import JobProgress, run_job
 from encdec.transcription.live import (
     PARTIAL_EVERY_S,
     LiveSession,
@@ -272,7 +272,7 @@ class RealtimeSession:
             result = await run_job(self.engine, job, request_id_prefix=f"rt-{turn.item_id}-final", progress=progress,
                                    priority=self.final_priority)
         except Exception as e:  # noqa: BLE001 - reported in-band as OpenAI does
-            message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            message = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
             await self.send(server_event("conversation.item.input_audio_transcription.failed", item_id=turn.item_id,
                                          content_index=0, error={"type": "server_error", "code": None,
                                                                  "message": message, "param": None}))

@@ -2,12 +2,12 @@
 
 A file becomes the job ``LLM.transcribe`` would make for the same options
 (``encdec.transcription.make_job``: the sequential long-form algorithm by
-default); ``run_job`` (``transcription_jobs``) submits what the job asks for to
-the shared engine, next to everyone else's requests, and feeds the outputs
-back. OpenAI's fields map onto ``TranscribeOptions``: ``prompt`` is the
-``initial_prompt``; ``temperature`` 0 means Whisper's automatic fallback through
-(0.0, 0.2, ..., 1.0) by the log-prob and compression-ratio thresholds, t > 0
-decodes at t only; ``timestamp_granularities[]=word`` turns word timestamps on.
+default); ``run_job`` (``encdec.transcription.driver``) submits what the job
+asks for to the shared engine, next to everyone else's requests, and feeds the
+outputs back; its errors become HTTP errors here (``_run``). OpenAI's fields
+map onto ``TranscribeOptions``: ``prompt`` is the ``initial_prompt``;
+``temperature`` 0 means Whisper's automatic fallback through (0.0, 0.2, ...,
+1.0) by the log-prob and compression-ratio thresholds, t > 0 decodes at t only; ``timestamp_granularities[]=word`` turns word timestamps on.
 The result is written in the asked format: json, text, srt, vtt (text/plain
 bodies, so the ``openai`` SDK returns ``str``) or verbose_json (OpenAI's segment
 fields; ``segments`` unless only words were asked for, ``words`` when asked
@@ -22,7 +22,7 @@ import os
 import re
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -33,8 +33,8 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine
 from encdec.entrypoints.openai.metrics import ServerMetrics
 from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
 from encdec.entrypoints.openai.sse import DONE, SSEResponse, sse
-from encdec.entrypoints.openai.transcription_jobs import JobProgress, run_job
 from encdec.transcription import TranscribeOptions, Transcription, format_transcription, make_job
+from encdec.transcription.driver import ClientGone, JobProgress, run_job
 
 # OpenAI's verbose_json segment fields, in its order
 SEGMENT_FIELDS = ("id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
@@ -117,7 +117,7 @@ class TranscriptionServer:
         base = f"trsc-{uuid.uuid4().hex}"
         if req.stream:
             return SSEResponse(self._stream(job, base))
-        result = await run_job(self.engine, job, request_id_prefix=base, is_disconnected=raw.is_disconnected)
+        result = await _run(run_job(self.engine, job, request_id_prefix=base, is_disconnected=raw.is_disconnected))
         self.metrics.audio_seconds.inc(job.duration)
         return self._format(result, req, task)
 
@@ -177,7 +177,7 @@ class TranscriptionServer:
     async def _stream(self, job: Any, base: str) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
         progress = JobProgress(lambda: queue.put_nowait(None))
-        task = asyncio.ensure_future(run_job(self.engine, job, request_id_prefix=base, progress=progress))
+        task = asyncio.ensure_future(_run(run_job(self.engine, job, request_id_prefix=base, progress=progress)))
         sent = ""
         try:
             while not task.done():
@@ -200,6 +200,17 @@ class TranscriptionServer:
         finally:
             task.cancel()
         yield DONE
+
+
+async def _run(job_run: Awaitable[Transcription]) -> Transcription:
+    """A job run by the driver, its errors as HTTP errors: a request the engine
+    refuses is a 400 on the file, a client that left a 499."""
+    try:
+        return await job_run
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="file") from None
+    except ClientGone:
+        raise APIError(499, "client closed the request") from None
 
 
 def _refusal(e: ValidationError) -> APIError:
