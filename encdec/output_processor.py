@@ -15,7 +15,7 @@ and owns what they leave behind:
                   list is the stop checker's alone, decoded by ``flush_text``
                   at defined points: the start of each ``Scheduler.update``,
                   while a step's kernels run (the engine, between
-                  ``execute_model`` and ``sample_tokens``), and here before
+                  ``execute_model`` and ``get_output``), and here before
                   any unfinished request's output is read
     outputs       ``make_output``: a finished group as a ``RequestOutput`` (a
                   beam group's from its finished hypotheses)

@@ -149,6 +149,7 @@ class Scheduler(Preemption):
         ones ``schedule`` could never run first."""
         sched = scheduler_outputs
         groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
+        self.stop_checker.flush_text()  # text a sequence's last token left: before it appends the next
         step_update.mark_computed(sched)
         step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker)
         step_update.keep_prompt_logprobs(runner_output, groups)

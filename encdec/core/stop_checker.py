@@ -39,10 +39,9 @@ class StopChecker:
 
         ``defer_text``: a request with no stop strings is decided by token ids
         alone, so a token that does not end its sequence may leave its text to
-        ``flush_text``, which the engine calls while the next step's kernels run
-        (detokenizing 256 rows took ~1 ms of host time a step, during which a GPU
-        sat idle). A token that ends it is decoded now: the request's output is
-        made from this step's text."""
+        ``flush_text`` (the engine calls it while the next step's kernels run).
+        A token that ends it is decoded now: the request's output is made from
+        this step's text."""
         params = sampling_params
         if self.detokenizer is None or not params.detokenize:
             self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
@@ -60,9 +59,10 @@ class StopChecker:
         self.maybe_stop_sequence(seq, added, params, self.eos_token_id)
 
     def flush_text(self) -> None:
-        """Decode every token ``check`` left without its text. Before a pending
-        sequence appends its next token (the engine calls this at the start of
-        each update too) and before anything reads its text."""
+        """Decode every token ``check`` left without its text. The pending list is
+        this object's alone; it must be flushed before a pending sequence appends
+        its next token (``Scheduler.update`` does, first) and before anything
+        reads its text (``encdec.output_processor``)."""
         pending, self._pending_text = self._pending_text, []
         for seq, params in pending:
             self.detokenizer.decode_sequence_inplace(seq, params)

@@ -17,7 +17,6 @@ batch's order, which is what the logits processors index by.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -25,59 +24,15 @@ import torch
 
 from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
                                                 cache_slots_list, packed_slots)
-from encdec.core.outputs import ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import padded_to_device, split_to_device, to_device
-from encdec.sample.beam_candidates import find_beam_rows, select_candidates
-from encdec.sample.sampler import Sampler, compute_prompt_logprobs
-from encdec.sequence import Logprob, SequenceGroupMetadata
+from encdec.sample.beam_candidates import find_beam_rows
+from encdec.sample.sampler import Sampler
+from encdec.sequence import SequenceGroupMetadata
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
-
-
-class AskedPosition(NamedTuple):
-    """A decoder-prompt position a prefill asks raw log-probs at (SamplingParams.prompt_token_logprobs)."""
-
-    request_id: str
-    position: int  # as the request named it (may be negative)
-    hidden_index: int  # its row in the step's packed hidden states
-    token_ids: list[int]
-
-
-def _prefill_spans(metas: list[SequenceGroupMetadata]) -> Iterator[tuple[SequenceGroupMetadata, Any, int]]:
-    """(meta, its first sequence's data, its first row in the step's hidden
-    states) per prefill: ``prepare`` packs them first, in order, each whole."""
-    start = 0
-    for m in metas:
-        if not m.is_prompt:
-            break
-        sd = next(iter(m.seq_data.values()))
-        yield m, sd, start
-        start += sd.get_len()
-
-
-def _asked_prompt_positions(metas: list[SequenceGroupMetadata]) -> list[AskedPosition]:
-    out: list[AskedPosition] = []
-    for m, sd, start in _prefill_spans(metas):
-        asked = m.sampling_params.prompt_token_logprobs
-        if asked and sd.get_output_len() == 0:  # not again after a recompute
-            n = sd.get_prompt_len()
-            out += [AskedPosition(m.request_id, p, start + p % n, ids) for p, ids in asked.items()]
-    return out
-
-
-def _prompt_token_logprobs(logits: torch.Tensor,
-                           asked: list[AskedPosition]) -> dict[str, dict[int, dict[int, float]]]:
-    """Raw log-softmax of each asked row (no processor has touched these rows)."""
-    out: dict[str, dict[int, dict[int, float]]] = {}
-    if not asked:
-        return out
-    lps = logits.log_softmax(dim=-1, dtype=torch.float32)
-    for row, a in enumerate(asked):
-        vals = lps[row, a.token_ids].tolist()
-        out.setdefault(a.request_id, {})[a.position] = dict(zip(a.token_ids, vals))
-    return out
+from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
 
 
 class SampledRow(NamedTuple):
@@ -267,18 +222,15 @@ class EncoderDecoderModelRunner:
 
     # -- step ----------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs,
-                while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """One step. ``while_device_runs`` is called once the step's kernels are
-        queued and before its first wait for them (the sampled tokens' copy to
-        the host): host work that needs none of this step's results (the engine
-        detokenizes the previous step's tokens there) runs while a GPU computes."""
+    def execute(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> AsyncModelRunnerOutput:
+        """One step, returned once its kernels are queued and before the first
+        wait for them: ``get_output()`` waits (``encdec.worker.step_output``)."""
         self.cache.swap_out(sched.blocks_to_swap_out)
         self.cache.swap_in(sched.blocks_to_swap_in)
         self.cache.copy(sched.blocks_to_copy)
         if not metas:
             self._update_batch(sched, [])
-            return ModelRunnerOutput(samples=[])
+            return AsyncModelRunnerOutput.empty()
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
         n = sched.num_prefill_groups  # the scheduler puts prefills first
         # A decode-only step batches one token per sequence: num_batched_tokens rows.
@@ -288,27 +240,20 @@ class EncoderDecoderModelRunner:
         sampling_md = self.input_batch.refresh_metadata()
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
-        asked = _asked_prompt_positions(metas)
+        asked = asked_prompt_positions(metas)
         index = to_device([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked],
                           torch.long, self.device)
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
-        token_lps = _prompt_token_logprobs(all_logits[len(order):], asked)
+        token_lps = prompt_token_logprobs(all_logits[len(order):], asked)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
         with single_thread(small):
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))
-        if while_device_runs is not None:
-            while_device_runs()
-        candidates = select_candidates(beam, out.processed_logprobs) if beam else {}
-        beam_seqs = beam.seq_ids if beam else ()
-        sampled = out.sampled_token_ids.view(len(order), -1)[:, 0].tolist()
-        lp = self._logprobs(out.logprobs_tensors, [rows[i].meta.sampling_params.logprobs for i in order])
-        samples = [SampledTokens(rows[i].seq_id, [tok], [lp[r]] if lp else [])
-                   for r, (i, tok) in enumerate(zip(order, sampled)) if rows[i].seq_id not in beam_seqs]
-        return ModelRunnerOutput(samples=samples, prompt_logprobs=self._prompt_logprobs(metas, hidden),
-                                 prompt_token_logprobs=token_lps, beam_candidates=candidates)
+        return AsyncModelRunnerOutput(
+            self.model, self.device, metas, [rows[i].seq_id for i in order],
+            [rows[i].meta.sampling_params.logprobs for i in order], out, beam, hidden, token_lps)
 
     def _eager(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
@@ -340,42 +285,3 @@ class EncoderDecoderModelRunner:
             return inp.sampled_rows, graphs.replay(inp.input_ids, inp.positions, md, bucket)
         with single_thread(small):
             return inp.sampled_rows, self._eager(inp)
-
-    def _prompt_logprobs(self, metas: list[SequenceGroupMetadata],
-                         hidden: torch.Tensor) -> dict[str, list[dict[int, Logprob] | None]]:
-        """Decoder-prompt logprobs for prefills that ask: position i's hidden
-        state scores prompt token i + 1; the first token has none (None)."""
-        out: dict[str, list[dict[int, Logprob] | None]] = {}
-        for m, sd, start in _prefill_spans(metas):
-            k = m.sampling_params.prompt_logprobs
-            n_prompt = sd.get_prompt_len()
-            if k is not None and sd.get_output_len() == 0:  # not again after a recompute
-                targets = to_device(sd.prompt_token_ids[1:], torch.long, self.device)
-                logits = self.model.compute_logits(hidden[start: start + n_prompt - 1]).float()
-                lp = compute_prompt_logprobs(logits, targets, k)
-                ids, vals = lp.logprob_token_ids.tolist(), lp.logprobs.tolist()
-                ranks = lp.selected_token_ranks.tolist()
-                rows: list[dict[int, Logprob] | None] = [None]
-                for r in range(n_prompt - 1):
-                    d = {ids[r][0]: Logprob(vals[r][0], rank=ranks[r])}
-                    for j in range(1, 1 + k):
-                        d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
-                    rows.append(d)
-                out[m.request_id] = rows
-        return out
-
-    @staticmethod
-    def _logprobs(tensors, wanted: list[int | None]) -> list[dict[int, Logprob]] | None:
-        """Per row: the sampled token first, then that request's own top-k."""
-        if tensors is None:
-            return None
-        ids = tensors.logprob_token_ids.tolist()
-        vals = tensors.logprobs.tolist()
-        ranks = tensors.selected_token_ranks.tolist()
-        out = []
-        for r, k in enumerate(wanted):
-            d = {ids[r][0]: Logprob(vals[r][0], rank=ranks[r])}
-            for j in range(1, 1 + (k or 0)):
-                d.setdefault(ids[r][j], Logprob(vals[r][j], rank=j))
-            out.append(d)
-        return out

@@ -5,7 +5,7 @@ Everything that knows the device lives here, built in this order by the engine:
     Worker(load_config)           device, checkpoint -> ModelConfig, model + weights
     worker.init_cache(...)        KV sizing (the block manager's arithmetic), CacheEngine
     worker.init_batch(...)        logits processors, InputBatch, generator, model runner
-    worker.execute_model(...)     one scheduled step -> ModelRunnerOutput
+    worker.execute_model(...)     one scheduled step, queued -> .get_output(): ModelRunnerOutput
 
 A CUDA graph capture, a new weight format or a new device's KV sizing lands
 here; the engine above sees only configs and ``execute_model``.
@@ -13,7 +13,6 @@ here; the engine above sees only configs and ``execute_model``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from torch.overrides import TorchFunctionMode
 from encdec.attention.selector import get_attn_backend
 from encdec.block_manager.capacity import longest_request_blocks
 from encdec.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
-from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.models.layers import pack_linears
 from encdec.models.loader import Checkpoint, iterate_weights, open_checkpoint
@@ -45,6 +43,7 @@ from encdec.worker.cache_engine import (
 from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner
 from encdec.worker.input_batch import InputBatch
+from encdec.worker.step_output import AsyncModelRunnerOutput
 
 logger = logging.getLogger("encdec")
 
@@ -315,7 +314,7 @@ class Worker:
         """The logits processors' own checks of a request's params (ValueError)."""
         self.input_batch.logitsprocs.validate_params(params)
 
-    def execute_model(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs,
-                      while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """``while_device_runs``: see ``EncoderDecoderModelRunner.execute``."""
-        return self.model_runner.execute(metas, sched, while_device_runs)
+    def execute_model(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> AsyncModelRunnerOutput:
+        """The step, returned once its kernels are queued; ``get_output()`` waits
+        for them (``EncoderDecoderModelRunner.execute``)."""
+        return self.model_runner.execute(metas, sched)
