@@ -61,6 +61,24 @@ def test_transcribe_bad_options_fail_before_any_work(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_transcribe_says_why_an_input_is_not_an_audio_file(tmp_path, capsys):
+    """A directory, a device and an empty file each get their own reason (not
+    "no such file"), one line, exit 2, before the model loads."""
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    cases = [
+        (str(tmp_path), "is a directory"),
+        ("/dev/null", "is not a regular file"),
+        (str(empty), "is empty (0 bytes)"),
+        (str(tmp_path / "nope.wav"), "no such file"),
+    ]
+    for path, message in cases:
+        rc = main(["transcribe", path, "--model", str(tmp_path / "no-model"), "--no-progress"])
+        out, err = capsys.readouterr()
+        assert rc == 2 and out == "", path
+        assert len(err.strip().splitlines()) == 1 and f"{path}: {message}" in err, err
+
+
 def test_transcribe_request_that_never_fits_exits_nonzero_without_output(ct2_dir, capsys):
     """A 100-block cache cannot hold one 30 s window (94 cross blocks + 28 for
     448 decoder positions): an error on stderr, no blank transcript, exit 2."""

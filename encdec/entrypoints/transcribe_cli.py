@@ -62,10 +62,28 @@ def _usable_output_dir(path: str) -> str | None:
     return None
 
 
+def _unreadable_input(path: str) -> str | None:
+    """Why ``path`` cannot be an audio input, or None. Checked before the model
+    loads: a typo, a directory or an empty file must not cost a model load."""
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        return "is a directory, not an audio file"
+    if not os.path.isfile(path):
+        return "is not a regular file (a device, pipe or socket); save the audio to a file"
+    try:
+        with open(path, "rb") as f:
+            empty = f.read(1) == b""
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    return "is empty (0 bytes)" if empty else None
+
+
 def run_transcribe(args: argparse.Namespace) -> int:
-    missing = [f for f in args.files if not os.path.isfile(f)]
-    if missing:
-        print(f"encdec transcribe: no such file: {', '.join(missing)}", file=sys.stderr)
+    bad = [(f, why) for f in args.files if (why := _unreadable_input(f)) is not None]
+    if bad:
+        listed = "; ".join(f"{f}: {why}" for f, why in bad)
+        print(f"encdec transcribe: {listed}", file=sys.stderr)
         return 2
     if args.num_threads is not None and args.num_threads < 1:
         print(f"encdec transcribe: --num-threads must be >= 1, got {args.num_threads}", file=sys.stderr)
