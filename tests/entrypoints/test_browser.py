@@ -1,0 +1,302 @@
+"""The web page at ``/`` in a real browser: Debian's Chromium (``/usr/bin/chromium``,
+headless) driven by Playwright for Python against real servers on 127.0.0.1:
+Whisper tiny.en with an API key (upload, live microphone, the key flow) and a
+tiny random NLLB (the text panel). The microphone is Chromium's fake device
+playing a WAV built here from the shipped clips. Without Chromium or Playwright
+the browser tests skip, saying which is missing (``make test`` prints it with
+``-rs``). Screenshots of each panel go to ``$ENCDEC_TEST_ARTIFACTS`` (default: a
+temporary directory, printed)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from encdec.transcription import format_transcription
+
+from .conftest import SPEECH, start_server, stop_server
+
+CHROMIUM = Path("/usr/bin/chromium")
+KEY = "sk-browser-test"
+CLIP = SPEECH / "s00.wav"
+LIVE_TURNS = (("s06", "s09"), ("s04", "s07"))  # two sentences a turn: partial passes have time to agree
+RATE = 16000
+TIMEOUT_MS = 60_000
+
+
+def _missing() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is absent: install Debian's chromium (apt-get install -y chromium) to run the browser tests"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed: pip install '.[test]' (the browser itself is the system's Chromium)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def mic_turns(tmp_path_factory) -> tuple[Path, list[np.ndarray]]:
+    """The fake microphone's WAV (silence, turn, pause, turn, silence) and each turn's samples."""
+    import soundfile as sf
+
+    def speech(name: str) -> np.ndarray:  # the clip without its silent ends (0.2 s, 0.6 s), 50 ms kept
+        wav = sf.read(SPEECH / f"{name}.wav", dtype="float32")[0]
+        loud = np.nonzero(np.abs(wav) > 0.02)[0]
+        return wav[max(loud[0] - RATE // 20, 0):loud[-1] + RATE // 20]
+
+    turns = []
+    for names in LIVE_TURNS:  # a 0.2 s pause inside a turn: under server VAD's 0.5 s of silence
+        a, b = (speech(n) for n in names)
+        turns.append(np.concatenate([a, np.zeros(RATE // 10, np.float32), b]))
+    z = lambda s: np.zeros(int(s * RATE), np.float32)  # noqa: E731
+    path = tmp_path_factory.mktemp("mic") / "mic.wav"
+    sf.write(path, np.concatenate([z(0.8), turns[0], z(2.0), turns[1], z(3.0)]), RATE, subtype="PCM_16")
+    return path, turns
+
+
+@pytest.fixture(scope="module")
+def chromium(mic_turns):
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={mic_turns[0].resolve()}%noloop"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=args, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    out = Path(os.environ.get("ENCDEC_TEST_ARTIFACTS") or tmp_path_factory.mktemp("browser_artifacts"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"\nbrowser screenshots: {out}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def keyed_whisper(ct2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("keyed_whisper") / "server.log"
+    server = start_server(str(ct2_dir), log, "--served-model-name", "tiny.en", "--api-key", KEY,
+                          "--max-audio-mb", "2", "--kv-cache-memory", str(256 << 20), "--swap-space", "0.1")
+    # one transcription first: a cold server's first passes pay for warm-up, which would
+    # leave the first live turn without partial passes
+    httpx.post(server.v1 + "/audio/transcriptions", headers={"Authorization": f"Bearer {KEY}"},
+               files={"file": (CLIP.name, CLIP.read_bytes())}, data={"model": "tiny.en"}, timeout=120)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def nllb_server(tmp_path_factory):
+    from encdec.testing import make_random_nllb
+
+    path = make_random_nllb(str(tmp_path_factory.mktemp("nllb")), seed=5)
+    server = start_server(path, tmp_path_factory.mktemp("nllb_server") / "server.log",
+                          "--served-model-name", "nllb", "--kv-cache-memory", "16MiB")
+    yield server, path
+    stop_server(server)
+
+
+def _open(chromium, base: str, *, width: int = 1000, key: str | None = None):
+    """A page at ``/`` (in its own browser context: its own session storage), ready;
+    ``key``: the API key already given in this session."""
+    page = chromium.new_page(viewport={"width": width, "height": 900}, accept_downloads=True)
+    if key is not None:
+        page.add_init_script(f"sessionStorage.setItem('encdec.apiKey', {json.dumps(key)})")
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(base + "/")
+    page.wait_for_selector("body[data-ready=true]")
+    return page
+
+
+def _tab_to(page, element_id: str, limit: int = 40) -> None:
+    """Tab (keyboard only) until ``element_id`` has the focus."""
+    for _ in range(limit):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement && document.activeElement.id") == element_id:
+            return
+    raise AssertionError(f"#{element_id} is not reachable by Tab")
+
+
+def _text(page, selector: str) -> str:
+    return page.locator(selector).text_content() or ""
+
+
+def test_page_status_and_websocket_key_subprotocol(keyed_whisper):
+    """``/`` and its files; the status route of a Whisper server; a browser's key
+    subprotocol on /v1/realtime (wrong: 401 before the handshake; right: the
+    session, with the ``realtime`` subprotocol chosen)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    base = keyed_whisper.base
+    page = httpx.get(base + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert httpx.get(base + "/ui/app.js", timeout=10).headers["content-type"].startswith("text/javascript")
+    assert httpx.get(base + "/ui/..%2Fapi_server.py", timeout=10).status_code == 404
+    status = httpx.get(base + "/ui/status", timeout=10).json()
+    assert status["model"] == "tiny.en" and status["panels"] == ["transcribe", "live"]
+    assert status["api_key_required"] is True and status["device"] == "cpu" and status["translation"] is None
+    assert {"running", "waiting", "kv_cache_usage"} <= set(status)
+    url = base.replace("http", "ws") + "/v1/realtime?intent=transcription"
+    with pytest.raises(InvalidStatus) as e:
+        connect(url, subprotocols=["realtime", "openai-insecure-api-key.wrong"]).close()
+    assert e.value.response.status_code == 401
+    with connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
+        assert ws.subprotocol == "realtime"
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+
+
+def _srt_times(text: str, sep: str) -> list[tuple[float, float]]:
+    def secs(h, m, s, ms):
+        return int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
+
+    pattern = rf"(\d+):(\d\d):(\d\d){re.escape(sep)}(\d{{3}}) --> (\d+):(\d\d):(\d\d){re.escape(sep)}(\d{{3}})"
+    return [(secs(*m[:4]), secs(*m[4:])) for m in re.findall(pattern, text)]
+
+
+def _give_key(page, key: str) -> None:
+    page.fill("#api-key", key)
+    page.click("#key-save")
+
+
+@pytest.mark.browser
+def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whisper_llm, artifacts):
+    """Refused without the key (the server's 401 words on the page), refused with a
+    wrong one, then by keyboard only: pick the clip, run; the transcript equals
+    ``LLM.transcribe``'s, and the SRT and VTT downloads are the server's with the
+    segments' times. The key is kept across a reload."""
+    page = _open(chromium, keyed_whisper.base)
+    assert page.locator("#key-form").is_visible()
+    page.set_input_files("#tr-file", str(CLIP))
+    page.click("#tr-run")
+    page.wait_for_function("document.getElementById('tr-error').textContent.length > 0")
+    refusal = httpx.get(keyed_whisper.v1 + "/models", timeout=10).json()["error"]["message"]
+    assert _text(page, "#tr-error") == refusal and _text(page, "#key-error") == refusal
+    _give_key(page, "wrong")
+    page.wait_for_function(f"document.getElementById('key-error').textContent === {json.dumps(refusal)}")
+    page.screenshot(path=str(artifacts / "api-key.png"))
+    _give_key(page, KEY)
+    page.wait_for_selector("#key-form", state="hidden")
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.locator("#key-form").is_hidden()  # kept for the session
+
+    _tab_to(page, "tr-file")
+    with page.expect_file_chooser() as chooser:
+        page.keyboard.press("Space")
+    chooser.value.set_files(str(CLIP))
+    _tab_to(page, "tr-run")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#tr-result", state="visible")
+    stamped = whisper_llm.transcribe(str(CLIP), timestamps=True, use_tqdm=False)[0]
+    assert _text(page, "#tr-text") == stamped.text
+    starts = page.eval_on_selector_all("#tr-segments .segment", "bs => bs.map(b => [+b.dataset.start, +b.dataset.end])")
+    assert starts == [[s.start, s.end] for s in stamped.segments]
+    page.screenshot(path=str(artifacts / "transcribe.png"), full_page=True)
+
+    for fmt, sep in (("srt", ","), ("vtt", ".")):
+        _tab_to(page, f"dl-{fmt}")
+        with page.expect_download() as dl:
+            page.keyboard.press("Enter")
+        got = Path(dl.value.path()).read_text()
+        assert dl.value.suggested_filename == f"s00.{fmt}"
+        assert got == format_transcription(stamped, fmt)
+        times = _srt_times(got, sep)
+        assert times == [pytest.approx((s.start, s.end), abs=1e-3) for s in stamped.segments]
+    page.close()
+
+
+@pytest.mark.browser
+def test_bad_file_shows_the_servers_message(chromium, keyed_whisper, tmp_path):
+    bad = tmp_path / "notes.wav"
+    bad.write_bytes(b"this is not audio\n" * 10)
+    want = httpx.post(keyed_whisper.v1 + "/audio/transcriptions", headers={"Authorization": f"Bearer {KEY}"},
+                      files={"file": (bad.name, bad.read_bytes())}, data={"model": "tiny.en"}, timeout=60)
+    assert want.status_code == 400
+    page = _open(chromium, keyed_whisper.base, key=KEY)
+    page.set_input_files("#tr-file", str(bad))
+    page.click("#tr-run")
+    page.wait_for_function("document.getElementById('tr-error').textContent.length > 0")
+    assert _text(page, "#tr-error") == want.json()["error"]["message"]
+    page.close()
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s']", " ", text.lower()).split()
+
+
+@pytest.mark.browser
+def test_live_microphone_two_turns(chromium, keyed_whisper, whisper_llm, mic_turns, artifacts):
+    """The fake microphone plays two turns with a pause: two final turns whose text
+    is the offline transcript of each turn's samples (WER <= 0.1: the browser
+    resamples, VAD cuts), partial (grey) text before each final, a latency shown."""
+    import jiwer
+
+    page = _open(chromium, keyed_whisper.base, key=KEY)
+    page.click("#tab-live")
+    page.click("#live-start")
+    try:
+        page.wait_for_function("document.querySelectorAll('#live-turns .turn[data-state=final]').length >= 2",
+                               timeout=60_000)
+    finally:  # on a timeout too: what the page showed
+        page.screenshot(path=str(artifacts / "live.png"), full_page=True)
+    page.click("#live-stop")
+    page.wait_for_selector("#panel-live[data-state=stopped]")
+    turns = page.eval_on_selector_all("#live-turns .turn", "ts => ts.map(t => ({text: t.querySelector('.final')"
+                                      ".textContent, partials: +t.dataset.partials, latency: t.dataset.latencyMs}))")
+    assert _text(page, "#live-error") == ""
+    assert len(turns) == 2, turns
+    for turn, samples in zip(turns, mic_turns[1]):
+        want = whisper_llm.transcribe(samples, use_tqdm=False)[0].text
+        assert jiwer.wer(" ".join(_words(want)), " ".join(_words(turn["text"]))) <= 0.1, (turn, want)
+        assert turn["partials"] >= 1 and int(turn["latency"]) >= 0, turn
+    with page.expect_download() as dl:
+        page.click("#live-srt")
+    srt = Path(dl.value.path()).read_text()
+    assert len(_srt_times(srt, ",")) == 2 and turns[1]["text"].strip() in srt
+    page.close()
+
+
+@pytest.mark.browser
+def test_text_panel_streams_translation(chromium, nllb_server, artifacts):
+    """The pickers list the tokenizer's language codes; a translation streams in
+    several chunks and ends as the server's non-streaming answer for the same request."""
+    from transformers import AutoTokenizer
+
+    from encdec.translation import language_table
+
+    server, path = nllb_server
+    codes = sorted(language_table(AutoTokenizer.from_pretrained(path)))
+    page = _open(chromium, server.base, width=390)  # phone width
+    assert page.locator("#key-form").is_hidden()
+    assert page.eval_on_selector_all("#tx-src option", "os => os.map(o => o.value)") == codes
+    assert page.eval_on_selector_all("#tx-tgt option", "os => os.map(o => o.value)") == codes
+    page.select_option("#tx-src", "eng_Latn")
+    page.select_option("#tx-tgt", "deu_Latn")
+    text = "The rain in Spain falls mainly on the plain."
+    page.fill("#tx-input", text)
+    page.fill("#tx-max", "16")
+    page.fill("#tx-temperature", "0")
+    page.click("#tx-run")
+    page.wait_for_selector("#tx-output[data-state=done]")
+    page.screenshot(path=str(artifacts / "text.png"), full_page=True)
+    ids = httpx.post(server.base + "/ui/translation-prompt", json={"text": text, "src_lang": "eng_Latn",
+                                                                 "tgt_lang": "deu_Latn"}, timeout=30).json()
+    body = {"model": "nllb", "prompt": ids["prompt"], "decoder_prompt": ids["decoder_prompt"], "max_tokens": 16,
+            "temperature": 0, "top_p": 1, "vllm_xargs": {"forced_bos_token_id": ids["forced_bos_token_id"]}}
+    answer = httpx.post(server.v1 + "/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert _text(page, "#tx-output") == answer
+    assert int(page.get_attribute("#tx-output", "data-chunks")) > 1
+    page.close()
