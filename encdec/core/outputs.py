@@ -8,6 +8,9 @@ typed, torch-free, one owner applies each part.
                      continuations over its beams; the scheduler's beam search
                      turns them into the group's next beams
     prompt logprobs  per prefill that asked, once
+
+What goes the other way with a step, a request's mask of the tokens it may
+sample (structured outputs), has its place in ``SchedulerOutputs.token_masks``.
 """
 from __future__ import annotations
 

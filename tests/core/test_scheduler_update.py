@@ -5,13 +5,18 @@ joins and leaves, and statistics that stay bounded over a long run."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import tracemalloc
+
+import pytest
 
 from encdec.core import scheduler as scheduler_module
 from encdec.core.outputs import BeamCandidates, ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.core.stop_checker import StopChecker
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import BeamRowParams, BeamSearchParams, SamplingParams
 from encdec.sequence import SequenceStatus
 from tests.core.test_scheduler import assert_all_free, make_group, make_scheduler
 
@@ -50,6 +55,31 @@ def test_update_appends_stops_on_eos_and_frees():
     _, out, _ = run_step(sched)
     assert out.seq_ids_left == [b.get_seqs()[0].seq_id]
     assert_all_free(sched)
+
+
+def test_several_tokens_a_step_append_in_order_until_one_ends_the_sequence():
+    """A step may carry several tokens for a sequence (a drafter's, verified):
+    each is stop-checked in turn; those after the one that ends it are dropped."""
+    sched = scheduler()
+    a, b = make_group("a", arrival=0), make_group("b", arrival=1)
+    for g in (a, b):
+        sched.add_seq_group(g)
+    sa, sb = a.get_seqs()[0], b.get_seqs()[0]
+    tokens = {sa.seq_id: [5, EOS, 9], sb.seq_id: [5, 6, 8]}
+    metas, out = sched.schedule()
+    finished = sched.update(out, ModelRunnerOutput([SampledTokens(sid, tokens[sid]) for m in metas
+                                                    for sid in m.seq_data]))
+    assert finished == [a] and sa.status is SequenceStatus.FINISHED_STOPPED
+    assert sa.get_output_token_ids() == [5, EOS] and sb.get_output_token_ids() == [5, 6, 8]
+
+
+def test_a_beam_group_needs_a_beam_search():
+    sched = scheduler()
+    g = make_group("beams", arrival=0, n=2)
+    g.sampling_params = BeamRowParams.from_beam_params(BeamSearchParams(2, 4))
+    with pytest.raises(ValueError, match="beam search"):
+        sched.add_seq_group(g)
+    assert not sched.has_unfinished_seqs() and sched.get_seq_group("beams") is None
 
 
 def test_update_stops_at_max_tokens():
@@ -145,3 +175,10 @@ def test_ten_thousand_requests_keep_scheduler_memory_bounded(monkeypatch):
     assert not sched._requests and not sched._batch_seq_ids
     assert not sched.block_manager.block_tables and not sched.block_manager.cross_block_tables
     assert_all_free(sched)
+
+
+def test_what_crosses_the_step_boundary_imports_no_torch():
+    code = ("import sys, encdec.core.outputs, encdec.core.scheduler, encdec.core.step_update; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
