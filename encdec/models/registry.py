@@ -24,7 +24,9 @@ _MODELS = {
     "M2M100ForConditionalGeneration": "encdec.models.m2m100",
     "MarianMTModel": "encdec.models.marian",
     "MBartForConditionalGeneration": "encdec.models.mbart",
+    "MT5ForConditionalGeneration": "encdec.models.t5",
     "T5ForConditionalGeneration": "encdec.models.t5",
+    "UMT5ForConditionalGeneration": "encdec.models.t5",
     "WhisperForConditionalGeneration": "encdec.models.whisper",
 }
 

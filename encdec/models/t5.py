@@ -1,4 +1,4 @@
-"""T5, T5 v1.1, Flan-T5 and mT5 in plain PyTorch.
+"""T5, T5 v1.1, Flan-T5, mT5 and UMT5 in plain PyTorch.
 
 What sets T5 apart from the BART layout:
 
@@ -7,15 +7,15 @@ What sets T5 apart from the BART layout:
   log-spaced to ``relative_attention_max_distance``; bidirectional in the
   encoder, causal in the decoder), owned by each stack's first block in the
   checkpoint and computed once per stack and step (``RelativePositionBias``,
-  an ``encdec.attention`` ``PositionBias``) for every layer's self-attention;
-  cross-attention has none;
+  an ``encdec.attention`` ``PositionBias``) for every layer's self-attention
+  (UMT5: one table per layer, each layer's own bias); cross-attention has none;
 - no attention scaling, no biases, RMS norm without mean or bias, pre-norm
   blocks and a closing norm per stack;
 - feed-forward ``wo(relu(wi(h)))`` or, gated (v1.1, Flan-T5, mT5),
   ``wo(gelu_new(wi_0(h)) * wi_1(h))``;
 - the LM head tied to ``shared`` with the decoder output scaled by
-  ``d_model ** -0.5`` (T5), or its own weights and no rescale (v1.1, mT5:
-  ``tie_word_embeddings: false``);
+  ``d_model ** -0.5`` (T5), or its own weights and no rescale (v1.1:
+  ``tie_word_embeddings: false``; mT5: never rescaled, as HF's ``MT5ForConditionalGeneration``);
 - the decoder starts from <pad>.
 
 HF names map onto ours (``rename``); the q/k/v projections are fused at load time.
@@ -168,18 +168,32 @@ class T5DecoderLayer(nn.Module):
 
 
 class T5Stack(nn.Module):
-    def __init__(self, cfg, layer_cls, n_layers: int, backend, *, causal: bool):
+    """One stack's layers, closing norm and relative position bias table(s):
+    one table owned by the stack (T5, mT5; HF keeps it in block 0 and shares
+    it), or one per layer (UMT5, ``per_layer_bias``)."""
+
+    def __init__(self, cfg, layer_cls, n_layers: int, backend, *, causal: bool, per_layer_bias: bool = False):
         super().__init__()
-        self.causal = causal
-        self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
+        self.causal, self.per_layer_bias = causal, per_layer_bias
+        if per_layer_bias:
+            self.relative_attention_bias = nn.ModuleList(
+                [nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads) for _ in range(n_layers)])
+        else:
+            self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
         self.max_distance = cfg.relative_attention_max_distance
         self.layers = nn.ModuleList([layer_cls(cfg, backend) for _ in range(n_layers)])
         self.final_layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
 
-    def position_bias(self) -> RelativePositionBias:
-        """This step's bias, shared by the stack's layers."""
-        return RelativePositionBias(self.relative_attention_bias.weight, bidirectional=not self.causal,
-                                    max_distance=self.max_distance)
+    def position_bias(self, layer: int = 0) -> RelativePositionBias:
+        """This step's bias of ``layer``'s self-attention (every layer's, where the table is shared)."""
+        table = self.relative_attention_bias[layer] if self.per_layer_bias else self.relative_attention_bias
+        return RelativePositionBias(table.weight, bidirectional=not self.causal, max_distance=self.max_distance)
+
+    def layer_biases(self) -> list[RelativePositionBias]:
+        """One bias per layer for this step; a shared table gives one object (memoized once)."""
+        if self.per_layer_bias:
+            return [self.position_bias(i) for i in range(len(self.layers))]
+        return [self.position_bias()] * len(self.layers)
 
 
 # HF name (below ``encoder.``/``decoder.``) -> ours: T5's nested blocks flattened.
@@ -220,29 +234,38 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
     not gated and its activation one the kernel runs (T5's ReLU; not v1.1's gated GELU)."""
 
     build_encoder_inputs = BartForConditionalGeneration.build_encoder_inputs
+    rename = staticmethod(rename)  # HF names -> ours
+    per_layer_bias = False  # UMT5: a relative position bias table in every layer
+    model_name = "T5"
 
     def __init__(self, hf_config, backend: type[AttentionBackend]):
         super().__init__()
         cfg = self.config = hf_config
         self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.encoder = T5Stack(cfg, T5EncoderLayer, cfg.num_layers, backend, causal=False)
-        self.decoder = T5Stack(cfg, T5DecoderLayer, cfg.num_decoder_layers, backend, causal=True)
+        per_layer = self.per_layer_bias
+        self.encoder = T5Stack(cfg, T5EncoderLayer, cfg.num_layers, backend, causal=False, per_layer_bias=per_layer)
+        self.decoder = T5Stack(cfg, T5DecoderLayer, cfg.num_decoder_layers, backend, causal=True,
+                               per_layer_bias=per_layer)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.shared.weight  # until a checkpoint brings its own (v1.1, mT5)
-        # HF: the decoder output is rescaled unless the config says tie_word_embeddings: false.
-        scale = getattr(cfg, "scale_decoder_outputs", getattr(cfg, "tie_word_embeddings", True))
-        self.output_scale = cfg.d_model**-0.5 if scale else None
+        self.output_scale = cfg.d_model**-0.5 if self.scales_decoder_output(cfg) else None
         self.vocab_size = cfg.vocab_size
         self.num_cache_layers = cfg.num_decoder_layers
         self.num_kv_heads = cfg.num_heads
         self.head_size = cfg.d_kv
-        self.fused_decode = not cfg.is_gated_act and cfg.dense_act_fn in decoder_step_cpu.ACTIVATIONS
+        self.fused_decode = (not per_layer and not cfg.is_gated_act
+                             and cfg.dense_act_fn in decoder_step_cpu.ACTIVATIONS)
         self.fused_activation = cfg.dense_act_fn
+
+    @staticmethod
+    def scales_decoder_output(cfg) -> bool:
+        """HF's T5 and UMT5: the decoder output is rescaled by ``d_model ** -0.5``
+        unless the config says ``tie_word_embeddings: false``."""
+        return bool(getattr(cfg, "scale_decoder_outputs", getattr(cfg, "tie_word_embeddings", True)))
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         h = self.shared(ids)  # (num_encoder_tokens, d_model)
-        bias = self.encoder.position_bias()
-        for layer in self.encoder.layers:
+        for layer, bias in zip(self.encoder.layers, self.encoder.layer_biases()):
             h = layer(h, md, bias)
         return self.encoder.final_layer_norm(h)
 
@@ -253,11 +276,12 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
         if encoder_input_ids is not None and encoder_input_ids.numel():
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
         h = self.shared(input_ids)  # (num_tokens, d_model)
-        bias = self.decoder.position_bias()
-        if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata, bias):
+        biases = self.decoder.layer_biases()
+        # The fused step takes one bias for every layer: never with per-layer tables (fused_decode False).
+        if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata, biases[0]):
             return self.decoder.final_layer_norm(h)
         for i, layer in enumerate(self.decoder.layers):
-            h = layer(h, kv_caches[i], attn_metadata, enc, bias)
+            h = layer(h, kv_caches[i], attn_metadata, enc, biases[i])
         return self.decoder.final_layer_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -283,14 +307,43 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
                     yield name, tensor
 
         self.lm_head.weight = self.shared.weight  # re-tie: materialising from meta unties
-        load_fused(self, model_weights(), rename, model="T5",
+        load_fused(self, model_weights(), self.rename, model=self.model_name,
                    optional=lambda name, part, parts: name == "shared.weight" and head is not None)
         if not seen_shared and head is None:
-            raise ValueError("checkpoint lacks weights for T5: ['shared.weight']")
+            raise ValueError(f"checkpoint lacks weights for {self.model_name}: ['shared.weight']")
         if not seen_shared:  # only the head: it is the tied embedding
             self.shared.weight.data.copy_(head)
         elif head is not None and not torch.equal(head, self.shared.weight.data):
             self.lm_head.weight = nn.Parameter(head.to(self.shared.weight.dtype).clone(), requires_grad=False)
+
+
+class MT5ForConditionalGeneration(T5ForConditionalGeneration):
+    """mT5 (``model_type: "mt5"``): T5 v1.1's layout. HF's ``MT5ForConditionalGeneration``
+    never rescales the decoder output, whatever the config says of tied embeddings
+    (hub configs say ``false`` and ship their own ``lm_head``)."""
+
+    model_name = "mT5"
+
+    @staticmethod
+    def scales_decoder_output(cfg) -> bool:
+        return False
+
+
+def umt5_rename(name: str) -> str | None:
+    """UMT5's names: each block's self-attention owns its bias table
+    (``relative_attention_bias.{i}`` of the stack); the rest as T5's."""
+    m = re.fullmatch(r"(encoder|decoder)\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight", name)
+    return f"{m[1]}.relative_attention_bias.{m[2]}.weight" if m else rename(name)
+
+
+class UMT5ForConditionalGeneration(T5ForConditionalGeneration):
+    """UMT5 (``model_type: "umt5"``): T5 v1.1 with a relative position bias table
+    in every layer's self-attention, not only the first block's; the output
+    rescale follows ``scale_decoder_outputs`` as T5's does."""
+
+    model_name = "UMT5"
+    per_layer_bias = True
+    rename = staticmethod(umt5_rename)
 
 
 def default_decoder_prompt(hf_config, generation_config, tokenizer) -> list[int]:
