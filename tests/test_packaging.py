@@ -49,7 +49,10 @@ def installed(tmp_path_factory) -> dict:
     kernels = [f"encdec/kernels/cpu/{name}_cpu.{ext}" for name in ("dense_attention", "paged_attention",
                "small_linear", "greedy", "whisper_rules", "decoder_step") for ext in ("c", "py")]
     kernels += [f"encdec/kernels/cpu/{name}" for name in ("vector_math.h", "team.h", "build.py")]
-    for shipped in (*kernels, "encdec/bench/realtime_bench.py", "encdec/bench/swap_bench.py"):
+    from encdec.entrypoints.openai.ui_routes import UI_FILES
+
+    ui = [f"encdec/entrypoints/openai/ui/{name}" for name in UI_FILES]  # the web page at /
+    for shipped in (*kernels, *ui, "encdec/bench/realtime_bench.py", "encdec/bench/swap_bench.py"):
         assert shipped in names, f"{shipped} missing from {wheel.name}"
     # The comparison harnesses (HF, CTranslate2, faster-whisper, jiwer) stay in the checkout.
     left_out = [n for n in names if n.startswith("benchmarks/") or n.endswith(("bart_bench.py", "whisper_bench.py"))]
@@ -125,6 +128,17 @@ def test_bench_help_runs_from_anywhere(installed):
     proc = subprocess.run([str(installed["bin"] / "encdec"), "bench", "bart"], cwd=installed["cwd"],
                           env=installed["env"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "python -m benchmarks.bart_bench" in proc.stderr, proc.stderr
+
+
+def test_the_web_page_is_read_from_the_wheel(installed):
+    """``encdec serve``'s page comes from the installed package's files, not the checkout's."""
+    got = _python(installed, """
+        import json, encdec
+        from encdec.entrypoints.openai.ui_routes import UI_FILES, _ui_file
+        print(json.dumps({"file": encdec.__file__, "sizes": {n: len(_ui_file(n)) for n in UI_FILES}}))
+    """)
+    assert not got["file"].startswith(str(ROOT))
+    assert got["sizes"] == {n: (ROOT / "encdec/entrypoints/openai/ui" / n).stat().st_size for n in got["sizes"]}
 
 
 def test_benchmarks_are_found_by_name():

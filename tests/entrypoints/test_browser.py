@@ -137,6 +137,7 @@ def test_page_status_and_websocket_key_subprotocol(keyed_whisper):
     """``/`` and its files; the status route of a Whisper server; a browser's key
     subprotocol on /v1/realtime (wrong: 401 before the handshake; right: the
     session, with the ``realtime`` subprotocol chosen)."""
+    pytest.importorskip("websockets")
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
@@ -148,6 +149,7 @@ def test_page_status_and_websocket_key_subprotocol(keyed_whisper):
     status = httpx.get(base + "/ui/status", timeout=10).json()
     assert status["model"] == "tiny.en" and status["panels"] == ["transcribe", "live"]
     assert status["api_key_required"] is True and status["device"] == "cpu" and status["translation"] is None
+    assert status["speech_languages"] == []  # tiny.en: English only, no language or translate controls
     assert {"running", "waiting", "kv_cache_usage"} <= set(status)
     url = base.replace("http", "ws") + "/v1/realtime?intent=transcription"
     with pytest.raises(InvalidStatus) as e:
@@ -192,6 +194,7 @@ def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whi
     page.reload()
     page.wait_for_selector("body[data-ready=true]")
     assert page.locator("#key-form").is_hidden()  # kept for the session
+    assert page.locator("#tr-language").is_hidden() and page.locator("#tr-translate").is_hidden()  # English only
 
     _tab_to(page, "tr-file")
     with page.expect_file_chooser() as chooser:

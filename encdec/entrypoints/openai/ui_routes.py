@@ -9,7 +9,7 @@ and to:
 - ``GET /ui/status``: the model, device, precision, queue and KV use (the
   ``/metrics`` gauges), whether an API key is needed, and which panels the model
   serves (``transcribe`` and ``live`` for Whisper, ``text`` otherwise) with the
-  tokenizer's language codes for translation families. Open, as ``/metrics`` is.
+  language codes: a multilingual Whisper's, or a translation family's tokenizer's. Open, as ``/metrics`` is.
 - ``POST /ui/translation-prompt``: ``{text, src_lang, tgt_lang}`` -> the token ids
   ``LLM.translate`` would send (``encdec.translation``), for the page to pass to
   ``/v1/completions`` (a browser cannot tokenize). It takes the API key as
@@ -76,6 +76,14 @@ def _translation_languages(engine: Any) -> dict[str, Any] | None:
     return {"family": family, "source": codes, "target": codes}
 
 
+def _whisper_languages(engine: Any) -> list[str]:
+    """A Whisper model's language codes (``de``, not ``<|de|>``); none for an English-only one."""
+    from encdec.models.whisper_tokens import WhisperSpecialTokens
+
+    tokens = WhisperSpecialTokens.of(engine.generation_config)
+    return sorted(t.strip("<|>") for t in tokens.lang_to_id) if tokens.is_multilingual else []
+
+
 def describe(state: Any) -> dict[str, Any]:
     """``GET /ui/status``'s body."""
     engine = state.engine
@@ -91,6 +99,7 @@ def describe(state: Any) -> dict[str, Any]:
         "panels": ["transcribe", "live"] if audio else ["text"],
         "max_audio_mb": state.max_audio_bytes / (1 << 20),
         "translation": None if audio else _translation_languages(engine),
+        "speech_languages": _whisper_languages(engine) if audio else None,  # [] for an English-only model
     }
 
 

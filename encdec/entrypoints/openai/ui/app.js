@@ -86,6 +86,11 @@ async function main() {
   if (!status) return;
   document.title = `encdec · ${status.model}`;
   initKeyForm(status.api_key_required);
+  if (status.speech_languages) {  // Whisper: language choices only where the model has languages
+    const list = document.getElementById("speech-languages");
+    for (const code of status.speech_languages) list.append(new Option(code, code));
+    for (const el of document.querySelectorAll(".multilingual")) el.hidden = !status.speech_languages.length;
+  }
   buildTabs(status.panels);
   for (const name of status.panels) INIT[name](status);
   document.body.dataset.ready = "true";
