@@ -85,9 +85,17 @@ def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
 
 
 def _authorized(request: Request | WebSocket, api_key: str) -> bool:
-    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 9110)."""
+    """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 9110). A
+    WebSocket may instead offer OpenAI's ``openai-insecure-api-key.<key>`` subprotocol:
+    the one way a browser can send a key when it opens a WebSocket."""
     scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" and isinstance(request, WebSocket):
+        offered = [p for p in request.scope.get("subprotocols", ()) if p.startswith(_KEY_SUBPROTOCOL)]
+        scheme, token = "bearer", offered[0][len(_KEY_SUBPROTOCOL):] if offered else ""
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+_KEY_SUBPROTOCOL = "openai-insecure-api-key."
 
 
 class ServerState:
@@ -120,10 +128,12 @@ class ServerState:
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None = None,
               api_key: str | None = None, max_audio_mb: float = 25.0,
-              metrics: ServerMetrics | None = None, body_read_timeout: float = 30.0) -> FastAPI:
+              metrics: ServerMetrics | None = None, body_read_timeout: float = 30.0,
+              ui: bool = True) -> FastAPI:
     """The app around a built (not started) engine; the app's lifespan starts and
     drains it. ``metrics`` must be the one given to the engine as ``on_step``.
-    ``body_read_timeout``: the longest wait for the next piece of a request body."""
+    ``body_read_timeout``: the longest wait for the next piece of a request body;
+    ``ui``: the web page at ``/`` (``ui_routes``)."""
     metrics = metrics or ServerMetrics(model_name)
     state = ServerState(engine, model_name, metrics, api_key=api_key,
                         max_audio_bytes=int(max_audio_mb * (1 << 20)),
@@ -148,6 +158,10 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
 
     app.add_middleware(BodyLimits, read_timeout=body_read_timeout, max_bytes=state.max_body_bytes)
     _add_routes(app, state)
+    if ui:  # the web page at / (encdec.entrypoints.openai.ui_routes); --no-ui leaves it out
+        from encdec.entrypoints.openai.ui_routes import add_ui_routes
+
+        add_ui_routes(app, state, _authorized)
     return app
 
 
@@ -231,7 +245,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         except APIError as e:  # refused before the handshake completes, in OpenAI's error shape
             await ws.send_denial_response(_error(e))
             return
-        await ws.accept()
+        # a browser that offered subprotocols (its API key) must get one of them back
+        await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
         await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics,
                               budget=state.partial_budget).serve()
 
@@ -267,7 +282,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
     app = build_app(engine, model_name=model_name, model_path=args.model, api_key=args.api_key,
                     max_audio_mb=args.max_audio_mb, metrics=metrics,
-                    body_read_timeout=args.body_read_timeout)
+                    body_read_timeout=args.body_read_timeout, ui=not args.no_ui)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=60, access_log=False,
                             http=header_timeout_protocol(args.header_read_timeout))
