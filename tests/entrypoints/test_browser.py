@@ -222,14 +222,17 @@ def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whi
 
 
 @pytest.mark.browser
-def test_bad_file_shows_the_servers_message(chromium, keyed_whisper, tmp_path):
+def test_dropped_bad_file_shows_the_servers_message(chromium, keyed_whisper, tmp_path):
     bad = tmp_path / "notes.wav"
     bad.write_bytes(b"this is not audio\n" * 10)
     want = httpx.post(keyed_whisper.v1 + "/audio/transcriptions", headers={"Authorization": f"Bearer {KEY}"},
                       files={"file": (bad.name, bad.read_bytes())}, data={"model": "tiny.en"}, timeout=60)
     assert want.status_code == 400
     page = _open(chromium, keyed_whisper.base, key=KEY)
-    page.set_input_files("#tr-file", str(bad))
+    dropped = page.evaluate_handle("""text => { const dt = new DataTransfer();
+        dt.items.add(new File([text], 'notes.wav', {type: 'audio/wav'})); return dt; }""", bad.read_text())
+    page.dispatch_event("#tr-drop", "drop", {"dataTransfer": dropped})  # dragged onto the page
+    assert page.evaluate("document.getElementById('tr-file').files[0].name") == "notes.wav"
     page.click("#tr-run")
     page.wait_for_function("document.getElementById('tr-error').textContent.length > 0")
     assert _text(page, "#tr-error") == want.json()["error"]["message"]
