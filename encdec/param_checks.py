@@ -1,7 +1,8 @@
-"""Type checks shared by ``SamplingParams`` and ``BeamSearchParams``: a
-``TypeError`` naming the field (``ValueError`` for a non-finite number), and the
-value normalised to a plain Python one (numpy scalars and arrays are what users
-pass). Imports nothing of encdec, so either params module can use them."""
+"""Type checks shared by ``SamplingParams`` and ``BeamSearchParams`` (and a
+request's priority): a ``TypeError`` naming the field (``ValueError`` for a
+non-finite number or a value out of range), and the value normalised to a plain
+Python one (numpy scalars and arrays are what users pass). Imports nothing of
+encdec, so either params module can use them."""
 from __future__ import annotations
 
 import math
@@ -70,3 +71,31 @@ def prompt_token_logprobs(value: Any) -> dict[int, list[int]] | None:
             raise ValueError(f"prompt_token_logprobs[{position}] must name at least one token id, got {ids!r}")
         out[position] = ids
     return out
+
+
+TRUNCATION_SIDES = ("left", "right")
+
+
+def truncation(truncate_prompt_tokens: Any, truncation_side: Any) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: None (off), -1 (the model's encoder
+    positions) or k >= 1; ``truncation_side`` "left" keeps the last k tokens
+    (vLLM's), "right" the first (HF's tokenizer default)."""
+    value = check_int("truncate_prompt_tokens", truncate_prompt_tokens, none_ok=True)
+    if value is not None and value != -1 and value < 1:
+        raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's encoder positions, "
+                         f"got {value}")
+    if truncation_side not in TRUNCATION_SIDES:
+        raise ValueError(f"truncation_side must be one of {TRUNCATION_SIDES}, got {truncation_side!r}")
+    return value
+
+
+def check_priority(priority: Any, policy: str) -> int:
+    """A request's scheduling priority under the engine's ``policy``: an int, and
+    0 unless the policy is "priority" (vLLM raises too, rather than ignore it)."""
+    if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                         f"(scheduling_policy={policy!r}); pass scheduling_policy='priority' to LLM to use "
+                         "priorities")
+    return int(priority)

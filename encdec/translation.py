@@ -12,8 +12,12 @@ tokenizer and ``generate`` would:
     Marian (marian)        >>tgt<< text </s> (multi-target) the model's default    -
     T5 (t5)                translate {src} to {tgt}: text   the model's default    -
 
-M2M100 codes may be given bare (``"fr"`` for ``__fr__``). Which mBART layout a
-checkpoint has is read off its tokenizer (where it puts the language code).
+M2M100 codes may be given bare (``"fr"`` for ``__fr__``). A code is looked up
+in the tokenizer's own language table where it has one (HF's ``M2M100Tokenizer``
+keeps its codes in ``lang_code_to_id`` / ``lang_token_to_id``, not among its
+added tokens), else among its added tokens, never a plain special token
+(``</s>``, ``<mask>``...) nor a word piece. Which mBART layout a checkpoint has
+is read off its tokenizer (where it puts the language code).
 Families without languages (BART, Whisper: use ``transcribe``) are refused.
 The forced first token is returned so that beam search counts it as HF's
 ``forced_bos_token_id`` does (``with_forced_bos``).
@@ -21,6 +25,7 @@ The forced first token is returned so that beam search counts it as HF's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,25 +41,70 @@ class TranslationPrompts:
     forced_bos_token_id: int | None  # the target language as HF's forced first token, if the family has one
 
 
-def _lang_token(tokenizer: Any, code: str, field: str, family: str, *, bare: str | None = None,
-                added_only: bool = True) -> int:
-    """The id of language token ``code`` (or ``bare % code``: M2M100's ``__fr__``
-    for ``fr``). ``added_only``: only the tokenizer's added tokens count (where
-    language codes live), so a code is never mistaken for a word piece ("de")."""
-    vocab = tokenizer.get_added_vocab() if added_only else tokenizer.get_vocab()
+def language_table(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's language codes -> token ids: its own table where it has
+    one (``lang_code_to_id``, ``lang_token_to_id``: both spellings, ``"de"`` and
+    ``"__de__"``), else its added special tokens (where NLLB's and mBART-50's
+    codes live), else its added tokens; never a plain special token (``</s>``,
+    ``<mask>``, ``<madeupword0>``: a code is not spelled ``<...>``)."""
+    table: dict[str, int] = {}
+    for name in ("lang_token_to_id", "lang_code_to_id"):
+        own = getattr(tokenizer, name, None)
+        if isinstance(own, dict):
+            table.update({k: int(v) for k, v in own.items() if isinstance(k, str)})
+    if table:
+        return table
+    added = {t: i for t, i in tokenizer.get_added_vocab().items() if not (t.startswith("<") and t.endswith(">"))}
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    return {t: i for t, i in added.items() if t in special} or added
+
+
+def _lang_token(tokenizer: Any, code: str, field: str, family: str, *, bare: str | None = None) -> int:
+    """The id of language code ``code`` (or ``bare % code``: M2M100's ``__fr__``
+    for ``fr``) in the tokenizer's ``language_table``, so a code is never taken
+    for a word piece ("de") or a special token ("</s>")."""
+    table = language_table(tokenizer)
     for token in (bare % code if bare else None, code):
-        if token is not None and token in vocab:
-            return vocab[token]
-    plain = {tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token, tokenizer.bos_token,
-             tokenizer.mask_token}
-    known = sorted(t for t in tokenizer.get_added_vocab() if t not in plain)
+        if token is not None and token in table:
+            return table[token]
+    codes = sorted(table, key=lambda t: (t.startswith("_"), t))  # bare codes first where both are listed
     raise ValueError(f"{field}={code!r}: the {family} tokenizer has no such language token"
-                     + (f"; its language tokens: {known[:20]}" if known else ""))
+                     + (f"; its language codes include {codes[:20]}" if codes else "; it has no language codes"))
+
+
+def _marian_target(tokenizer: Any, code: str) -> int:
+    """Marian's ``>>code<<`` target token (a vocabulary token, not an added one)."""
+    vocab = tokenizer.get_vocab()
+    token = f">>{code}<<"
+    if token in vocab:
+        return vocab[token]
+    known = sorted(t for t in vocab if t.startswith(">>") and t.endswith("<<"))
+    raise ValueError(f"tgt_lang={code!r}: the Marian tokenizer has no such language token {token!r}"
+                     + (f"; its targets include {known[:20]}" if known else
+                        "; this checkpoint has one target language: leave tgt_lang unset"))
+
+
+def _texts(texts: Any) -> list[str]:
+    """``texts`` as a list of str: one str, or a list/tuple of them."""
+    if isinstance(texts, str):
+        return [texts]
+    if not isinstance(texts, Sequence) or isinstance(texts, (bytes, bytearray)):
+        raise TypeError(f"texts must be a str or a list of str, got {type(texts).__name__}")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__} {text!r}")
+    if not texts:
+        raise ValueError("texts is empty: give at least one text to translate")
+    return list(texts)
+
+
+def _language_arg(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str (a language code), got {type(value).__name__} {value!r}")
+    return value
 
 
 def _text_ids(tokenizer: Any, text: str) -> list[int]:
-    if not isinstance(text, str):
-        raise TypeError(f"texts must be strings, got {type(text).__name__}")
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -65,10 +115,13 @@ def _mbart_suffix_layout(tokenizer: Any) -> bool:
     return len(ids) >= 2 and ids[-2] == tokenizer.eos_token_id
 
 
-def translation_prompts(texts: list[str], *, hf_config: Any, tokenizer: Any, src_lang: str | None,
+def translation_prompts(texts: str | Sequence[str], *, hf_config: Any, tokenizer: Any, src_lang: str | None,
                         tgt_lang: str | None) -> TranslationPrompts:
-    """Prompts that translate ``texts`` from ``src_lang`` to ``tgt_lang`` on a
-    checkpoint of ``hf_config.model_type`` (see the module docstring)."""
+    """Prompts that translate ``texts`` (one str or a list) from ``src_lang`` to
+    ``tgt_lang`` on a checkpoint of ``hf_config.model_type`` (see the module
+    docstring). Bad input is a TypeError/ValueError naming the argument."""
+    texts = _texts(texts)
+    src_lang, tgt_lang = _language_arg("src_lang", src_lang), _language_arg("tgt_lang", tgt_lang)
     family = getattr(hf_config, "model_type", None)
     if family not in TRANSLATION_FAMILIES:
         raise ValueError(f"translate needs a model with languages ({', '.join(TRANSLATION_FAMILIES)}); "
@@ -85,8 +138,7 @@ def translation_prompts(texts: list[str], *, hf_config: Any, tokenizer: Any, src
         if src_lang is not None:
             raise ValueError(f"src_lang={src_lang!r}: a Marian checkpoint translates one fixed source language; "
                              "leave src_lang unset")
-        head = [] if tgt_lang is None else [_lang_token(tokenizer, f">>{tgt_lang}<<", "tgt_lang", "Marian",
-                                                         added_only=False)]
+        head = [] if tgt_lang is None else [_marian_target(tokenizer, tgt_lang)]
         return TranslationPrompts([_explicit(head + _text_ids(tokenizer, t) + [eos], None) for t in texts], None)
     if not src_lang or not tgt_lang:
         raise ValueError(f"{family} needs src_lang and tgt_lang, got {src_lang!r}, {tgt_lang!r}")
@@ -112,6 +164,8 @@ def with_forced_bos(params: SamplingParams | BeamSearchParams,
     checkpoint's own forced language is not inherited. None: unchanged."""
     if forced_bos_token_id is None:
         return params
+    if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        raise TypeError(f"sampling_params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
     if isinstance(params, BeamSearchParams):
         return dataclasses.replace(params, forced_bos_token_id=forced_bos_token_id)
     extra = {**(params.extra_args or {}), "forced_bos_token_id": forced_bos_token_id}

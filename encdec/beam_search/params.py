@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
 
-from encdec.param_checks import check_bool, check_int, check_number, int_list, prompt_token_logprobs, str_list
+from encdec.param_checks import (check_bool, check_int, check_number, int_list, prompt_token_logprobs, str_list,
+                                 truncation)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class BeamSearchParams:
     # SamplingParams.prompt_token_logprobs: raw log-probs of chosen tokens at chosen
     # decoder-prompt positions, from the prefill (RequestOutput.prompt_token_logprobs)
     prompt_token_logprobs: dict[int, list[int]] | None = None
+    # SamplingParams.truncate_prompt_tokens / truncation_side (vLLM's): the encoder prompt cut to k tokens
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
@@ -85,6 +89,7 @@ class BeamSearchParams:
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
         self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids) or []
         self.prompt_token_logprobs = prompt_token_logprobs(self.prompt_token_logprobs)
+        self.truncate_prompt_tokens = truncation(self.truncate_prompt_tokens, self.truncation_side)
 
 
 @dataclass

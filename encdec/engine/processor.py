@@ -182,8 +182,9 @@ class Processor:
         cfg = self.model_config
         if enc_len > cfg.max_encoder_len:
             raise ValueError(f"encoder prompt is {enc_len} tokens, longer than the model's "
-                             f"{cfg.max_encoder_len} encoder positions; set truncate_prompt_tokens in its "
-                             "params, or pass truncation=True to LLM.generate or LLM.translate, to cut it")
+                             f"{cfg.max_encoder_len} encoder positions; to cut it, set truncate_prompt_tokens "
+                             "(SamplingParams, BeamSearchParams; encdec generate --truncate-prompt-tokens) or "
+                             "pass truncation=True (LLM.generate, LLM.translate; encdec generate --truncation)")
         if dec_len >= cfg.max_model_len:
             raise ValueError(f"decoder prompt is {dec_len} tokens; the model has {cfg.max_model_len} "
                              "decoder positions and needs room for at least one output token")

@@ -49,16 +49,12 @@ def _generate(args: argparse.Namespace) -> int:
         llm.get_default_sampling_params(), max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed, n=args.n,
         ignore_eos=args.ignore_eos or None, beam_width=args.beam_width, length_penalty=args.length_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size)
+        no_repeat_ngram_size=args.no_repeat_ngram_size, truncate_prompt_tokens=args.truncate_prompt_tokens)
     if translating:
-        try:
-            outs = llm.translate(prompts, params, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
-                                 use_tqdm=not args.quiet)
-        except ValueError as e:
-            print(f"encdec generate: error: {e}", file=sys.stderr)
-            return 2
+        outs = llm.translate(prompts, params, src_lang=args.src_lang, tgt_lang=args.tgt_lang,
+                             use_tqdm=not args.quiet, truncation=args.truncation)
     else:
-        outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        outs = llm.generate(prompts, params, use_tqdm=not args.quiet, truncation=args.truncation)
     for out in outs:
         if args.json:
             print(json.dumps({"prompt": out.encoder_prompt, "outputs": [
@@ -134,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-repeat-ngram-size", type=int, default=None, help="ban repeated n-grams (0: off)")
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="K",
+                   help="cut each encoder prompt to its last K tokens (vLLM's truncate_prompt_tokens; -1: the "
+                   "model's limit); without it or --truncation a longer prompt is an error")
+    g.add_argument("--truncation", action="store_true",
+                   help="cut encoder prompts longer than the model's limit to their first tokens and final </s> "
+                   "(HF's tokenizer truncation=True; LLM.generate/translate(truncation=True))")
     g.add_argument("--json", action="store_true", help="one JSON object per request")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate)

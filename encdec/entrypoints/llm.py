@@ -12,12 +12,30 @@ from typing import TYPE_CHECKING, Any
 from encdec.beam_search.params import BeamSearchOutput, BeamSearchSequence
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.llm_engine import LLMEngine
-from encdec.inputs import PromptType, normalize_prompts
+from encdec.inputs import PromptType, normalize_prompts, prompt_errors
 from encdec.outputs import RequestOutput
+from encdec.param_checks import check_priority
 from encdec.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from encdec.transcription.options import TranscribeOptions
+
+
+def _with_truncation(params_list: list) -> list:
+    """``generate(..., truncation=True)``: each params that sets no
+    ``truncate_prompt_tokens`` gets -1 (the model's encoder positions) cut on
+    the "right" (HF's tokenizer default); a params shared by several prompts
+    stays shared (one copy)."""
+    copies: dict[int, Any] = {}
+    for p in params_list:
+        if id(p) not in copies:
+            if p is None:  # the processor's default params
+                copies[id(p)] = SamplingParams(truncate_prompt_tokens=-1, truncation_side="right")
+            elif isinstance(p, (SamplingParams, BeamSearchParams)) and p.truncate_prompt_tokens is None:
+                copies[id(p)] = dataclasses.replace(p, truncate_prompt_tokens=-1, truncation_side="right")
+            else:  # its own truncation, or a wrong type the processor refuses
+                copies[id(p)] = p
+    return [copies[id(p)] for p in params_list]
 
 
 class LLM:
@@ -61,9 +79,11 @@ class LLM:
                  truncation: bool = False) -> list[RequestOutput]:
         """``sampling_params=None``: the checkpoint's defaults (``get_default_sampling_params``).
         With ``BeamSearchParams`` each output's ``outputs`` are its
-        ``num_return_sequences`` best hypotheses, best first. ``truncation=True``
-        cuts encoder prompts longer than the model's positions (HF's
-        ``truncation=True``); otherwise they are refused with a ValueError."""
+        ``num_return_sequences`` best hypotheses, best first. An encoder prompt
+        longer than the model's positions is a ValueError unless its params set
+        ``truncate_prompt_tokens``; ``truncation=True`` sets it where they do not,
+        cutting as HF's ``tokenizer(truncation=True)`` (the first tokens, the final
+        eos kept). ``priority``: one per prompt, under ``scheduling_policy="priority"``."""
         prompts = normalize_prompts(prompts)
         n = len(prompts)
         if sampling_params is None:
@@ -74,8 +94,12 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != n:
                 raise ValueError(f"got {len(params_list)} sampling_params for {n} prompts")
-        if priority is not None and len(priority) != n:
-            raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+        if priority is not None:
+            priority = self._checked_priorities(priority, n)
+        if not isinstance(truncation, bool):
+            raise TypeError(f"truncation must be a bool, got {type(truncation).__name__} {truncation!r}")
+        if truncation:
+            params_list = _with_truncation(params_list)
         with self._lock:
             bar = None
             if use_tqdm:
@@ -93,21 +117,33 @@ class LLM:
                 bar.update(1)
 
             try:
-                return self._run(prompts, params_list, priority, progress if bar else None,
-                                 truncation=truncation)
+                return self._run(prompts, params_list, priority, progress if bar else None)
             finally:
                 if bar is not None:
                     bar.close()
 
+    def _checked_priorities(self, priority: Sequence[int], n: int) -> list[int]:
+        """One priority per prompt, each checked now, so a bad one refuses the
+        whole call before anything is queued ("prompt 1: ...")."""
+        if isinstance(priority, (str, bytes, dict)) or not hasattr(priority, "__len__"):
+            raise TypeError(f"priority must be a list of ints, one per prompt, got {type(priority).__name__}")
+        if len(priority) != n:
+            raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+        policy = self.llm_engine.scheduler_config.policy
+        checked = []
+        for i, p in enumerate(priority):
+            with prompt_errors(i):
+                checked.append(check_priority(p, policy))
+        return checked
+
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams | None],
              priority: list[int] | None,
-             on_finished: Callable[[RequestOutput], None] | None, *,
-             truncation: bool = False) -> list[RequestOutput]:
+             on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
         """Queue the prompts and step the engine until they finish; ``on_finished``
         sees each output as it completes (progress bars). Call under the lock."""
         engine = self.llm_engine
         # One bad prompt refuses the whole call before anything is queued.
-        processed = engine.process_requests(prompts, params_list, priority=priority, truncation=truncation)
+        processed = engine.process_requests(prompts, params_list)
         ids = []
         for i, (inputs, params) in enumerate(processed):
             rid = engine.new_request_id()
@@ -143,7 +179,8 @@ class LLM:
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     *, use_tqdm: bool = False, truncation: bool = False) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: every hypothesis of the final pool, best first,
-        with ``tokens`` = decoder prompt + generated ids and HF's ``score``."""
+        with ``tokens`` = decoder prompt + generated ids and HF's ``score``.
+        ``truncation`` as ``generate``'s."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         params = dataclasses.replace(params, num_return_sequences=params.beam_width)
@@ -159,16 +196,18 @@ class LLM:
                   sampling_params: SamplingParams | BeamSearchParams
                   | Sequence[SamplingParams | BeamSearchParams] | None = None, *,
                   src_lang: str | None = None, tgt_lang: str | None = None,
-                  use_tqdm: bool = True) -> list[RequestOutput]:
+                  use_tqdm: bool = True, truncation: bool = False) -> list[RequestOutput]:
         """``generate`` with the control-token prompts of this checkpoint's family
         (``encdec.translation``): NLLB/M2M100 and mBART-50 ``<src> text </s>`` with
         the decoder prompt ``[</s>, <tgt>]`` and the target forced as HF's
         ``forced_bos_token_id`` (beam scores as HF's), mBART cc25's trailing codes,
         Marian's ``>>tgt<<``, T5's ``translate X to Y:`` prefix. ``sampling_params=None``:
-        the checkpoint's defaults. A family without languages is a ValueError."""
+        the checkpoint's defaults. ``truncation`` as ``generate``'s (an input longer
+        than the model's positions keeps its first tokens and its closing </s>). A
+        family without languages, a language code the tokenizer does not know, or
+        ``texts`` other than a str or list of str is a ValueError/TypeError."""
         from encdec.translation import translation_prompts, with_forced_bos
 
-        texts = [texts] if isinstance(texts, str) else list(texts)
         engine = self.llm_engine
         plan = translation_prompts(texts, hf_config=engine.hf_config, tokenizer=engine.tokenizer,
                                    src_lang=src_lang, tgt_lang=tgt_lang)
@@ -176,9 +215,12 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params = with_forced_bos(sampling_params, plan.forced_bos_token_id)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = [with_forced_bos(p, plan.forced_bos_token_id) for p in sampling_params]
-        return self.generate(plan.prompts, params, use_tqdm=use_tqdm)
+        else:
+            raise TypeError("sampling_params must be SamplingParams, BeamSearchParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        return self.generate(plan.prompts, params, use_tqdm=use_tqdm, truncation=truncation)
 
     def transcribe(self, audio, options: TranscribeOptions | None = None, *, use_tqdm: bool = True,
                    **option_kwargs: Any):
