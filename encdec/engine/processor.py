@@ -191,12 +191,13 @@ class Processor:
         far = [p for p in params.prompt_token_logprobs or () if not -dec_len <= p < dec_len]
         if far:
             raise ValueError(f"prompt_token_logprobs positions {far} are outside the {dec_len}-token decoder prompt")
-        # Audio requests carry placeholder encoder ids; the decoder's are real.
-        ids = inputs["prompt_token_ids"] if "encoder_features" in inputs \
-            else inputs["encoder_prompt_token_ids"] + inputs["prompt_token_ids"]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        # Audio requests carry placeholder encoder ids; the decoder's are real. Each
+        # list is named as the API names it, so a server can say which field is wrong.
+        encoder = () if "encoder_features" in inputs else inputs["encoder_prompt_token_ids"]
+        for name, ids in (("prompt", encoder), ("decoder_prompt", inputs["prompt_token_ids"])):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
         # Shallow: the checked params are a private copy already (_check_params) and
         # only max_tokens differs per request; a deep copy per request was a third of
         # processing 512 BART prompts.

@@ -192,7 +192,7 @@ def test_requests_at_the_capacity_limit_run_to_completion(small_llm):
 @VIA
 @pytest.mark.parametrize("prompts, match, culprit", [
     ([GOOD, ExplicitEncoderDecoderPrompt(encoder_prompt="hi", decoder_prompt=TokensPrompt(
-        prompt_token_ids=[0, 5, 4000]))], r"^prompt 1: prompt token ids \[4000\] are outside the vocabulary",
+        prompt_token_ids=[0, 5, 4000]))], r"^prompt 1: decoder_prompt token ids \[4000\] are outside the vocabulary",
      "[4000]"),
     ([GOOD, GOOD, TokensPrompt(prompt_token_ids=np.array([5, -1]))], r"^prompt 2: prompt token ids \[-1\]", "[-1]"),
     ([GOOD, {"prompt": "x", "multi_modal_data": {"audio": (np.zeros(160, np.float32), 16000)}}],

@@ -61,7 +61,7 @@ VIA = pytest.mark.parametrize("via", ["generate", "process_requests"])
     ("just text", "this model reads audio: the prompt needs multi_modal_data"),
     (TokensPrompt(prompt_token_ids=[SOT, NOTS]), "this model reads audio"),
     (ExplicitEncoderDecoderPrompt(encoder_prompt="text", decoder_prompt=None), "this model reads audio"),
-    ("decoder-oov", r"prompt token ids \[60000\] are outside the vocabulary \(size 51864\)"),
+    ("decoder-oov", r"decoder_prompt token ids \[60000\] are outside the vocabulary \(size 51864\)"),
     ("long", r"audio is 31.00 s long, but a prompt's audio is one encoder window of at most 30 s; "
              r"use LLM.transcribe"),
     ("missing", r"audio: audio file '.*missing.wav' does not exist"),

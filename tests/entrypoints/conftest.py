@@ -84,7 +84,7 @@ def bart_server(tiny_bart, tmp_path_factory):
     log = tmp_path_factory.mktemp("bart_server") / "server.log"
     server = start_server(tiny_bart, log, "--kv-cache-memory", str(64 << 20), "--swap-space", "0.05",
                           "--api-key", API_KEY, "--served-model-name", "tiny-bart",
-                          "--header-read-timeout", "2", "--body-read-timeout", "3")
+                          "--header-read-timeout", "2", "--body-read-timeout", "3", "--body-timeout", "6")
     yield server
     stop_server(server)
 

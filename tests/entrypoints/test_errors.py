@@ -36,14 +36,15 @@ BAD = [
     ({"suffix": "end"}, 400, ("suffix",), "suffix"),
     ({"length_penalty": 2.0}, 400, ("length_penalty",), "length_penalty"),
     ({"prompt": []}, 400, ("prompt",), "prompt"),
-    ({"prompt": [0, 5, 99999]}, 400, ("99999", "vocabulary"), None),
+    ({"prompt": [0, 5, 99999]}, 400, ("99999", "vocabulary"), "prompt"),
     ({"stop_token_ids": [10**6]}, 400, ("stop_token_ids",), "stop_token_ids"),
     ({"logit_bias": {"999999": 5}}, 400, ("logit_bias",), "logit_bias"),
     ({"logit_bias": {"the": 5}}, 400, ("logit_bias",), "logit_bias"),
     ({"min_tokens": 9, "max_tokens": 4}, 400, ("min_tokens",), "min_tokens"),
     ({"stream": True, "best_of": 3, "n": 1}, 400, ("best_of",), "best_of"),
     ({"stream_options": {"include_usage": True}}, 400, ("stream_options",), "stream_options"),
-    ({"decoder_prompt": [0, 10**6]}, 400, ("vocabulary",), None),
+    ({"decoder_prompt": [0, 10**6]}, 400, ("decoder_prompt", "vocabulary"), "decoder_prompt"),
+    ({"prompt": ["a", "b"], "decoder_prompt": [0, 10**6]}, 400, ("decoder_prompt", "vocabulary"), "decoder_prompt"),
     ({"model": "gpt-4"}, 404, ("gpt-4",), "model"),
 ]
 

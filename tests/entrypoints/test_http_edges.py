@@ -17,6 +17,7 @@ from .test_errors import AUTH, GOOD, assert_error, post
 
 CLIP = SPEECH / "s00.wav"
 HEADER_TIMEOUT, BODY_TIMEOUT = 2.0, 3.0  # the bart_server fixture's --header/--body-read-timeout
+BODY_DEADLINE = 6.0  # the bart_server fixture's --body-timeout
 
 
 def good_completion(server) -> None:
@@ -38,7 +39,12 @@ def connect(server) -> socket.socket:
 
 def read_response(sock: socket.socket, seconds: float) -> tuple[int, dict, float]:
     """(status, JSON body, seconds waited) of the response on ``sock``; fails past ``seconds``."""
-    start, data = time.monotonic(), b""
+    return read_response_from(sock, b"", seconds)
+
+
+def read_response_from(sock: socket.socket, data: bytes, seconds: float) -> tuple[int, dict, float]:
+    """``read_response`` where ``data`` of the response has arrived already."""
+    start = time.monotonic()
     sock.settimeout(seconds)
     while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
         chunk = sock.recv(65536)
@@ -73,6 +79,32 @@ def test_unknown_paths_and_methods(bart_server, method, path, status, words):
     good_completion(bart_server)
 
 
+def test_a_405_lists_the_allowed_methods(bart_server):
+    """RFC 9110: a 405 carries ``Allow``."""
+    resp = httpx.get(bart_server.v1 + "/completions", headers=AUTH, timeout=30)
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    resp = httpx.delete(bart_server.v1 + "/models", headers=AUTH, timeout=30)
+    assert resp.status_code == 405 and "GET" in resp.headers["allow"].split(", ")
+
+
+def test_a_websocket_to_a_wrong_path_is_a_404_that_names_the_right_one(bart_server):
+    pytest.importorskip("websockets")
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    url = bart_server.base.replace("http://", "ws://")
+    for path in ("/v1/nope", "/realtime", "/"):
+        with pytest.raises(InvalidStatus) as e:
+            with ws_connect(url + path, open_timeout=10):
+                pass
+        response = e.value.response
+        assert response.status_code == 404, path
+        error = json.loads(response.body)["error"]
+        assert error["code"] == 404 and f"WebSocket {path}" in error["message"], error
+        assert "/v1/realtime" in error["message"]
+    good_completion(bart_server)
+
+
 @pytest.mark.parametrize("content, ctype, words, param", [
     (b'{"prompt": "x", "max_tokens": }', "application/json",
      ("not valid JSON: Expecting value", "after 'max_tokens', at character 30"), "max_tokens"),
@@ -81,10 +113,16 @@ def test_unknown_paths_and_methods(bart_server, method, path, status, words):
     (b'{', "application/json", ("not valid JSON", "at character 1"), None),
     (b"prompt=x", "application/x-www-form-urlencoded", ("body",), None),
     (b'["x"]', "application/json", ("body",), None),
+    (b'{"prompt": "x", "max_tokens": 4}', "text/plain",
+     ("must be JSON", "Content-Type: application/json", "got content-type 'text/plain'"), None),
+    (b'{"prompt": "x", "max_tokens": 4}', None, ("must be JSON", "got no content-type"), None),
+    (b'{"prompt": "\xff\xfe x"}', "application/json", ("not UTF-8", "byte 0xff at position 12"), None),
+    ('{"prompt": "d\u00e9j\u00e0 vu"}'.encode("latin-1"), "application/json; charset=utf-8",
+     ("not UTF-8", "byte 0xe9 at position 13"), None),
 ])
 def test_bodies_that_do_not_parse(bart_server, content, ctype, words, param):
-    resp = httpx.post(bart_server.v1 + "/completions", content=content,
-                      headers={**AUTH, "content-type": ctype}, timeout=30)
+    headers = {**AUTH, "content-type": ctype} if ctype else AUTH  # httpx sends none for bytes
+    resp = httpx.post(bart_server.v1 + "/completions", content=content, headers=headers, timeout=30)
     assert_error(resp, 400, *words)
     assert resp.json()["error"]["param"] == param
     good_completion(bart_server)
@@ -147,6 +185,31 @@ def test_a_stalled_body_gets_408(bart_server):
     good_completion(bart_server)
 
 
+def test_a_body_dribbled_under_the_read_timeout_ends_at_its_deadline(bart_server):
+    """One byte every 0.5 s never trips the read timeout (3 s between pieces);
+    the whole body's deadline (6 s) ends it with a 408."""
+    sock = connect(bart_server)
+    start, answered = time.monotonic(), b""
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
+        sock.settimeout(0.5)
+        while time.monotonic() - start < BODY_DEADLINE + 10 and not answered:
+            try:
+                sock.sendall(b" ")
+                answered = sock.recv(65536)
+            except socket.timeout:
+                continue
+        waited = time.monotonic() - start
+        assert answered, "no answer to a dribbled body"
+        rest_status, body, _ = read_response_from(sock, answered, 10)
+    finally:
+        sock.close()
+    assert_error_shape(rest_status, body, 408, "not complete within 6 s", "--body-timeout")
+    assert BODY_DEADLINE - 0.5 <= waited < BODY_DEADLINE + 5, waited
+    good_completion(bart_server)
+
+
 def multipart(filename: bytes, data: bytes) -> tuple[bytes, str]:
     """A one-file form written by hand: httpx would percent-escape a NUL in the name."""
     body = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="' + filename + b'"\r\n'
@@ -169,6 +232,20 @@ def test_a_nul_byte_in_the_filename_is_no_500(whisper_server, filename, data, st
     else:
         assert_error(resp, 400, "decode", param="file")
     good_transcription(whisper_server)
+
+
+@pytest.mark.parametrize("disposition", [
+    b"filename*=UTF-8''d%C3%A9j%C3%A0%20vu.wav",  # RFC 5987, as clients send a non-ASCII name
+    b"filename*=\"utf-8'en'clip.wav\"",
+    b"FILENAME*=UTF-8''clip.wav",
+])
+def test_a_file_named_only_by_filename_star_is_the_file(whisper_server, disposition):
+    body = (b'--b\r\nContent-Disposition: form-data; name="file"; ' + disposition + b"\r\n"
+            b"Content-Type: audio/wav\r\n\r\n" + CLIP.read_bytes() + b"\r\n--b\r\nContent-Disposition: form-data; "
+            b'name="response_format"\r\n\r\ntext\r\n--b--\r\n')
+    resp = httpx.post(whisper_server.v1 + "/audio/transcriptions", content=body,
+                      headers={"content-type": "multipart/form-data; boundary=b"}, timeout=60)
+    assert resp.status_code == 200 and resp.text.strip(), resp.text
 
 
 def test_an_undecodable_upload_says_why(whisper_server):

@@ -84,6 +84,29 @@ def _http_error(request: Request, e: StarletteHTTPException) -> APIError:
                     type="invalid_request_error" if e.status_code < 500 else "internal_error")
 
 
+def _not_json(request: Request) -> APIError | None:
+    """A JSON route's body sent under another content type (curl's ``-d`` sends
+    form-urlencoded, some clients text/plain): FastAPI then validates the raw
+    bytes, and its message ("Input should be a valid dictionary") hides the cause."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.split(";", 1)[0].strip().lower()
+    if request.method != "POST" or media == "application/json" or media.endswith("+json"):
+        return None
+    got = f"content-type {ctype!r}" if ctype else "no content-type"
+    return APIError(400, f"the body must be JSON sent with 'Content-Type: application/json' (got {got})")
+
+
+def _undecodable_body(e: StarletteHTTPException) -> APIError | None:
+    """FastAPI's "There was an error parsing the body" for a JSON body that is not
+    UTF-8 (RFC 8259: JSON between systems is UTF-8): say so, and where. The
+    decoder's error is the exception's cause (the body is not read again)."""
+    u = e.__cause__
+    if e.status_code != 400 or not isinstance(u, UnicodeDecodeError):
+        return None
+    return APIError(400, f"the body is not UTF-8 text: byte 0x{u.object[u.start]:02x} at position "
+                    f"{u.start} cannot be decoded (JSON must be sent as UTF-8)")
+
+
 def _authorized(request: Request | WebSocket, api_key: str) -> bool:
     """``Authorization: Bearer <key>``; the scheme is case-insensitive (RFC 9110). A
     WebSocket may instead offer OpenAI's ``openai-insecure-api-key.<key>`` subprotocol:
@@ -129,10 +152,11 @@ class ServerState:
 def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None = None,
               api_key: str | None = None, max_audio_mb: float = 25.0,
               metrics: ServerMetrics | None = None, body_read_timeout: float = 30.0,
-              ui: bool = True) -> FastAPI:
+              body_timeout: float = 300.0, ui: bool = True) -> FastAPI:
     """The app around a built (not started) engine; the app's lifespan starts and
     drains it. ``metrics`` must be the one given to the engine as ``on_step``.
     ``body_read_timeout``: the longest wait for the next piece of a request body;
+    ``body_timeout``: the longest a whole body may take, from the end of its headers;
     ``ui``: the web page at ``/`` (``ui_routes``)."""
     metrics = metrics or ServerMetrics(model_name)
     state = ServerState(engine, model_name, metrics, api_key=api_key,
@@ -156,7 +180,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, model_path: str | None
                                    "'Authorization: Bearer <key>'", type="authentication_error"))
         return await call_next(request)
 
-    app.add_middleware(BodyLimits, read_timeout=body_read_timeout, max_bytes=state.max_body_bytes)
+    app.add_middleware(BodyLimits, read_timeout=body_read_timeout, body_timeout=body_timeout,
+                       max_bytes=state.max_body_bytes)
     _add_routes(app, state)
     if ui:  # the web page at / (encdec.entrypoints.openai.ui_routes); --no-ui leaves it out
         from encdec.entrypoints.openai.ui_routes import add_ui_routes
@@ -173,12 +198,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(e)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(_validation_error(e))
+    async def on_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(_not_json(request) or _validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(_http_error(request, e))
+        response = _error(_undecodable_body(e) or _http_error(request, e))
+        response.headers.update(e.headers or {})  # 405's Allow (RFC 9110: a 405 must list the methods)
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -250,6 +277,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics,
                               budget=state.partial_budget).serve()
 
+    @app.websocket("/{path:path}")
+    async def unknown_websocket(ws: WebSocket, path: str) -> None:
+        """Any other WebSocket path: a 404 that names the one that exists (starlette's
+        default is a bare 403, which reads as an auth failure)."""
+        await ws.send_denial_response(_error(APIError(
+            404, f"Invalid URL (WebSocket /{path}): the WebSocket endpoint is /v1/realtime",
+            type="not_found_error")))
+
 
 def _check_realtime(ws: WebSocket, state: ServerState) -> None:
     """The API key and model as on the other routes; a transcription intent; a Whisper model."""
@@ -272,7 +307,7 @@ def serve(args: argparse.Namespace) -> int:
     (drain), and the app's lifespan stops the engine thread."""
     import uvicorn
 
-    for flag in ("header_read_timeout", "body_read_timeout"):
+    for flag in ("header_read_timeout", "body_read_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
     engine_args = engine_args_from(args)
@@ -282,7 +317,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
     app = build_app(engine, model_name=model_name, model_path=args.model, api_key=args.api_key,
                     max_audio_mb=args.max_audio_mb, metrics=metrics,
-                    body_read_timeout=args.body_read_timeout, ui=not args.no_ui)
+                    body_read_timeout=args.body_read_timeout, body_timeout=args.body_timeout,
+                    ui=not args.no_ui)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=60, access_log=False,
                             http=header_timeout_protocol(args.header_read_timeout))

@@ -28,6 +28,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send a request's line and headers; then it is dropped")
     p.add_argument("--body-read-timeout", type=float, default=30.0,
                    help="longest wait, seconds, for the next piece of a request body; then 408")
+    p.add_argument("--body-timeout", type=float, default=300.0,
+                   help="longest time, seconds, a whole request body may take after its headers; then 408 "
+                        "(a 25 MiB upload needs about 90 KB/s)")
     p.add_argument("--no-ui", action="store_true",
                    help="serve no web page at / (the page: upload, live microphone and text panels)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

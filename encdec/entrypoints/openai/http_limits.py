@@ -8,10 +8,13 @@ the connection's start or the previous response's end; past it the connection
 is closed.
 
 The body is read by the app through ASGI ``receive``, which ``BodyLimits``
-wraps: a wait longer than the body timeout for the next piece of the body (408),
-or more bytes than the route's cap, counted as they arrive (413: a chunked
-upload without Content-Length stops at the cap instead of being spooled to disk
-whole), ends the request with OpenAI's error JSON and ``Connection: close``.
+wraps: a wait longer than the read timeout for the next piece of the body (408),
+a whole body not in by its deadline, counted from the end of the headers (408:
+a client dribbling one byte every few seconds never trips the read timeout, so
+only a deadline bounds it), or more bytes than the route's cap, counted as they
+arrive (413: a chunked upload without Content-Length stops at the cap instead of
+being spooled to disk whole), ends the request with OpenAI's error JSON and
+``Connection: close``.
 """
 from __future__ import annotations
 
@@ -70,13 +73,16 @@ class _Refused(Exception):
 
 class BodyLimits:
     """ASGI middleware: each request's body arrives with no gap longer than
-    ``read_timeout`` seconds and within ``max_bytes(path)`` bytes (None: no cap).
-    A refused request gets the refusal instead of whatever the app answered to
-    its cut-off body."""
+    ``read_timeout`` seconds, whole within ``body_timeout`` seconds of the
+    request reaching the app, and within ``max_bytes(path)`` bytes (None: no
+    cap). A refused request gets the refusal instead of whatever the app
+    answered to its cut-off body."""
 
-    def __init__(self, app: Any, *, read_timeout: float, max_bytes: Callable[[str], int | None]):
+    def __init__(self, app: Any, *, read_timeout: float, body_timeout: float,
+                 max_bytes: Callable[[str], int | None]):
         self.app = app
         self.read_timeout = read_timeout
+        self.body_timeout = body_timeout
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -88,16 +94,20 @@ class BodyLimits:
             return await _send_error(send, _too_large(int(length), cap, "is"))
         refusal: APIError | None = None
         received, body_done, started = 0, False, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
 
         async def limited_receive() -> dict:
             nonlocal refusal, received, body_done
+            if refusal is not None:  # refused already: an app that reads again gets no more
+                raise _Refused
             if body_done:  # after the body, receive waits for a disconnect: no deadline
                 return await receive()
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.read_timeout, left)))
             except asyncio.TimeoutError:
-                refusal = APIError(408, f"the request body stalled: nothing arrived for {self.read_timeout:g} s "
-                                   f"(--body-read-timeout)", type="timeout_error")
+                refusal = self._timed_out(received, stalled=self.read_timeout < left)
                 raise _Refused from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
@@ -121,6 +131,14 @@ class BodyLimits:
                 raise
         if refusal is not None and not started:
             await _send_error(send, refusal)
+
+
+    def _timed_out(self, received: int, *, stalled: bool) -> APIError:
+        if stalled:
+            return APIError(408, f"the request body stalled: nothing arrived for {self.read_timeout:g} s "
+                            f"(--body-read-timeout)", type="timeout_error")
+        return APIError(408, f"the request body was not complete within {self.body_timeout:g} s "
+                        f"({received} bytes arrived; --body-timeout)", type="timeout_error")
 
 
 def _too_large(size: int, cap: int, verb: str) -> APIError:

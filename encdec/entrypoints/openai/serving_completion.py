@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,9 +20,10 @@ _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.star
 
 
 def refusal(e: Exception) -> APIError:
-    """A ``ValueError``/``TypeError`` from validation -> a 400 that names its field."""
+    """A ``ValueError``/``TypeError`` from validation -> a 400 that names its field
+    (the message's first word, after the "prompt N: " of a prompt list)."""
     msg = str(e)
-    first = msg.split(" ", 1)[0]
+    first = re.sub(r"^prompt \d+: ", "", msg).split(" ", 1)[0]
     param = first if first in _SAMPLING_FIELDS or first in ("prompt", "decoder_prompt") else None
     return APIError(400, msg, param=param)
 

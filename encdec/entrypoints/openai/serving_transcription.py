@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from encdec.engine.async_llm_engine import AsyncLLMEngine
 from encdec.entrypoints.openai.metrics import ServerMetrics
+from encdec.entrypoints.openai.multipart import read_form
 from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
 from encdec.entrypoints.openai.sse import DONE, SSEResponse, sse
 from encdec.transcription import TranscribeOptions, Transcription, format_transcription, make_job
@@ -90,7 +91,7 @@ class TranscriptionServer:
                            param="file")
         limit = state.max_audio_bytes  # the body's size is capped as it streams (http_limits.BodyLimits)
         try:
-            form = await raw.form(max_files=1, max_fields=64)
+            form = await read_form(raw, max_files=1, max_fields=64)  # RFC 5987 file names too
         except Exception as e:  # noqa: BLE001 - starlette's multipart errors, malformed bodies
             raise APIError(400, f"could not read the multipart form: {e}") from None
         try:
