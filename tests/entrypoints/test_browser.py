@@ -218,7 +218,20 @@ def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whi
         assert got == format_transcription(stamped, fmt)
         times = _srt_times(got, sep)
         assert times == [pytest.approx((s.start, s.end), abs=1e-3) for s in stamped.segments]
+
+    page.check("#tr-words")  # word timestamps: each word with its times
+    page.click("#tr-run")
+    page.wait_for_selector("#tr-wordlist .word")
+    worded = whisper_llm.transcribe(str(CLIP), word_timestamps=True, use_tqdm=False)[0]
+    words = page.eval_on_selector_all("#tr-wordlist .word", "ws => ws.map(w => [w.textContent, w.title])")
+    assert words == [[w.word.strip(), f"{_short(w.start)} – {_short(w.end)}"] for s in worded.segments for w in s.words]
     page.close()
+
+
+def _short(seconds: float) -> str:
+    """The page's M:SS.ss."""
+    m = int(seconds // 60)
+    return f"{m}:{seconds - 60 * m:05.2f}"
 
 
 @pytest.mark.browser

@@ -99,3 +99,37 @@ def test_translation_prompt_is_translates_prompt(tmp_path):
                    "forced_bos_token_id": plan.forced_bos_token_id}
     resp = client.post("/ui/translation-prompt", json={"text": "x", "src_lang": "eng_Latn", "tgt_lang": "xx_Yyyy"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tgt_lang"
+
+
+def test_page_ids_unique_and_every_control_labelled():
+    """index.html: no id twice (the scripts find controls by id) and every input,
+    select and textarea has a label (``for=`` its id, or wrapped in one)."""
+    from html.parser import HTMLParser
+
+    from encdec.entrypoints.openai.ui_routes import _ui_file
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.ids, self.label_for, self.controls, self.depth = [], set(), [], 0
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if "id" in a:
+                self.ids.append(a["id"])
+            if tag == "label":
+                self.depth += 1
+                if "for" in a:
+                    self.label_for.add(a["for"])
+            if tag in ("input", "select", "textarea"):
+                self.controls.append((a.get("id"), self.depth > 0))
+
+        def handle_endtag(self, tag):
+            if tag == "label":
+                self.depth -= 1
+
+    page = Page()
+    page.feed(_ui_file("index.html").decode())
+    assert len(page.ids) == len(set(page.ids)), sorted(i for i in page.ids if page.ids.count(i) > 1)
+    unlabelled = [cid for cid, wrapped in page.controls if not wrapped and cid not in page.label_for]
+    assert page.controls and not unlabelled, unlabelled

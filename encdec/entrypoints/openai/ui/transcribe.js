@@ -60,6 +60,22 @@ function showSegments(result, audio) {
   }
 }
 
+// Word timestamps, when asked for: each word's times on hover; a click plays from it
+// (the segments above are the keyboard's way to a place in the audio).
+function showWords(result, audio) {
+  const box = document.getElementById("tr-wordlist");
+  box.replaceChildren();
+  box.hidden = !(result.words && result.words.length);
+  for (const w of result.words || []) {
+    const span = document.createElement("span");
+    span.className = "word";
+    span.textContent = w.word;
+    span.title = `${shortClock(w.start)} – ${shortClock(w.end)}`;
+    span.addEventListener("click", () => { audio.currentTime = w.start; audio.play().catch(() => {}); });
+    box.append(span, " ");
+  }
+}
+
 export function initTranscribe(status) {
   const $ = (id) => document.getElementById(id);
   const input = $("tr-file"), drop = $("tr-drop"), audio = $("tr-audio"), error = $("tr-error");
@@ -95,6 +111,7 @@ export function initTranscribe(status) {
       const result = await response.json();
       $("tr-text").textContent = result.text;
       showSegments(result, audio);
+      showWords(result, audio);
       $("tr-result").hidden = false;
       elapsed.textContent = `done in ${((performance.now() - t0) / 1000).toFixed(1)} s`;
       last = fields;
