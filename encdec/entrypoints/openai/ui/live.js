@@ -59,129 +59,147 @@ function srt(turns) {
     `${i + 1}\n${clock(t.startMs / 1000)} --> ${clock((t.endMs ?? t.startMs) / 1000)}\n${t.final.trim()}\n`).join("\n");
 }
 
-export function initLive(status) {
-  const $ = (id) => document.getElementById(id);
-  const start = $("live-start"), stop = $("live-stop"), save = $("live-srt");
-  const state = $("live-state"), error = $("live-error"), list = $("live-turns");
-  let ws = null, audio = null, turns = [], byId = new Map();
+// One panel, one session at a time: the WebSocket, the microphone graph, the turns.
+class LivePanel {
+  constructor(status) {
+    const $ = (id) => document.getElementById(id);
+    this.status = status;
+    this.el = { start: $("live-start"), stop: $("live-stop"), save: $("live-srt"), state: $("live-state"),
+      error: $("live-error"), list: $("live-turns"), language: $("live-language"), panel: $("panel-live") };
+    this.ws = null;
+    this.audio = null;
+    this.turns = [];
+    this.byId = new Map();
+    this.el.start.addEventListener("click", () => this.start());
+    this.el.stop.addEventListener("click", () => this.stop());
+    this.el.save.addEventListener("click", () => download(new Blob([srt(this.turns)], { type: "text/plain" }), "live.srt"));
+  }
 
-  const setState = (text, running) => {
+  setState(text, running) {
+    const { state, start, stop, save, panel } = this.el;
     state.textContent = text;
     start.disabled = running;
     stop.disabled = !running;
-    save.disabled = running || !turns.some((t) => t.final);
-    document.getElementById("panel-live").dataset.state = running ? "running" : "stopped";
-  };
+    save.disabled = running || !this.turns.some((t) => t.final);
+    panel.dataset.state = running ? "running" : "stopped";
+  }
 
-  const teardown = () => {
-    if (audio) {
-      audio.stream.getTracks().forEach((t) => t.stop());
-      audio.context.close();
-      audio = null;
-    }
+  stopAudio() {
+    if (!this.audio) return;
+    this.audio.stream.getTracks().forEach((t) => t.stop());
+    this.audio.context.close();
+    this.audio = null;
+  }
+
+  teardown(text = "Stopped.") {
+    this.stopAudio();
+    const ws = this.ws;
+    this.ws = null;  // first: its close event is then ours, not an error
     if (ws && ws.readyState <= WebSocket.OPEN) ws.close();
-    ws = null;
-  };
+    this.setState(text, false);
+  }
 
-  const startAudio = async (rate) => {
+  async startAudio(rate) {
     const stream = await navigator.mediaDevices.getUserMedia(
       { audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false } });
     const context = new AudioContext({ sampleRate: rate });  // the browser resamples the microphone
     await context.audioWorklet.addModule("/ui/pcm-worklet.js");
     const node = new AudioWorkletNode(context, "pcm16", { processorOptions: { chunk: Math.round(rate * CHUNK_S) } });
-    const mute = context.createGain();
+    const mute = context.createGain();  // the graph must reach the destination to run; silently
     mute.gain.value = 0;
     context.createMediaStreamSource(stream).connect(node).connect(mute).connect(context.destination);
     node.port.onmessage = (e) => {
-      if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(e.data) }));
-    };
-    audio = { stream, context };
-  };
-
-  const onEvent = async (event) => {
-    const turn = byId.get(event.item_id);
-    switch (event.type) {
-      case "session.created": {
-        const rate = event.session.audio.input.format.rate;
-        const language = $("live-language").value.trim();
-        if (language) {
-          ws.send(JSON.stringify({ type: "session.update", session: { type: "transcription",
-            audio: { input: { transcription: { model: status.model, language } } } } }));
-        }
-        await startAudio(rate);
-        setState(`Listening (${rate} Hz).`, true);
-        break;
+      if (this.ws && this.ws.readyState === WebSocket.OPEN) {
+        this.ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(e.data) }));
       }
+    };
+    this.audio = { stream, context };
+  }
+
+  async onSessionCreated(event) {
+    const rate = event.session.audio.input.format.rate;
+    const language = this.el.language.value.trim();
+    if (language) {
+      this.ws.send(JSON.stringify({ type: "session.update", session: { type: "transcription",
+        audio: { input: { transcription: { model: this.status.model, language } } } } }));
+    }
+    await this.startAudio(rate);
+    this.setState(`Listening (${rate} Hz).`, true);
+  }
+
+  async onEvent(event) {
+    const turn = this.byId.get(event.item_id);
+    switch (event.type) {
+      case "session.created":
+        return this.onSessionCreated(event);
       case "input_audio_buffer.speech_started": {
-        const t = new Turn(list, event.item_id, event.audio_start_ms);
-        turns.push(t);
-        byId.set(event.item_id, t);
-        break;
+        const t = new Turn(this.el.list, event.item_id, event.audio_start_ms);
+        this.turns.push(t);
+        this.byId.set(event.item_id, t);
+        return;
       }
       case "input_audio_buffer.speech_stopped":
         if (turn) { turn.endMs = event.audio_end_ms; turn.stoppedAt = performance.now(); }
-        break;
+        return;
       case "input_audio_buffer.committed":
         if (turn) turn.committed = true;
-        break;
+        return;
       case "conversation.item.input_audio_transcription.delta":
         if (turn) turn.delta(event.delta);
-        break;
+        return;
       case "conversation.item.input_audio_transcription.completed":
         if (turn) turn.complete(event.transcript);
-        break;
+        return;
       case "conversation.item.input_audio_transcription.failed":
         if (turn) turn.meta.textContent = ` (failed: ${event.error.message})`;
-        break;
+        return;
       case "error":
-        error.textContent = event.error.message;
-        break;
+        this.el.error.textContent = event.error.message;
+        return;
       case "session.closed":
-        teardown();
-        setState("Stopped.", false);
-        break;
+        this.teardown();
     }
-  };
+  }
 
-  start.addEventListener("click", async () => {
-    showError(error, null);
-    turns = [];
-    byId = new Map();
-    list.replaceChildren();
+  async start() {
+    showError(this.el.error, null);
+    this.turns = [];
+    this.byId = new Map();
+    this.el.list.replaceChildren();
     try {
-      if (status.api_key_required) await api("/v1/models");  // a refused key: the server's words, not a bare 1006
+      if (this.status.api_key_required) await api("/v1/models");  // a refused key: the server's words, not a bare 1006
     } catch (err) {
-      showError(error, err);
+      showError(this.el.error, err);
       return;
     }
     const key = apiKey();
-    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime?intent=transcription&model=${encodeURIComponent(status.model)}`;
-    ws = key ? new WebSocket(url, ["realtime", `openai-insecure-api-key.${key}`]) : new WebSocket(url);
-    setState("Connecting…", true);
-    ws.onmessage = (m) => onEvent(JSON.parse(m.data)).catch((err) => { showError(error, err); teardown(); setState("Stopped.", false); });
+    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/realtime` +
+      `?intent=transcription&model=${encodeURIComponent(this.status.model)}`;
+    const ws = key ? new WebSocket(url, ["realtime", `openai-insecure-api-key.${key}`]) : new WebSocket(url);
+    this.ws = ws;
+    this.setState("Connecting…", true);
+    ws.onmessage = (m) => this.onEvent(JSON.parse(m.data)).catch((err) => {
+      showError(this.el.error, err);
+      this.teardown();
+    });
     ws.onclose = (e) => {
-      if (ws) {
-        if (e.code !== 1000) error.textContent = `The connection closed (code ${e.code}${e.reason ? `: ${e.reason}` : ""}).`;
-        teardown();
-        setState("Stopped.", false);
-      }
+      if (this.ws !== ws) return;  // closed by us
+      if (e.code !== 1000) this.el.error.textContent = `The connection closed (code ${e.code}${e.reason ? `: ${e.reason}` : ""}).`;
+      this.teardown();
     };
-  });
+  }
 
-  stop.addEventListener("click", () => {
-    if (audio) {  // no more audio; the server finishes the open turn, then says session.closed
-      audio.stream.getTracks().forEach((t) => t.stop());
-      audio.context.close();
-      audio = null;
-    }
-    if (ws && ws.readyState === WebSocket.OPEN) {
-      ws.send(JSON.stringify({ type: "session.close" }));
-      state.textContent = "Finishing the last turn…";
+  stop() {
+    this.stopAudio();  // no more audio; the server finishes the open turn, then says session.closed
+    if (this.ws && this.ws.readyState === WebSocket.OPEN) {
+      this.ws.send(JSON.stringify({ type: "session.close" }));
+      this.el.state.textContent = "Finishing the last turn…";
     } else {
-      teardown();
-      setState("Stopped.", false);
+      this.teardown();
     }
-  });
+  }
+}
 
-  save.addEventListener("click", () => download(new Blob([srt(turns)], { type: "text/plain" }), "live.srt"));
+export function initLive(status) {
+  return new LivePanel(status);
 }
