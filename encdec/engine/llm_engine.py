@@ -79,9 +79,10 @@ class LLMEngine:
     engine's own generator, seeded from ``EngineArgs.seed``.
     """
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, *, check_precision: bool = True):
+        # check_precision=False: platform.precision's probe engines (their run is the measurement)
         self.args = args
-        self.worker = Worker(args.load_config())
+        self.worker = Worker(args.load_config(), check_precision=check_precision)
         mc = self.model_config = self.worker.model_config
         self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len)
         self.cache_config = self.worker.init_cache(

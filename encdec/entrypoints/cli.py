@@ -93,7 +93,31 @@ def _build_kernels(args: argparse.Namespace) -> int:
               f"{time.perf_counter() - t0:.1f} s into {build.cache_dir()}")
     else:
         print(f"all {len(build.sources())} CPU kernels for {isa} already built in {build.cache_dir()}")
-    return 1 if failed else 0
+    if failed:
+        return 1
+    _measure_bfloat16()  # with every kernel built: the float32 it is measured against is the real one
+    return 0
+
+
+def _measure_bfloat16() -> None:
+    """Set-up also measures whether bfloat16 pays here (seconds, kept with the
+    kernels), so its first use finds the answer. float16 is measured at its own
+    first use: it has no fast CPU path in torch and its probe is the longest."""
+    import time
+
+    import torch
+
+    from encdec.platform import precision
+
+    t0 = time.perf_counter()
+    try:
+        ratio, source = precision.time_ratio(torch.bfloat16, notice=False)
+    except (RuntimeError, OSError, ValueError) as e:
+        print(f"encdec build-kernels: bfloat16 not measured ({e}): its first use measures it", file=sys.stderr)
+        return
+    took = f"measured in {time.perf_counter() - t0:.1f} s" if source == "measured" else source
+    verdict = "accepted" if ratio <= 1.0 else "refused (slower than float32)"
+    print(f"dtype='bfloat16' on this CPU: {ratio:.2f}x float32's time, {verdict} ({took}; {precision.cache_file()})")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -160,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("build-kernels", help="compile the C kernels for this CPU now (else the first use does)",
                        description="Compile every C kernel for this CPU's instruction set into the kernel cache "
-                       "($ENCDEC_CACHE_DIR, default ~/.cache/encdec); kernels already built are kept.")
+                       "($ENCDEC_CACHE_DIR, default ~/.cache/encdec); kernels already built are kept. Then "
+                       "measure whether dtype='bfloat16' runs faster than float32 here (kept there too).")
     k.add_argument("--isa", default=None, choices=tuple(ISA_FLAGS),
                    help="instruction set to build for (default: the best this CPU runs, or $ENCDEC_CPU_ISA)")
     k.set_defaults(func=_build_kernels)

@@ -2,21 +2,23 @@
 this CPU, decided by measuring it, not by CPU flags.
 
 The rule, the same for both dtypes: on CPU a reduced dtype is refused (a
-ValueError giving the measured factor) where the engine's ``Linear`` runs it
-slower than float32, and accepted where it runs faster. A reduced precision
+ValueError giving the measured factor) where the engine runs it slower than
+float32 end to end, and accepted where it runs faster. A reduced precision
 that is not faster only costs accuracy. Flags do not decide it: oneDNN's bf16
 matmul is faster than float32 on some AVX512-BF16 CPUs without AMX and slower
-on others, and float16 has no fast CPU path in torch.
+on others, float16 has no fast CPU path in torch, and a faster matmul does
+not make a faster engine (the float32 C kernels decline the other dtypes).
 
-The measurement (``time_ratio``): the engine's own ``Linear`` (prepacked for
-oneDNN where it packs that dtype) over one Whisper-encoder-window shape,
-float32 and the reduced dtype alternating, medians of a few calls; well under
-a second. It runs at the first use of a reduced dtype on CPU and is kept in
-``<kernel cache>/precision.json`` (``$ENCDEC_CACHE_DIR``), keyed by the CPU's
-model name, torch's version, the thread count and oneDNN's ISA cap, so each
-host measures once per setting. ``$ENCDEC_PRECISION_RATIOS``
-(``"bfloat16=0.4,float16=6"``: each dtype's time over float32's) gives the
-result instead of measuring (tests; a host that wants a fixed answer).
+The measurement (``precision_probe``): the engine itself, float32 and the
+reduced dtype alternating, greedy decoding on a small random model of Whisper
+tiny's widths; a few seconds. It runs at ``encdec build-kernels`` (set-up,
+bfloat16) or at the first use of a reduced dtype on CPU, saying so once, and
+is kept in ``<kernel cache>/precision.json`` (``$ENCDEC_CACHE_DIR``), keyed by
+the CPU's model name, torch's version, the thread count, oneDNN's ISA cap and
+the kernels' ISA, so each host measures once per setting.
+``$ENCDEC_PRECISION_RATIOS`` (``"bfloat16=0.4,float16=6"``: each dtype's time
+over float32's) gives the result instead of measuring (tests; a host that
+wants a fixed answer).
 """
 from __future__ import annotations
 
@@ -24,26 +26,23 @@ import json
 import logging
 import os
 import platform
-import statistics
 import tempfile
 import threading
 import time
 
 import torch
 
-from encdec.kernels.cpu.build import cache_dir
+from encdec.kernels.cpu.build import cache_dir, cpu_isa
+from encdec.platform import precision_probe
 
 logger = logging.getLogger(__name__)
 
 RATIOS_ENV = "ENCDEC_PRECISION_RATIOS"
 REDUCED = (torch.bfloat16, torch.float16)
-# rows x in -> out: one encoder window of Whisper tiny's fc1 (the encoder's
-# linears dominate a reduced dtype's gain or loss).
-PROBE_SHAPE = (1500, 384, 1536)
-# Timed calls per dtype, after one warm-up each: at least the first, more while the
-# ratio is near 1 (a 5x slower float16 needs no third call to say so).
-PROBE_REPEATS = (2, 5)
-DECISIVE = (2 / 3, 1.5)
+# Part of the cache key: a new measurement method does not read an older one's figures.
+PROBE_VERSION = "engine-1"
+# The probe's wall time on 2 idle cores of an AMD EPYC, for the one-time notice.
+PROBE_SECONDS = {torch.bfloat16: 5, torch.float16: 8}
 _lock = threading.Lock()
 _measured: dict[tuple[str, str], float] = {}  # (host key, dtype) -> time ratio, this process
 
@@ -65,11 +64,13 @@ def cpu_model() -> str:
 
 
 def host_key() -> str:
-    """What a measurement holds for: CPU model, torch version, threads, oneDNN's ISA cap."""
+    """What a measurement holds for: CPU model, torch version, threads, oneDNN's ISA cap,
+    the C kernels' ISA and the probe's method."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "-"
     onednn = os.environ.get("ENCDEC_ONEDNN", "1")
+    kernels = "off" if os.environ.get("ENCDEC_DISABLE_C_KERNELS") == "1" else cpu_isa()
     return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | isa cap {cap} | " \
-           f"onednn {onednn}"
+           f"onednn {onednn} | kernels {kernels} | probe {PROBE_VERSION}"
 
 
 def cache_file() -> str:
@@ -118,37 +119,15 @@ def _write_cache(key: str, name: str, ratio: float) -> None:
 
 
 def probe(dtype: torch.dtype) -> float:
-    """``dtype``'s time over float32's for the engine's ``Linear`` at ``PROBE_SHAPE``,
-    on torch's current thread count (medians, the two alternating)."""
-    from encdec.models.layers import Linear
-
-    rows, n_in, n_out = PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, n_in, generator=gen)
-    layers, inputs = {}, {}
-    for dt in (torch.float32, dtype):
-        layer = Linear(n_in, n_out).to(dt).requires_grad_(False)
-        layer.pack()  # as the loader does: oneDNN-prepacked where it packs dt
-        layers[dt], inputs[dt] = layer, x.to(dt)
-    times: dict[torch.dtype, list[float]] = {torch.float32: [], dtype: []}
-    ratio = 1.0
-    with torch.inference_mode():
-        for i in range(PROBE_REPEATS[1] + 1):
-            for dt in (torch.float32, dtype):
-                t0 = time.perf_counter()
-                layers[dt](inputs[dt])
-                if i:  # the first round warms up (oneDNN's primitive cache, pages)
-                    times[dt].append(time.perf_counter() - t0)
-            if i:
-                ratio = statistics.median(times[dtype]) / statistics.median(times[torch.float32])
-            if i >= PROBE_REPEATS[0] and not DECISIVE[0] < ratio < DECISIVE[1]:
-                break
-    return ratio
+    """``dtype``'s time over float32's, the engine end to end on torch's current
+    thread count (``precision_probe.time_ratio``)."""
+    return precision_probe.time_ratio(dtype)
 
 
-def time_ratio(dtype: torch.dtype) -> tuple[float, str]:
+def time_ratio(dtype: torch.dtype, *, notice: bool = True) -> tuple[float, str]:
     """``dtype``'s time over float32's on this CPU (< 1: faster) and where the figure
-    came from ("given", "cached", "measured")."""
+    came from ("given", "cached", "measured"); ``notice``: say so (a warning) before
+    a measurement, which takes seconds."""
     name = _name(dtype)
     given = _given(name)
     if given is not None:
@@ -161,6 +140,9 @@ def time_ratio(dtype: torch.dtype) -> tuple[float, str]:
         if isinstance(cached, (int, float)) and cached > 0:
             _measured[key, name] = float(cached)
             return float(cached), "cached"
+        if notice:
+            logger.warning("measuring whether %s pays on this CPU, one time, ~%d s; `encdec build-kernels` does "
+                           "it at set-up", name, PROBE_SECONDS[dtype])
         t0 = time.perf_counter()
         ratio = probe(dtype)
         logger.info("dtype=%r on this CPU: %.2fx float32's time (probe %.2f s, kept in %s)", name, ratio,
@@ -182,5 +164,5 @@ def check_cpu_dtype(device: torch.device, dtype: torch.dtype) -> None:
                "measured": "measured now"}[source]
         raise ValueError(
             f"dtype={_name(dtype)!r} runs {ratio:.1f}x slower than float32 on this CPU ({cpu_model()}, "
-            f"{torch.get_num_threads()} threads; a {PROBE_SHAPE[0]}x{PROBE_SHAPE[1]}->{PROBE_SHAPE[2]} linear, "
-            f"{how}): use dtype='float32' (exact) or quantization='int8'")
+            f"{torch.get_num_threads()} threads; {precision_probe.model_summary()}, {how}): "
+            f"use dtype='float32' (exact) or quantization='int8'")

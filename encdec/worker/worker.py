@@ -123,12 +123,14 @@ def _model_config(args: LoadConfig, ckpt: Checkpoint, dtype: torch.dtype) -> Mod
 
 
 class Worker:
-    def __init__(self, args: LoadConfig):
+    def __init__(self, args: LoadConfig, *, check_precision: bool = True):
+        """``check_precision=False`` only for ``platform.precision``'s own probe engines."""
         self.load_config = args
         self.device = resolve_device(args.device)
         self.checkpoint = open_checkpoint(args.model, tokenizer=args.tokenizer)
         self.dtype = resolve_dtype(args.dtype, self.device, self.checkpoint.hf_config)
-        precision.check_cpu_dtype(self.device, self.dtype)  # bfloat16/float16 only where faster than float32
+        if check_precision:  # bfloat16/float16 on CPU only where faster than float32
+            precision.check_cpu_dtype(self.device, self.dtype)
         quantization.check_quantization(args.quantization, self.device, self.dtype)
         self.model_config = _model_config(args, self.checkpoint, self.dtype)
         self.backend = get_attn_backend(args.attention_backend, self.device.type, dtype=self.dtype)

@@ -23,6 +23,7 @@ def fresh_cache(monkeypatch, tmp_path):
     and ``load``'s memo cleared before and after (its libraries live in tmp_path)."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv("ENCDEC_DISABLE_C_KERNELS", raising=False)
+    monkeypatch.setenv("ENCDEC_PRECISION_RATIOS", "bfloat16=0.5")  # build-kernels' bf16 probe: test_precision
     monkeypatch.setattr(build, "sources", lambda: list(SMALL))
     monkeypatch.setattr(build, "_announced", False)
     build.load.cache_clear()

@@ -2,7 +2,8 @@
 refused with the measured factor, a faster one accepted, for bfloat16 and
 float16 alike; the measurement is taken once per host setting and kept on disk.
 The ratios are given through ``$ENCDEC_PRECISION_RATIOS`` so the rule's tests do
-not depend on this host's speed; one test runs the real probe."""
+not depend on this host's speed; the real probe (the engine end to end, seconds)
+runs in the slow tests."""
 from __future__ import annotations
 
 import json
@@ -61,17 +62,52 @@ def test_a_malformed_ratio_is_refused_naming_the_variable(fresh, monkeypatch, te
         precision.check_cpu_dtype(CPU, torch.bfloat16)
 
 
-def test_probe_once_then_the_cache(fresh, monkeypatch):
-    """The real probe runs once (bfloat16: the quicker of the two); a later process
-    reads the cache file, keyed by this host's setting, and does not probe again."""
+def test_measured_once_then_the_cache(fresh, monkeypatch, caplog):
+    """A measurement is announced once and kept; later calls in this process use
+    the memo, a later process reads the cache file, keyed by this host's setting."""
+    probed = []
+    monkeypatch.setattr(precision, "probe", lambda dtype: probed.append(dtype) or 1.7)
+    with caplog.at_level("WARNING", logger=precision.__name__):
+        assert precision.time_ratio(torch.bfloat16) == (1.7, "measured")
+        assert precision.time_ratio(torch.bfloat16) == (1.7, "measured")  # this process's memo
+    assert probed == [torch.bfloat16]
+    assert [r.getMessage() for r in caplog.records] == [
+        "measuring whether bfloat16 pays on this CPU, one time, ~5 s; `encdec build-kernels` does it at set-up"]
+    data = json.loads((fresh / "precision.json").read_text())
+    assert data == {precision.host_key(): {"bfloat16": 1.7}}
+    monkeypatch.setattr(precision, "_measured", {})  # as a new process
+    assert precision.time_ratio(torch.bfloat16) == (1.7, "cached")
+    assert probed == [torch.bfloat16]
+
+
+def test_the_key_names_what_changes_the_figure(monkeypatch):
+    """The kernels' ISA and the probe's method are part of the key: a float32 run
+    without the C kernels, or an older probe's figure, is another measurement."""
+    key = precision.host_key()
+    assert f"probe {precision.PROBE_VERSION}" in key and "kernels " in key
+    monkeypatch.setenv("ENCDEC_DISABLE_C_KERNELS", "1")
+    assert precision.host_key() != key and "kernels off" in precision.host_key()
+
+
+@pytest.mark.slow
+def test_the_real_probe_runs_the_engine_end_to_end(fresh, monkeypatch):
+    """The real probe (bfloat16: the quicker of the two) builds both engines without
+    checking precision (no recursion into the check it feeds) and gives a ratio."""
+    from encdec.engine.llm_engine import LLMEngine
+
+    built = []
+    init = LLMEngine.__init__
+
+    def spy(self, args, **kwargs):
+        built.append((args.dtype, kwargs))
+        init(self, args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "__init__", spy)
+    monkeypatch.setattr(precision, "check_cpu_dtype", lambda *a: pytest.fail("the probe checked precision"))
     ratio, source = precision.time_ratio(torch.bfloat16)
     assert source == "measured" and 0.01 < ratio < 100
-    data = json.loads((fresh / "precision.json").read_text())
-    assert data == {precision.host_key(): {"bfloat16": ratio}}
-    monkeypatch.setattr(precision, "probe", lambda dtype: pytest.fail("probed again"))
-    assert precision.time_ratio(torch.bfloat16) == (ratio, "measured")  # this process's memo
-    monkeypatch.setattr(precision, "_measured", {})  # as a new process
-    assert precision.time_ratio(torch.bfloat16) == (ratio, "cached")
+    assert built == [("float32", {"check_precision": False}), ("bfloat16", {"check_precision": False})]
+    assert json.loads((fresh / "precision.json").read_text()) == {precision.host_key(): {"bfloat16": ratio}}
 
 
 def test_a_cached_slowdown_is_refused_and_says_where_it_came_from(fresh, monkeypatch):
@@ -96,7 +132,6 @@ def test_another_setting_measures_again(fresh, monkeypatch):
     assert len(json.loads((fresh / "precision.json").read_text())) == 2  # both settings kept
 
 
-
 def test_kept_beside_the_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv("ENCDEC_CACHE_DIR", str(tmp_path))
     assert precision.cache_file() == str(tmp_path / "precision.json")
@@ -112,3 +147,33 @@ def test_llm_refuses_a_slower_dtype_before_loading(fresh, monkeypatch, tiny_bart
     monkeypatch.setenv(precision.RATIOS_ENV, "bfloat16=1.2")
     with pytest.raises(ValueError, match=r"dtype='bfloat16' runs 1\.2x slower"):
         LLM(tiny_bart, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(("given", "verdict"), [("0.5", "0.50x float32's time, accepted"),
+                                                ("1.7", "1.70x float32's time, refused (slower than float32)")])
+def test_build_kernels_gives_the_bfloat16_verdict(fresh, monkeypatch, capsys, given, verdict):
+    """Set-up measures bfloat16 after the kernels, so a first use finds it cached."""
+    from encdec.entrypoints.cli import main
+    from encdec.kernels.cpu import build
+
+    monkeypatch.setattr(build, "sources", lambda: [])  # nothing to compile: the precision step alone
+    monkeypatch.setenv(precision.RATIOS_ENV, f"bfloat16={given}")
+    assert main(["build-kernels"]) == 0
+    assert f"dtype='bfloat16' on this CPU: {verdict} (given;" in capsys.readouterr().out
+
+
+def test_build_kernels_measures_bfloat16_once_without_the_notice(fresh, monkeypatch, capsys, caplog):
+    from encdec.entrypoints.cli import main
+    from encdec.kernels.cpu import build
+
+    monkeypatch.setattr(build, "sources", lambda: [])
+    probed = []
+    monkeypatch.setattr(precision, "probe", lambda dtype: probed.append(dtype) or 0.8)
+    assert main(["build-kernels"]) == 0
+    monkeypatch.setattr(precision, "_measured", {})  # as a new process
+    assert main(["build-kernels"]) == 0  # the second finds it kept
+    out = capsys.readouterr().out
+    assert "0.80x float32's time, accepted (measured in" in out and "accepted (cached;" in out
+    assert probed == [torch.bfloat16]
+    assert not [r for r in caplog.records if "measuring" in r.getMessage()]  # build-kernels says it itself
+    assert json.loads((fresh / "precision.json").read_text()) == {precision.host_key(): {"bfloat16": 0.8}}
