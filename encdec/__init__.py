@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLM": "encdec.entrypoints.llm",
     "SamplingParams": "encdec.sampling_params",
     "BeamSearchParams": "encdec.sampling_params",
+    "StructuredOutputsParams": "encdec.sampling_params",
     "RequestOutput": "encdec.outputs",
     "CompletionOutput": "encdec.outputs",
     "TextPrompt": "encdec.inputs",

@@ -20,6 +20,7 @@ from encdec.param_checks import int_list as _int_list
 from encdec.param_checks import prompt_token_logprobs as _prompt_token_logprobs
 from encdec.param_checks import str_list as _str_list
 from encdec.param_checks import truncation as _truncation
+from encdec.structured_output.params import StructuredOutputsParams, check_structured
 
 _SAMPLING_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 _MAX_BIAS = 100.0  # logit_bias values are clamped to +-100 (OpenAI's range)
@@ -117,6 +118,8 @@ class SamplingParams:
     # LLM.generate(..., truncation=True) asks for).
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    # The output must match this constraint (a JSON schema, regex, choice or grammar)
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Set by the engine, not the user: eos ids folded into the stop set, and the
     # bad words as token-id sequences (see update_from_tokenizer).
@@ -139,6 +142,7 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         self.prompt_token_logprobs = _prompt_token_logprobs(self.prompt_token_logprobs)
         self.truncate_prompt_tokens = _truncation(self.truncate_prompt_tokens, self.truncation_side)
+        self.structured_outputs = check_structured(self.structured_outputs)
         if self.best_of is None:
             self.best_of = self.n
         for name in ("n", "best_of", "top_k", "min_tokens", "no_repeat_ngram_size"):
@@ -278,6 +282,8 @@ class SamplingParams:
 # Re-export (API.md): BeamSearchParams lives with the beam search code.
 from encdec.beam_search.params import BeamSearchParams  # noqa: E402,F401
 
+__all__ = ["SamplingParams", "SamplingType", "BeamSearchParams", "BeamRowParams", "StructuredOutputsParams"]
+
 
 @dataclass(kw_only=True)
 class BeamRowParams(SamplingParams):
@@ -312,4 +318,4 @@ class BeamRowParams(SamplingParams):
             skip_special_tokens=params.skip_special_tokens, detokenize=False,
             no_repeat_ngram_size=params.no_repeat_ngram_size, extra_args=extra or None,
             prompt_token_logprobs=params.prompt_token_logprobs, truncate_prompt_tokens=params.truncate_prompt_tokens,
-            truncation_side=params.truncation_side, beam=params)
+            truncation_side=params.truncation_side, structured_outputs=params.structured_outputs, beam=params)

@@ -10,6 +10,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from encdec.param_checks import (check_bool, check_int, check_number, int_list, prompt_token_logprobs, str_list,
                                  truncation)
+from encdec.structured_output.params import StructuredOutputsParams, check_structured
 
 
 @dataclass
@@ -54,6 +55,8 @@ class BeamSearchParams:
     # SamplingParams.truncate_prompt_tokens / truncation_side (vLLM's): the encoder prompt cut to k tokens
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    # SamplingParams.structured_outputs: every returned hypothesis matches it
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "min_tokens", "no_repeat_ngram_size", "num_return_sequences"):
@@ -90,6 +93,7 @@ class BeamSearchParams:
         self.stop_token_ids = int_list("stop_token_ids", self.stop_token_ids) or []
         self.prompt_token_logprobs = prompt_token_logprobs(self.prompt_token_logprobs)
         self.truncate_prompt_tokens = truncation(self.truncate_prompt_tokens, self.truncation_side)
+        self.structured_outputs = check_structured(self.structured_outputs)
 
 
 @dataclass
