@@ -6,6 +6,9 @@ on the same clips, same weights, same threads, in one process.
 
 With ``--compute-type int8`` (``bfloat16``) encdec runs ``quantization="int8"``
 (``dtype="bfloat16"``) and faster-whisper that ``compute_type``; HF stays float32.
+A compute type that encdec refuses on this CPU (bfloat16 where measured slower
+than float32) ends the run with encdec's reason; one that faster-whisper refuses
+drops its row, with CTranslate2's reason.
 Prints audio seconds transcribed per wall second for each engine and the ratio
 to HF, whether our greedy tokens equal HF's, and how much CPU other processes
 used meanwhile (a shared machine skews timings; the column says by how much).
@@ -84,12 +87,33 @@ def run_hf(hf_dir: str, wavs, batch: int, max_new: int, busy: int = 0):
     return timed_with_load(go, busy)
 
 
+def encdec_runs(compute_type: str) -> bool:
+    """False, saying why, where encdec refuses ``compute_type`` on this CPU at torch's
+    current thread count (bfloat16 where measured slower than float32: nothing to time)."""
+    import torch
+
+    from encdec.engine.arg_utils import compute_type_options
+    from encdec.platform import precision
+
+    dtype = compute_type_options(compute_type).get("dtype", "float32")
+    try:
+        precision.check_cpu_dtype(torch.device("cpu"), getattr(torch, dtype))
+    except ValueError as e:
+        print(f"encdec {compute_type}: skipped ({e})")
+        return False
+    return True
+
+
 def run_faster_whisper(ct2_dir: str, wavs, threads: int, batch: int, busy: int = 0, compute_type: str = "float32"):
     try:
         from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
         return None
-    model = WhisperModel(ct2_dir, device="cpu", compute_type=compute_type, cpu_threads=threads)
+    try:
+        model = WhisperModel(ct2_dir, device="cpu", compute_type=compute_type, cpu_threads=threads)
+    except ValueError as e:  # CTranslate2 refuses a compute type this CPU has no efficient path for
+        print(f"faster-whisper {compute_type}: skipped ({e})")
+        return None
     pipe = BatchedInferencePipeline(model)
 
     def go():
@@ -136,6 +160,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
     print(isa_header())
 
+    if not encdec_runs(args.compute_type):
+        return
     from encdec.models.ct2_writer import save_as_hf
 
     hf_times: dict[int, list[float]] = {busy: [] for busy in levels}
