@@ -147,6 +147,21 @@ def _check_vad_parameters(value: Any, vad_filter: bool) -> None:
         raise ValueError(f"vad_parameters: unknown {unknown}; known: {sorted(VAD_DEFAULTS)}")
     if not vad_filter:
         raise ValueError("vad_parameters given without vad_filter=True")
+    merged = {**VAD_DEFAULTS, **value}
+    for name, v in value.items():
+        if name == "neg_threshold" and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise ValueError(f"vad_parameters[{name!r}] must be a number, got {v!r}")
+        if name == "threshold" and not 0 < v < 1:
+            raise ValueError(f"vad_parameters['threshold'] is a speech probability: it must be in (0, 1), got {v!r}")
+        if name == "neg_threshold" and not 0 <= v < merged["threshold"]:
+            raise ValueError(f"vad_parameters['neg_threshold'] must be in [0, threshold={merged['threshold']}), "
+                             f"got {v!r}")
+        if name == "max_speech_duration_s" and not v > 0:
+            raise ValueError(f"vad_parameters['max_speech_duration_s'] must be > 0 seconds, got {v!r}")
+        if name.endswith("_ms") and not 0 <= v < float("inf"):
+            raise ValueError(f"vad_parameters[{name!r}] must be >= 0 milliseconds, got {v!r}")
 
 
 def _clips(value: Any) -> tuple[float, ...]:

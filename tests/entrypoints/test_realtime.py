@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.entrypoints.conftest import API_KEY
+from tests.entrypoints.conftest import API_KEY, start_server, stop_server
 
 pytest.importorskip("websockets")
 sf = pytest.importorskip("soundfile")
@@ -211,7 +211,7 @@ def test_bad_input_gets_error_events_and_the_session_goes_on(whisper_server):
             err = _error(conn, {"type": "session.update", "session": {"type": "transcription",
                                                                       "audio": {"input": {"format": fmt}}}})
             assert err.param == f"session.audio.input.format.{param}"
-        big = base64.b64encode(bytes(3 << 20)).decode()  # 3 MiB of PCM in one append
+        big = base64.b64encode(bytes(16 << 20)).decode()  # 16 MiB of PCM in one append: over OpenAI's 15
         _error(conn, {"type": "input_audio_buffer.append", "audio": big}, "input_audio_buffer_append_too_large")
         _error(conn, {"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty")
         _update(conn, 16000, None)  # the session still answers
@@ -260,3 +260,138 @@ def test_disconnect_mid_utterance_aborts_and_frees_everything(whisper_server, sp
     else:
         pytest.fail(f"blocks still held after the client left: {m}")
     assert m[aborted] > before, "the final pass of the turn was not aborted when the client left"
+
+
+def test_a_16_mib_append_gets_an_error_event_and_the_next_append_works(whisper_server):
+    """The WebSocket takes messages past the 15 MiB limit, so the session can answer (not a 1009 close)."""
+    with _connect(whisper_server) as conn:
+        assert conn.recv().type == "session.created"
+        _update(conn, 16000, None)
+        big = base64.b64encode(bytes(16 << 20)).decode()
+        err = _error(conn, {"type": "input_audio_buffer.append", "audio": big}, "input_audio_buffer_append_too_large")
+        assert err.param == "audio"
+        _stream(conn, _pcm16(np.zeros(8000, np.float32)), 16000, realtime=False)  # 0.5 s
+        conn.send({"type": "input_audio_buffer.commit"})
+        events = _recv(conn, {"input_audio_buffer.committed", "error"}, limit=50)
+        assert events[-1].type == "input_audio_buffer.committed", events[-1]
+
+
+def test_refused_handshakes_are_not_logged_as_errors(whisper_server):
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    for query in ({"model": "whisper-1"}, {"intent": "conversation"}, {"api_key": "sk-wrong", "model": "x"}):
+        with pytest.raises(InvalidStatus):
+            with _connect(whisper_server, **query) as conn:
+                conn.recv()
+    with pytest.raises(InvalidStatus):  # a wrong path: a 404, also refused at INFO
+        with connect(whisper_server.base.replace("http", "ws", 1) + "/v1/nowhere") as ws:
+            ws.recv()
+    time.sleep(0.5)  # the server logs after it answered
+    assert "without completing handshake" not in whisper_server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def short_idle_server(ct2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("idle_server") / "server.log"
+    server = start_server(str(ct2_dir), log, "--served-model-name", "tiny.en", "--kv-cache-memory", str(64 << 20),
+                          "--swap-space", "0.05", "--realtime-idle-timeout", "2")
+    yield server
+    stop_server(server)
+
+
+def test_an_idle_session_is_closed_after_the_timeout(short_idle_server):
+    """Each client event restarts the clock; 2 s (the server's --realtime-idle-timeout)
+    after the last one the session gets an ``error`` event and the connection closes."""
+    from websockets.exceptions import ConnectionClosed
+
+    with _connect(short_idle_server) as conn:
+        assert conn.recv().type == "session.created"
+        for _ in range(2):  # events 1.2 s apart keep it open past the timeout
+            time.sleep(1.2)
+            _update(conn, 16000, None)
+        last = time.monotonic()
+        err = _recv(conn, {"error"}, limit=5)[-1]
+        waited = time.monotonic() - last
+        assert err.error.code == "session_idle_timeout" and 1.5 < waited < 10, (err, waited)
+        with pytest.raises(ConnectionClosed):
+            conn.recv()
+
+
+class _PeakRSS:
+    """The server process's resident memory, sampled every 50 ms on a thread."""
+
+    def __init__(self, pid: int):
+        psutil = pytest.importorskip("psutil")
+        self.proc, self.peak = psutil.Process(pid), 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        return self.proc.memory_info().rss
+
+    def _run(self):
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+        self.peak = max(self.peak, self.now())
+
+
+DONE = {"conversation.item.input_audio_transcription.completed", "conversation.item.input_audio_transcription.failed"}
+
+
+def _speech(speech_clips, seconds: float, rate: int) -> np.ndarray:
+    """``seconds`` of the shipped clips back to back, trimmed of their edge silences, at ``rate``."""
+    import librosa
+
+    clips = [librosa.effects.trim(w, top_db=30)[0] for w in speech_clips[2]]
+    wav = np.concatenate(clips * (1 + int(seconds * 16000) // sum(map(len, clips))))[:int(seconds * 16000)]
+    return wav if rate == 16000 else librosa.resample(wav, orig_sr=16000, target_sr=rate).astype(np.float32)
+
+
+def _send_turn(conn, pcm: bytes, rate: int, turn_detection) -> list:
+    """Stream ``pcm`` at full speed and commit; every event until the last turn's
+    transcript. The ``session.update`` after the commit marks where the commit's
+    events end (the session handles client events in order)."""
+    _stream(conn, pcm, rate, realtime=False)
+    conn.send({"type": "input_audio_buffer.commit"})
+    conn.send({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": turn_detection}}}})
+    events = _recv(conn, {"session.updated"}, limit=5000)
+    last = [e.item_id for e in events if e.type == "input_audio_buffer.committed"][-1]
+    while not any(e.type in DONE and e.item_id == last for e in events):
+        events += _recv(conn, DONE, limit=5000)
+    assert not [e for e in events if e.type == "error" and e.error.code != "input_audio_buffer_commit_empty"]
+    return events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seconds, turn_detection", [
+    (90, None),  # one turn the client commits
+    (100, {"type": "server_vad", "silence_duration_ms": 2000}),  # speech without a 2 s pause
+], ids=["committed-90s", "server-vad-100s"])
+def test_a_long_turn_keeps_the_server_memory_flat(warm_server, speech_clips, seconds, turn_detection):
+    """A long turn is ended at the 30 s cap (as committed: transcript and all), and the
+    server's memory stays flat while it streams: the session keeps its audio as a list
+    of chunks and each turn its own samples, never a copy per append."""
+    pcm = _pcm16(_speech(speech_clips, seconds, 24000))
+    with _connect(warm_server) as conn:
+        assert conn.recv().type == "session.created"
+        _update(conn, 24000, turn_detection)
+        # warm-up, the same turn once: the session's first passes and the allocator's high-water
+        # mark for several passes at once (a fresh server grows by 20-60 MiB on its first long turn)
+        _send_turn(conn, pcm, 24000, turn_detection)
+        with _PeakRSS(warm_server.proc.pid) as rss:
+            base = rss.now()
+            events = _send_turn(conn, pcm, 24000, turn_detection)
+    growth = (rss.peak - base) / 2**20
+    assert growth < 50, f"server RSS grew by {growth:.0f} MiB"
+    completed = [e for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert len(completed) >= seconds // 30 and all(e.transcript for e in completed), [e.type for e in events]

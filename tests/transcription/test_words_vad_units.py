@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import math
+
 import numpy as np
+import pytest
 
 from encdec.audio import N_SAMPLES, SAMPLE_RATE as SR
+from encdec.transcription import TranscribeOptions
 from encdec.transcription.alignment import Word, dtw, merge_punctuations
 from encdec.transcription.vad import pack_speech
 
@@ -78,3 +82,20 @@ def test_vad_leaves_torch_threads_alone():
             "print(torch.get_num_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "2"
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"threshold": 2}, "threshold"), ({"threshold": 0}, "threshold"), ({"threshold": "0.5"}, "threshold"),
+    ({"neg_threshold": 0.6}, "neg_threshold"), ({"min_silence_duration_ms": -1}, "min_silence_duration_ms"),
+    ({"speech_pad_ms": math.nan}, "speech_pad_ms"), ({"max_speech_duration_s": 0}, "max_speech_duration_s"),
+    ({"min_speech_duration_ms": True}, "min_speech_duration_ms"),
+])
+def test_vad_parameters_out_of_range_are_refused_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=rf"vad_parameters\['{field}'\]"):
+        TranscribeOptions(vad_filter=True, vad_parameters=params)
+
+
+def test_vad_parameters_in_range_are_taken():
+    TranscribeOptions(vad_filter=True, vad_parameters={"threshold": 0.3, "neg_threshold": None,
+                                                       "max_speech_duration_s": math.inf, "speech_pad_ms": 0})
+    TranscribeOptions(vad_filter=True, vad_parameters={"threshold": 0.6, "neg_threshold": 0.4})

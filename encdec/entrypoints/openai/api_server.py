@@ -135,9 +135,10 @@ class ServerState:
         self.completions = CompletionServer(engine, model_name)
         self.transcriptions = (TranscriptionServer(engine, model_name, metrics)
                                if TranscriptionServer.supports(engine) else None)
-        from encdec.entrypoints.openai.realtime import PartialBudget
+        from encdec.entrypoints.openai.realtime import PartialBudget, RealtimeLimits
 
         self.partial_budget = PartialBudget()  # shared by every realtime session
+        self.realtime_limits = RealtimeLimits()  # serve() sets the --realtime-* flags
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.model_path):
@@ -265,25 +266,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket) -> None:
-        from encdec.entrypoints.openai.realtime import RealtimeSession
+        from encdec.entrypoints.openai.realtime import RealtimeSession, refuse_handshake
 
         try:
             _check_realtime(ws, state)
         except APIError as e:  # refused before the handshake completes, in OpenAI's error shape
-            await ws.send_denial_response(_error(e))
+            await refuse_handshake(ws, _error(e), f"{e.status} {e.message}")
             return
         # a browser that offered subprotocols (its API key) must get one of them back
         await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
         await RealtimeSession(ws, engine, served_model=model_name, metrics=state.metrics,
-                              budget=state.partial_budget).serve()
+                              budget=state.partial_budget, limits=state.realtime_limits).serve()
 
     @app.websocket("/{path:path}")
     async def unknown_websocket(ws: WebSocket, path: str) -> None:
         """Any other WebSocket path: a 404 that names the one that exists (starlette's
         default is a bare 403, which reads as an auth failure)."""
-        await ws.send_denial_response(_error(APIError(
-            404, f"Invalid URL (WebSocket /{path}): the WebSocket endpoint is /v1/realtime",
-            type="not_found_error")))
+        from encdec.entrypoints.openai.realtime import refuse_handshake
+
+        error = APIError(404, f"Invalid URL (WebSocket /{path}): the WebSocket endpoint is /v1/realtime",
+                         type="not_found_error")
+        await refuse_handshake(ws, _error(error), f"404 {error.message}")
 
 
 def _check_realtime(ws: WebSocket, state: ServerState) -> None:
@@ -307,6 +310,10 @@ def serve(args: argparse.Namespace) -> int:
     (drain), and the app's lifespan stops the engine thread."""
     import uvicorn
 
+    from encdec.entrypoints.openai.realtime_protocol import WS_MAX_MESSAGE_BYTES, RealtimeLimits
+
+    realtime_limits = RealtimeLimits(args.realtime_max_turn_seconds, args.realtime_idle_timeout,
+                                     args.realtime_max_session_seconds)
     for flag in ("header_read_timeout", "body_read_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
@@ -319,8 +326,9 @@ def serve(args: argparse.Namespace) -> int:
                     max_audio_mb=args.max_audio_mb, metrics=metrics,
                     body_read_timeout=args.body_read_timeout, body_timeout=args.body_timeout,
                     ui=not args.no_ui)
+    app.state.server.realtime_limits = realtime_limits
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=60, access_log=False,
+                            timeout_graceful_shutdown=60, access_log=False, ws_max_size=WS_MAX_MESSAGE_BYTES,
                             http=header_timeout_protocol(args.header_read_timeout))
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler in
     # place before it started: make that one a no-op, so a drained server exits 0.

@@ -31,6 +31,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=300.0,
                    help="longest time, seconds, a whole request body may take after its headers; then 408 "
                         "(a 25 MiB upload needs about 90 KB/s)")
+    p.add_argument("--realtime-max-turn-seconds", type=float, default=30.0,
+                   help="a realtime turn that reaches this length (>= 10 s) is committed and transcribed there, "
+                        "at its quietest 100 ms of the last 5 s, and the next turn goes on (default 30: one "
+                        "Whisper window)")
+    p.add_argument("--realtime-idle-timeout", type=float, default=300.0,
+                   help="seconds without a client event after which a realtime session gets an error event "
+                        "(session_idle_timeout) and is closed")
+    p.add_argument("--realtime-max-session-seconds", type=float, default=3600.0,
+                   help="age at which a realtime session gets an error event (session_expired) and is closed")
     p.add_argument("--no-ui", action="store_true",
                    help="serve no web page at / (the page: upload, live microphone and text panels)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

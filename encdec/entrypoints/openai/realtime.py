@@ -19,15 +19,30 @@ turn's end) cancels what a session still runs, which aborts its requests. A bad 
 event gets an ``error`` event in OpenAI's shape and the session goes on.
 ``session.close`` (the event OpenAI's realtime translation sessions take)
 finishes the open turn, answers ``session.closed``, and refuses later events.
+
+Limits (``RealtimeLimits``, ``encdec serve --realtime-*``): a turn ends when it
+reaches 30 s (``--realtime-max-turn-seconds``; OpenAI's server VAD ends long
+turns at a limit of its own too): it is committed and transcribed as if the
+client had committed it, at the quietest 100 ms of its last 5 s, and the next
+turn goes on from there (with server VAD, ``speech_stopped`` and
+``speech_started`` at the cut). A session with no client event for 300 s
+(``--realtime-idle-timeout``), or older than 60 minutes
+(``--realtime-max-session-seconds``), gets an ``error`` event
+(``session_idle_timeout``, ``session_expired``) and is closed. An append of
+more than 15 MiB of audio gets an ``error`` event and the session goes on.
+Memory: appends are kept as a list of chunks (``LiveSession``), merged only
+when a pass needs a turn's samples; a cleared or ended turn's audio is freed.
+A refused handshake (bad key, model or intent) is logged at INFO.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import contextvars
 import json
 import logging
-import uuid
+import time
 from typing import Any
 
 from encdec.engine.async_llm_engine import AsyncLLMEngine
@@ -35,6 +50,7 @@ from encdec.entrypoints.openai.realtime_protocol import (
     MAX_APPEND_BYTES,
     MIN_COMMIT_MS,
     RealtimeError,
+    RealtimeLimits,
     SessionConfig,
     server_event,
 )
@@ -59,14 +75,16 @@ CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buf
 
 class RealtimeSession:
     def __init__(self, ws: Any, engine: AsyncLLMEngine, *, served_model: str, metrics: Any,
-                 partial_every: float = PARTIAL_EVERY_S, budget: PartialBudget | None = None) -> None:
+                 partial_every: float = PARTIAL_EVERY_S, budget: PartialBudget | None = None,
+                 limits: RealtimeLimits | None = None) -> None:
         self.ws, self.engine, self.served_model, self.metrics = ws, engine, served_model, metrics
         self.partial_every = partial_every
         self.budget = budget or PartialBudget()
+        self.limits = limits or RealtimeLimits()
         self.final_priority, self.partial_priority = pass_priorities(engine)
         self.config = SessionConfig()
         self.options = TranscribeOptions()
-        self.live = LiveSession(self.config.rate, partial_every=partial_every)
+        self.live = self._live_session(self.config.rate)
         self._vad_key: Any = None
         self._send_lock = asyncio.Lock()
         self._partials: dict[LiveTurn, asyncio.Task] = {}  # partial pass in flight, per turn
@@ -79,14 +97,37 @@ class RealtimeSession:
     async def serve(self) -> None:
         await self._set_vad()
         await self.send(server_event("session.created", session=self.config.session()))
+        ends = time.monotonic() + self.limits.max_session_s
         try:
             while True:
-                message = await self.ws.receive()
+                left = ends - time.monotonic()
+                try:
+                    message = await asyncio.wait_for(self.ws.receive(), min(self.limits.idle_timeout_s, left))
+                except asyncio.TimeoutError:
+                    await self._expire(idle=left > self.limits.idle_timeout_s)
+                    return
                 if message["type"] == "websocket.disconnect":
                     return
                 await self._on_message(message.get("text"), message.get("bytes"))
         finally:
             self._cancel_all()
+
+    async def _expire(self, *, idle: bool) -> None:
+        """Say why the session ends (an ``error`` event), then close the connection."""
+        if idle:
+            error = RealtimeError(f"no client event for {self.limits.idle_timeout_s:g} s: the session is closed",
+                                  code="session_idle_timeout")
+        else:
+            error = RealtimeError(f"the session reached its maximum duration of {self.limits.max_session_s:g} s",
+                                  code="session_expired")
+        await self.send(error.event(None))
+        try:
+            await self.ws.close(code=1000)
+        except Exception:  # noqa: BLE001 - the client is already gone
+            pass
+
+    def _live_session(self, rate: int) -> LiveSession:
+        return LiveSession(rate, partial_every=self.partial_every, max_turn_s=self.limits.max_turn_s)
 
     async def send(self, event: dict[str, Any]) -> None:
         async with self._send_lock:
@@ -138,7 +179,7 @@ class RealtimeSession:
         except (ValueError, TypeError) as e:
             raise RealtimeError(str(e), param="session.audio.input.transcription.language") from None
         if config.rate != self.config.rate:  # no audio yet: a session at the new rate
-            self.live, self._vad_key = LiveSession(config.rate, partial_every=self.partial_every), None
+            self.live, self._vad_key = self._live_session(config.rate), None
         self.config, self.options = config, options
         await self._set_vad()
         await self.send(server_event("session.updated", session=self.config.session()))
@@ -287,3 +328,32 @@ class RealtimeSession:
         await self.send(server_event("conversation.item.input_audio_transcription.completed",
                                      item_id=turn.item_id, content_index=0, transcript=result.text,
                                      usage=progress.usage(turn.turn.duration)))
+
+
+_REFUSED = contextvars.ContextVar("encdec_realtime_refused", default=False)
+_HANDSHAKE_NOT_COMPLETED = "ASGI callable returned without completing handshake."
+
+
+class _RefusalLogFilter(logging.Filter):
+    """uvicorn's WebSocket protocol logs every handshake answered with an HTTP
+    response instead of an accept at ERROR ("returned without completing
+    handshake"); a refusal of ours is logged at INFO by ``refuse_handshake``
+    instead. The mark is a context variable of the connection's task, so an
+    application bug that returns without a handshake still logs its ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_REFUSED.get() and record.getMessage() == _HANDSHAKE_NOT_COMPLETED)
+
+
+_FILTER = _RefusalLogFilter()
+
+
+async def refuse_handshake(ws: Any, response: Any, reason: str) -> None:
+    """Answer a WebSocket handshake with ``response`` (an HTTP error in OpenAI's
+    shape), logged at INFO: a refused client is not a server error."""
+    logger.info("WebSocket %s refused: %s", ws.url.path, reason)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _FILTER not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_FILTER)
+    _REFUSED.set(True)
+    await ws.send_denial_response(response)

@@ -16,14 +16,36 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from encdec.transcription.live import INPUT_RATES
+from encdec.transcription.live import INPUT_RATES, MIN_TURN_CAP_S
 from encdec.transcription.vad import SERVER_VAD_DEFAULTS
 
-# The most decoded audio one input_audio_buffer.append may carry: 1 MiB (21 s at 24 kHz). OpenAI
-# allows 15 MiB; here a whole message must stay under uvicorn's 16 MiB WebSocket frame cap, which
-# would close the connection instead of answering, and a live stream sends 100 ms chunks anyway.
-MAX_APPEND_BYTES = 1 << 20
+# The most decoded audio one input_audio_buffer.append may carry: 15 MiB, as OpenAI allows. A
+# bigger one gets an ``error`` event and the session goes on: the server takes WebSocket messages
+# up to WS_MAX_MESSAGE_BYTES (a 16 MiB chunk is 21.4 MiB of base64), past which the connection
+# is closed with 1009 (message too big) before the session sees it.
+MAX_APPEND_BYTES = 15 << 20
+WS_MAX_MESSAGE_BYTES = 32 << 20
 MIN_COMMIT_MS = 100  # OpenAI refuses to commit less audio than this
+
+
+@dataclass(frozen=True)
+class RealtimeLimits:
+    """What one session may take (``encdec serve``'s ``--realtime-*`` flags)."""
+
+    # a turn ends (final pass, ``completed``) when it reaches this length; OpenAI's server VAD
+    # also ends turns at a limit of its own. 30 s is one Whisper window: every partial pass
+    # covers the whole turn, the final pass is one window, and a turn's audio stays bounded.
+    max_turn_s: float = 30.0
+    idle_timeout_s: float = 300.0  # the session is closed after this long without a client event
+    max_session_s: float = 3600.0  # and at this age, whatever it does (OpenAI's 60 minutes)
+
+    def __post_init__(self) -> None:
+        if not self.max_turn_s >= MIN_TURN_CAP_S:
+            raise ValueError(f"--realtime-max-turn-seconds must be >= {MIN_TURN_CAP_S}, got {self.max_turn_s}")
+        for flag, value in (("--realtime-idle-timeout", self.idle_timeout_s),
+                            ("--realtime-max-session-seconds", self.max_session_s)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value}")
 
 
 class RealtimeError(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from encdec.transcription.live.budget import PartialBudget, pass_priorities
 from encdec.transcription.live.session import (
+    MIN_TURN_CAP_S,
     Final,
     LiveSession,
     LiveTurn,
@@ -26,6 +27,6 @@ from encdec.transcription.live.turn import (
     pcm16_to_float,
 )
 
-__all__ = ["FINAL_PRIORITY", "INPUT_RATES", "MAX_PARTIAL_S", "PARTIAL_EVERY_S", "PARTIAL_PRIORITY", "Agreement",
+__all__ = ["FINAL_PRIORITY", "INPUT_RATES", "MAX_PARTIAL_S", "MIN_TURN_CAP_S", "PARTIAL_EVERY_S", "PARTIAL_PRIORITY", "Agreement",
            "Final", "LiveSession", "LiveTurn", "Partial", "PartialBudget", "SpeechStarted", "SpeechStopped", "Turn",
            "TurnEnded", "partial_options", "pass_priorities", "pcm16_to_float"]

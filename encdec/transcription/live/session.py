@@ -18,10 +18,14 @@ passes it asks for and gives their text back::
 Without a voice detector a turn starts at the first audio after the previous
 one ended and ends at ``commit``/``finish``; with one (``set_vad``: OpenAI's
 ``server_vad``, ``encdec.transcription.vad.SpeechTurns``) it starts at speech,
-``prefix_padding_ms`` earlier, and ends at the speech's end or a commit. Times
-in events are milliseconds of the session's audio. The session keeps the
-audio a turn starting now could reach back to, and each open turn its own
-samples.
+``prefix_padding_ms`` earlier, and ends at the speech's end or a commit. With
+``max_turn_s`` a turn that reaches that length ends there as if committed, at
+the quietest 100 ms of its last 5 s (where ``cut_windows`` cuts a file), and
+the next turn starts at once with the rest (under a detector: ``SpeechStopped``
+and ``SpeechStarted`` at the cut). Times in events are milliseconds of the
+session's audio. Memory: the session keeps only the audio a turn starting now
+could reach back to (a list of the appended chunks, never one growing array),
+and each open turn its own samples, merged only when a pass needs them.
 """
 from __future__ import annotations
 
@@ -35,6 +39,10 @@ import numpy as np
 from encdec.audio import resample_stream_chunk
 from encdec.transcription.live.turn import INPUT_RATES, PARTIAL_EVERY_S, Turn
 from encdec.transcription.options import TranscribeOptions
+from encdec.transcription.windows import quietest_cut
+
+CUT_SEARCH_S = 5  # a turn at its length cap ends at the quietest 100 ms of its last seconds
+MIN_TURN_CAP_S = 10  # the smallest max_turn_s taken (twice the search, and more than a sentence)
 
 
 @dataclass(eq=False)
@@ -89,12 +97,17 @@ class Final:
 class LiveSession:
     """One live stream: its recent audio, the open turn and the voice detector."""
 
-    def __init__(self, rate: int = 16000, *, partial_every: float = PARTIAL_EVERY_S) -> None:
+    def __init__(self, rate: int = 16000, *, partial_every: float = PARTIAL_EVERY_S,
+                 max_turn_s: float | None = None) -> None:
         if rate not in INPUT_RATES:
             raise ValueError(f"sample rate must be one of {INPUT_RATES}, got {rate}")
         if not partial_every > 0:
             raise ValueError(f"partial_every must be > 0 seconds, got {partial_every}")
+        if max_turn_s is not None and not max_turn_s >= MIN_TURN_CAP_S:
+            raise ValueError(f"max_turn_s must be >= {MIN_TURN_CAP_S} seconds (or None), got {max_turn_s}")
         self.rate, self.partial_every = rate, partial_every
+        self.max_turn_s = max_turn_s
+        self._max_turn = None if max_turn_s is None else int(max_turn_s * rate)  # samples
         self.vad: Any = None  # SpeechTurns, or None: turns end at commits
         self._vad_origin = 0  # session sample where the detector's clock starts
         self._chunks: deque[tuple[int, np.ndarray]] = deque()  # (first session sample, samples), recent audio
@@ -128,6 +141,8 @@ class LiveSession:
                     events += [SpeechStopped(self.open, ms), *self._end(at)]
         if self.open is not None:
             self._feed(self.open, self.total)
+            while self._max_turn is not None and self.open.turn.num_samples >= self._max_turn:
+                events += self._split()
         self._trim()  # the open turn holds its own samples
         return events
 
@@ -148,6 +163,11 @@ class LiveSession:
         self._trim()
         self._reset_vad()
         return turn
+
+    @property
+    def buffered_samples(self) -> int:
+        """Samples the session holds for a turn to reach back to (the open turn's are its own)."""
+        return sum(len(c) for _, c in self._chunks)
 
     # -- passes ----------------------------------------------------------------------------
     def partial_due(self) -> LiveTurn | None:
@@ -183,6 +203,21 @@ class LiveSession:
         self._feed(turn, end)
         self._trim()
         return [TurnEnded(turn)]
+
+    def _split(self) -> list[Any]:
+        """End the open turn at its length cap (module docstring); the rest opens the next."""
+        turn = self.open
+        search = CUT_SEARCH_S * self.rate
+        cut = quietest_cut(turn.turn.audio()[self._max_turn - search:self._max_turn], self._max_turn - search)
+        rest = turn.turn.truncate(cut)
+        turn.fed = at = turn.start + cut
+        ms = at * 1000 // self.rate
+        self.open = nxt = self._new_turn(at)
+        nxt.turn.append(rest)
+        nxt.fed = self.total
+        if self.vad is None:
+            return [TurnEnded(turn)]
+        return [SpeechStopped(turn, ms), TurnEnded(turn), SpeechStarted(nxt, ms)]
 
     def _feed(self, turn: LiveTurn, end: int) -> None:
         """Give the turn the session's audio from ``turn.fed`` up to sample ``end``."""

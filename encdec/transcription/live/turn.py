@@ -108,9 +108,17 @@ class Turn:
         return self.num_samples / self.rate
 
     def audio(self) -> np.ndarray:
+        """The turn's samples, merged into one array here (appends only add to a list)."""
         if len(self._chunks) > 1:
             self._chunks = [np.concatenate(self._chunks)]
         return self._chunks[0] if self._chunks else np.zeros(0, np.float32)
+
+    def truncate(self, n: int) -> np.ndarray:
+        """Keep the first ``n`` samples; returns a copy of the rest (the next turn's)."""
+        audio = self.audio()
+        rest = audio[n:].copy()
+        self._chunks, self.num_samples = [audio[:n]], n
+        return rest
 
     def partial_due(self) -> bool:
         """Enough new audio since the last partial pass, and the turn still fits one window."""
