@@ -9,9 +9,9 @@ matmul is faster than float32 on some AVX512-BF16 CPUs without AMX and slower
 on others, float16 has no fast CPU path in torch, and a faster matmul does
 not make a faster engine (the float32 C kernels decline the other dtypes).
 
-The measurement (``precision_probe``): the engine itself, float32 and the
-reduced dtype alternating, greedy decoding on a small random model of Whisper
-tiny's widths; a few seconds. It runs at ``encdec build-kernels`` (set-up,
+The measurement (``precision_probe``, in a child process): the engine itself,
+float32 and the reduced dtype alternating, greedy decoding on a small random
+model of Whisper tiny's widths; seconds. It runs at ``encdec build-kernels`` (set-up,
 bfloat16) or at the first use of a reduced dtype on CPU, saying so once, and
 is kept in ``<kernel cache>/precision.json`` (``$ENCDEC_CACHE_DIR``), keyed by
 the CPU's model name, torch's version, the thread count, oneDNN's ISA cap and
@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +35,6 @@ import time
 import torch
 
 from encdec.kernels.cpu.build import cache_dir, cpu_isa
-from encdec.platform import precision_probe
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,10 @@ REDUCED = (torch.bfloat16, torch.float16)
 # Part of the cache key: a new measurement method does not read an older one's figures.
 PROBE_VERSION = "engine-1"
 # The probe's wall time on 2 idle cores of an AMD EPYC, for the one-time notice.
-PROBE_SECONDS = {torch.bfloat16: 5, torch.float16: 8}
+PROBE_SECONDS = {torch.bfloat16: 8, torch.float16: 10}
+PROBE_TIMEOUT_S = 600
+# What the factor in a refusal was measured on (``precision_probe`` says it in full).
+PROBE_WORKLOAD = "greedy decoding by the engine, a small random BART of Whisper tiny's widths"
 _lock = threading.Lock()
 _measured: dict[tuple[str, str], float] = {}  # (host key, dtype) -> time ratio, this process
 
@@ -120,8 +124,17 @@ def _write_cache(key: str, name: str, ratio: float) -> None:
 
 def probe(dtype: torch.dtype) -> float:
     """``dtype``'s time over float32's, the engine end to end on torch's current
-    thread count (``precision_probe.time_ratio``)."""
-    return precision_probe.time_ratio(dtype)
+    thread count, measured by ``precision_probe`` in a child process (it builds
+    engines, and the engine imports this module: no import cycle, and none of
+    its memory stays in the caller's process)."""
+    cmd = [sys.executable, "-m", "encdec.platform.precision_probe", _name(dtype),
+           "--threads", str(torch.get_num_threads())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    words = done.stdout.split()
+    if done.returncode != 0 or not words:
+        raise RuntimeError(f"measuring {_name(dtype)} on this CPU failed ({' '.join(cmd)}: exit "
+                           f"{done.returncode}): {done.stderr.strip()[-2000:]}")
+    return float(words[-1])
 
 
 def time_ratio(dtype: torch.dtype, *, notice: bool = True) -> tuple[float, str]:
@@ -164,5 +177,5 @@ def check_cpu_dtype(device: torch.device, dtype: torch.dtype) -> None:
                "measured": "measured now"}[source]
         raise ValueError(
             f"dtype={_name(dtype)!r} runs {ratio:.1f}x slower than float32 on this CPU ({cpu_model()}, "
-            f"{torch.get_num_threads()} threads; {precision_probe.model_summary()}, {how}): "
+            f"{torch.get_num_threads()} threads; {PROBE_WORKLOAD}, {how}): "
             f"use dtype='float32' (exact) or quantization='int8'")

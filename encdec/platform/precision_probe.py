@@ -15,9 +15,15 @@ and a Whisper/BART-sized vocabulary (the LM head is a large share of a decode
 step), 2 encoder and 2 decoder layers, random weights from a fixed seed, saved
 in a temporary folder as a Hugging Face checkpoint (safetensors and a
 word-level tokenizer; no download, no ``transformers`` model class).
+
+It runs in a process of its own (``python -m encdec.platform.precision_probe``,
+started by ``platform.precision``): the engines it builds are the engine that
+asks for the check, so the check's module does not import them, and the
+caller's process keeps its memory and threads.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -26,18 +32,16 @@ import time
 
 import torch
 
+from encdec.engine.arg_utils import EngineArgs
+from encdec.engine.llm_engine import LLMEngine
+from encdec.sampling_params import SamplingParams
+
 D_MODEL, HEADS, FFN, LAYERS, VOCAB, POSITIONS = 384, 6, 1536, 2, 32768, 512
 # The timed workload: prompts x encoder tokens, greedy tokens each (end of text ignored).
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 200, 32
 ROUNDS = (1, 3)  # timed rounds: at least the first, up to the last while the ratio is near 1
 DECISIVE = (2 / 3, 1.5)  # a ratio outside this after one round is the answer
 _SPECIAL = ("<s>", "<pad>", "</s>", "<unk>")  # BART's ids 0..3
-
-
-def model_summary() -> str:
-    """The probe's model and workload in words (for messages)."""
-    return (f"greedy decoding of {PROMPTS} {PROMPT_LEN}-token prompts, {NEW_TOKENS} tokens each, "
-            f"by a {LAYERS}+{LAYERS}-layer d{D_MODEL} BART")
 
 
 def _bart_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -94,17 +98,14 @@ def write_checkpoint(folder: str, *, seed: int = 0) -> str:
     return folder
 
 
-def _engine(folder: str, dtype: torch.dtype):
-    from encdec.engine.arg_utils import EngineArgs
-    from encdec.engine.llm_engine import LLMEngine
-
+def _engine(folder: str, dtype: torch.dtype) -> LLMEngine:
     args = EngineArgs(folder, dtype=str(dtype).removeprefix("torch."), device="cpu", kv_cache_memory=32 << 20,
                       swap_space=0.01, max_num_seqs=PROMPTS, enable_encoder_cache=False)
     # check_precision=False: this engine is the measurement the check would wait for.
     return LLMEngine(args, check_precision=False)
 
 
-def _generate(engine, prompts: list[dict], params) -> float:
+def _generate(engine: LLMEngine, prompts: list[dict], params: SamplingParams) -> float:
     """Seconds for ``engine`` to run ``prompts`` to the end."""
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -115,11 +116,9 @@ def _generate(engine, prompts: list[dict], params) -> float:
 
 
 def time_ratio(dtype: torch.dtype) -> float:
-    """``dtype``'s wall time over float32's for ``model_summary()``'s workload, on
+    """``dtype``'s wall time over float32's for the workload above (``PROMPTS``), on
     torch's current thread count: one warm-up each, then rounds alternating the
     two, medians."""
-    from encdec.sampling_params import SamplingParams
-
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(len(_SPECIAL), VOCAB, (PROMPT_LEN,), generator=gen).tolist()}
                for _ in range(PROMPTS)]
@@ -139,3 +138,19 @@ def time_ratio(dtype: torch.dtype) -> float:
             if i + 1 >= ROUNDS[0] and not DECISIVE[0] < ratio < DECISIVE[1]:
                 break
     return ratio
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m encdec.platform.precision_probe bfloat16 --threads 2``: prints the
+    ratio (``platform.precision`` runs this in a child process)."""
+    ap = argparse.ArgumentParser(description="dtype's engine time over float32's on this CPU")
+    ap.add_argument("dtype", choices=("bfloat16", "float16"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(time_ratio(getattr(torch, args.dtype)))
+
+
+if __name__ == "__main__":
+    main()

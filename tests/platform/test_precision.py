@@ -72,7 +72,7 @@ def test_measured_once_then_the_cache(fresh, monkeypatch, caplog):
         assert precision.time_ratio(torch.bfloat16) == (1.7, "measured")  # this process's memo
     assert probed == [torch.bfloat16]
     assert [r.getMessage() for r in caplog.records] == [
-        "measuring whether bfloat16 pays on this CPU, one time, ~5 s; `encdec build-kernels` does it at set-up"]
+        "measuring whether bfloat16 pays on this CPU, one time, ~8 s; `encdec build-kernels` does it at set-up"]
     data = json.loads((fresh / "precision.json").read_text())
     assert data == {precision.host_key(): {"bfloat16": 1.7}}
     monkeypatch.setattr(precision, "_measured", {})  # as a new process
@@ -90,10 +90,19 @@ def test_the_key_names_what_changes_the_figure(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_real_probe_runs_the_engine_end_to_end(fresh, monkeypatch):
-    """The real probe (bfloat16: the quicker of the two) builds both engines without
-    checking precision (no recursion into the check it feeds) and gives a ratio."""
+def test_the_real_probe_runs_in_a_child_and_is_kept(fresh):
+    """The real probe (bfloat16: the quicker of the two), in its child process."""
+    ratio, source = precision.time_ratio(torch.bfloat16)
+    assert source == "measured" and 0.01 < ratio < 100
+    assert json.loads((fresh / "precision.json").read_text()) == {precision.host_key(): {"bfloat16": ratio}}
+
+
+@pytest.mark.slow
+def test_the_probe_runs_the_engine_without_checking_precision(monkeypatch):
+    """Both engines are built with the check off (no recursion into the check the
+    probe feeds), float32 and the reduced dtype."""
     from encdec.engine.llm_engine import LLMEngine
+    from encdec.platform import precision_probe
 
     built = []
     init = LLMEngine.__init__
@@ -104,10 +113,16 @@ def test_the_real_probe_runs_the_engine_end_to_end(fresh, monkeypatch):
 
     monkeypatch.setattr(LLMEngine, "__init__", spy)
     monkeypatch.setattr(precision, "check_cpu_dtype", lambda *a: pytest.fail("the probe checked precision"))
-    ratio, source = precision.time_ratio(torch.bfloat16)
-    assert source == "measured" and 0.01 < ratio < 100
+    assert 0.01 < precision_probe.time_ratio(torch.bfloat16) < 100
     assert built == [("float32", {"check_precision": False}), ("bfloat16", {"check_precision": False})]
-    assert json.loads((fresh / "precision.json").read_text()) == {precision.host_key(): {"bfloat16": ratio}}
+
+
+def test_a_failed_probe_says_why(fresh, monkeypatch):
+    """A child that fails is a RuntimeError carrying its error output, and nothing is kept."""
+    monkeypatch.setattr(precision.sys, "executable", "false")
+    with pytest.raises(RuntimeError, match="measuring bfloat16 on this CPU failed .*exit 1"):
+        precision.time_ratio(torch.bfloat16)
+    assert not (fresh / "precision.json").exists()
 
 
 def test_a_cached_slowdown_is_refused_and_says_where_it_came_from(fresh, monkeypatch):
