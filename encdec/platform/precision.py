@@ -48,7 +48,8 @@ PROBE_TIMEOUT_S = 600
 # What the factor in a refusal was measured on (``precision_probe`` says it in full).
 PROBE_WORKLOAD = "greedy decoding by the engine, a small random BART of Whisper tiny's widths"
 _lock = threading.Lock()
-_measured: dict[tuple[str, str], float] = {}  # (host key, dtype) -> time ratio, this process
+# (host key, dtype) -> (time ratio, "cached" or "measured"), known in this process
+_measured: dict[tuple[str, str], tuple[float, str]] = {}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -148,10 +149,10 @@ def time_ratio(dtype: torch.dtype, *, notice: bool = True) -> tuple[float, str]:
     key = host_key()
     with _lock:  # one probe per process and setting, however many engines start at once
         if (key, name) in _measured:
-            return _measured[key, name], "measured"
+            return _measured[key, name]
         cached = _read_cache().get(key, {}).get(name)
         if isinstance(cached, (int, float)) and cached > 0:
-            _measured[key, name] = float(cached)
+            _measured[key, name] = float(cached), "cached"
             return float(cached), "cached"
         if notice:
             logger.warning("measuring whether %s pays on this CPU, one time, ~%d s; `encdec build-kernels` does "
@@ -160,7 +161,7 @@ def time_ratio(dtype: torch.dtype, *, notice: bool = True) -> tuple[float, str]:
         ratio = probe(dtype)
         logger.info("dtype=%r on this CPU: %.2fx float32's time (probe %.2f s, kept in %s)", name, ratio,
                     time.perf_counter() - t0, cache_file())
-        _measured[key, name] = ratio
+        _measured[key, name] = ratio, "measured"
         _write_cache(key, name, ratio)
         return ratio, "measured"
 

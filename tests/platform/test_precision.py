@@ -77,6 +77,7 @@ def test_measured_once_then_the_cache(fresh, monkeypatch, caplog):
     assert data == {precision.host_key(): {"bfloat16": 1.7}}
     monkeypatch.setattr(precision, "_measured", {})  # as a new process
     assert precision.time_ratio(torch.bfloat16) == (1.7, "cached")
+    assert precision.time_ratio(torch.bfloat16) == (1.7, "cached")  # the memo keeps where it came from
     assert probed == [torch.bfloat16]
 
 
