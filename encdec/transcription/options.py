@@ -50,6 +50,10 @@ class TranscribeOptions:
     # sequential mode, with word_timestamps: skip silences longer than this (s) around likely
     # hallucinations (faster-whisper's rule; transcription.silence)
     hallucination_silence_threshold: float | None = None
+    # sequential mode: a window that is digital silence (every 10 ms under -70 dBFS peak) is not
+    # decoded, where Whisper would write "you" or repeat the text before; False: HF's behaviour
+    # (transcription.silence_gate)
+    skip_digital_silence: bool = True
     vad_filter: bool = False  # decode only Silero VAD speech regions, packed together
     vad_parameters: dict | None = None  # overrides of vad.VAD_DEFAULTS (independent: INDEPENDENT_VAD_DEFAULTS)
     # sequential: openai/whisper's long-form algorithm with fallback and conditioning;
@@ -64,7 +68,8 @@ class TranscribeOptions:
                 raise ValueError(f"{name} must be a str, got {type(value).__name__}")
         if not isinstance(self.task, str):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
-        for name in ("timestamps", "condition_on_previous_text", "word_timestamps", "vad_filter"):
+        for name in ("timestamps", "condition_on_previous_text", "word_timestamps", "vad_filter",
+                     "skip_digital_silence"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)) and not (name == "timestamps" and value is None):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -81,6 +81,7 @@ from encdec.transcription.rules import (
     split_window,
 )
 from encdec.transcription.seek import FRAMES_PER_SECOND, Window, clip_frames
+from encdec.transcription.silence_gate import SilenceGate
 
 
 class SequentialJob(JobBase):
@@ -106,6 +107,7 @@ class SequentialJob(JobBase):
             self._features = log_mel_spectrogram([wav], n_mels=hf.num_mel_bins)[0]
         # No speech at all: no window is decoded (a multilingual model still detects the language).
         self._clips = clip_frames(options.clip_timestamps, self._features.shape[1]) if speech else [(0, 0)]
+        self._gate = SilenceGate(wav, self._features.shape[1], enabled=options.skip_digital_silence)
         self._silence = None
         if options.hallucination_silence_threshold is not None:
             from encdec.transcription.silence import HallucinationFilter, silent_frames
@@ -225,7 +227,7 @@ class SequentialJob(JobBase):
     def _next_window(self) -> None:
         while self._clip < len(self._clips):
             start, end = self._clips[self._clip]
-            self._seek = max(self._seek, start)
+            self._seek = self._gate.resume(max(self._seek, start), end)
             if self._seek < end:
                 break
             self._clip += 1

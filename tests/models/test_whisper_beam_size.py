@@ -16,16 +16,18 @@ BEAMS = 5
 @pytest.mark.parametrize("which", ["short", pytest.param("long", marks=pytest.mark.slow),
                                    pytest.param("silence", marks=pytest.mark.slow)])
 def test_beam_size_matches_hf_num_beams(tiny, tiny_hf, speech_clips, which):  # noqa: F811
-    """"silence": 35 s of digital silence, then a sentence, at temperature 0 only.
-    Whether the silent window is kept depends on its average log-prob, which HF
-    takes over each step's processed log-probs renormalised."""
+    """"silence": 35 s of digital silence, then a sentence, at temperature 0 only,
+    decoded as HF does (``skip_digital_silence=False``). Whether the silent window
+    is kept depends on its average log-prob, which HF takes over each step's
+    processed log-probs renormalised."""
     _, _, wavs = speech_clips
     audio = {"short": wavs[3], "long": long_file(wavs[:14]),
              "silence": np.concatenate([np.zeros(16000 * 35, np.float32), wavs[3]])}[which]
     assert (len(audio) > 30 * 16000) == (which != "short")
     # "silence": beams repeat a phrase there, which the ratio rule would retry by sampling
     temps = {"temperature": (0.0,)} if which == "silence" else {}
-    got, t = ours(tiny, audio, beam_size=BEAMS, **temps)  # asserts temperature 0 everywhere: no sampled retry
+    gate = {"skip_digital_silence": False} if which == "silence" else {}
+    got, t = ours(tiny, audio, beam_size=BEAMS, **temps, **gate)  # asserts temperature 0 everywhere: no sampled retry
     assert got == hf_longform(tiny_hf, audio, num_beams=BEAMS, **temps)
     (greedy,) = tiny.transcribe((audio, 16000), use_tqdm=False)
     print(f"\n{which}: {len(got)} segments; beams differ from greedy in "

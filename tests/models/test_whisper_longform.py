@@ -130,12 +130,13 @@ def test_silence_is_judged_as_faster_whisper_judges_it(tiny, fw_tiny, speech_cli
     log-probs after the Whisper processors (HF's and openai/whisper's), so digital
     silence keeps tiny.en's "you" (average -0.81, above the -1.0 threshold) as
     faster-whisper and HF do, while faint noise is skipped by the no-speech rule.
-    Segments, average log-probs and no-speech probabilities equal faster-whisper's."""
+    Segments, average log-probs and no-speech probabilities equal faster-whisper's
+    (with ``skip_digital_silence=False``: by default the zeros are not decoded)."""
     _, _, wavs = speech_clips
     quiet = (np.zeros(16000 * 35, np.float32) if silence == "zeros"
              else np.random.default_rng(0).normal(0, 3e-4, 16000 * 35).astype(np.float32))
     audio = np.concatenate([quiet, wavs[3]])
-    job, t = _job(tiny, audio)
+    job, t = _job(tiny, audio, skip_digital_silence=False)
     want, _ = fw_tiny.transcribe(audio, beam_size=1)
     want = list(want)
     assert [(s.start, s.end, s.text) for s in t.segments] == [(s.start, s.end, s.text.strip()) for s in want]
@@ -143,7 +144,7 @@ def test_silence_is_judged_as_faster_whisper_judges_it(tiny, fw_tiny, speech_cli
         assert abs(a.avg_logprob - b.avg_logprob) < 0.01 and abs(a.no_speech_prob - b.no_speech_prob) < 0.01
     assert job.windows_skipped == (1 if silence == "noise" else 0)
     assert all(s.start >= 30.0 for s in t.segments) == (silence == "noise") and "leave the room" in t.text
-    off, _ = _job(tiny, audio, no_speech_threshold=None)
+    off, _ = _job(tiny, audio, no_speech_threshold=None, skip_digital_silence=False)
     assert off.windows_skipped == 0
 
 
@@ -236,7 +237,8 @@ def test_retries_go_one_then_the_rest_at_once_judged_in_ladder_order(tiny):
     tb, eot = ids.timestamp_begin, ids.eot
     window = [tb, 440, 1000, 2000, tb + 100, eot]  # one segment, 0-2 s; then the window is done
     good, bad = -0.1, -3.0  # average log-prob above / below log_prob_threshold (-1)
-    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions(best_of=1))
+    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000),  # placeholder audio
+                        TranscribeOptions(best_of=1, skip_digital_silence=False))
     (greedy,) = job.next_requests()  # P(no speech) comes with the first attempt: no probe request
     asked = greedy.params.prompt_token_logprobs
     assert list(asked.values()) == [[ids.no_timestamps - 1]]
@@ -275,7 +277,8 @@ def test_best_of_samples_each_retry_and_keeps_the_most_likely(tiny):
     ids = WhisperSpecialTokens.of(tiny.llm_engine.generation_config)
     tb, eot = ids.timestamp_begin, ids.eot
     short, long_ = [tb, 440, tb + 100, eot], [tb, 440, 1000, 2000, tb + 100, eot]
-    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000), TranscribeOptions())
+    job = SequentialJob(tiny.llm_engine, (np.zeros(16000 * 5, np.float32), 16000),  # placeholder audio
+                        TranscribeOptions(skip_digital_silence=False))
     (greedy,) = job.next_requests()
     assert greedy.params.n == 1 and greedy.params.temperature == 0.0
     (sot_at, (no_speech,)), = greedy.params.prompt_token_logprobs.items()
