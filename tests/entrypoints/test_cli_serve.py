@@ -12,7 +12,7 @@ def test_serve_help_lists_server_and_engine_options(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("MODEL", "--host", "--port", "--api-key", "--max-audio-mb", "--header-read-timeout",
-                 "--body-read-timeout", "--kv-cache-memory",
+                 "--body-read-timeout", "--body-timeout", "--kv-cache-memory",
                  "--max-num-seqs", "--dtype", "--block-size"):
         assert flag in out
 
@@ -22,7 +22,7 @@ def test_serve_bad_engine_option_is_a_clear_error_before_listening(tiny_bart, ca
     assert "max_num_seqs" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--header-read-timeout", "--body-read-timeout"])
+@pytest.mark.parametrize("flag", ["--header-read-timeout", "--body-read-timeout", "--body-timeout"])
 def test_serve_timeouts_must_be_positive(flag, capsys):
     assert main(["serve", "/nonexistent", flag, "0", "--port", "1"]) == 2
     assert f"{flag} must be > 0 seconds" in capsys.readouterr().err
