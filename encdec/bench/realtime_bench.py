@@ -102,7 +102,7 @@ async def run_stream(engine, metrics, audio: np.ndarray, partial_every: float, b
         lag = max(lag, time.perf_counter() - due)
         ws.put({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + CHUNK * 2]).decode()})
     deadline = time.perf_counter() + 30
-    while time.perf_counter() < deadline and len(session.finals) + (session.open is not None) > 0:
+    while time.perf_counter() < deadline and len(session.finals) + (session.live.open is not None) > 0:
         await asyncio.sleep(0.05)
     ws.inbox.put_nowait({"type": "websocket.disconnect"})
     await task
