@@ -43,6 +43,7 @@ from encdec.core.scheduler_outputs import (
     SchedulerOutputs,
     SchedulerStats,
     StepBlocks,
+    StructuredDecider,
 )
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingType
@@ -61,17 +62,19 @@ class Scheduler(Preemption):
     sequence after each appended token (``update``); the default knows token
     ids only (no detokenizer, no eos). ``beams``: decides each step's beams of
     ``SamplingType.BEAM`` groups (``update`` applies them); without it such a
-    group is refused."""
+    group is refused. ``structured``: grammar masks and matchers of requests with
+    structured outputs (masks each ``schedule``, tokens accepted in ``update``)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: object | None = None, *, stop_checker: StopChecker | None = None,
-                 beams: BeamDecider | None = None):
+                 beams: BeamDecider | None = None, structured: StructuredDecider | None = None):
         if lora_config is not None:
             raise ValueError("lora_config: LoRA adapters are not supported by encdec")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.stop_checker = stop_checker or StopChecker(scheduler_config.max_model_len)
         self.beams = beams
+        self.structured = structured
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -140,6 +143,8 @@ class Scheduler(Preemption):
             self.block_manager.free(seq)
         self.block_manager.free_cross(group)
         self._requests.pop(group.request_id, None)
+        if self.structured is not None:
+            self.structured.free([s.seq_id for s in group.get_seqs()])
 
     def update(self, scheduler_outputs: SchedulerOutputs, runner_output: ModelRunnerOutput) -> list[SequenceGroup]:
         """Apply one step's results to its sequences (``encdec.core.step_update``):
@@ -151,11 +156,13 @@ class Scheduler(Preemption):
         groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
         self.stop_checker.flush_text()  # text a sequence's last token left: before it appends the next
         step_update.mark_computed(sched)
-        step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker)
+        step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker,
+                                   self.structured)
         step_update.keep_prompt_logprobs(runner_output, groups)
         decisions = self.beams.decide(runner_output.beam_candidates, groups) if runner_output.beam_candidates else []
         for decision in decisions:
-            step_update.apply_beam_decision(decision, groups[decision.request_id], self.block_manager)
+            step_update.apply_beam_decision(decision, groups[decision.request_id], self.block_manager,
+                                            self.structured)
         finished = list(sched.ignored_seq_groups)
         finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]
         self.free_finished_seq_groups()
@@ -385,4 +392,5 @@ class Scheduler(Preemption):
             ignored_seq_groups=blocks.ignored,
             seq_ids_joined=joined,
             seq_ids_left=left,
+            token_masks=self.structured.fill_masks(prefills + decodes) if self.structured else None,
         )

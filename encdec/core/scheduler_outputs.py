@@ -3,10 +3,10 @@ imports torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from encdec.core.outputs import BeamCandidates
-from encdec.sequence import SequenceGroup
+from encdec.sequence import Sequence, SequenceGroup
 
 
 @dataclass
@@ -31,11 +31,20 @@ class SchedulerOutputs:
     # of the step's metadata.
     seq_ids_joined: list[int] = field(default_factory=list)
     seq_ids_left: list[int] = field(default_factory=list)
-    # request_id -> the tokens it may sample this step (structured outputs' grammar
-    # state): a bitmask over the vocabulary, 32 tokens per int, bit set = allowed,
-    # for the sampler to apply before any other processor. None: no request is
-    # constrained (nothing fills it yet).
-    token_masks: dict[str, list[int]] | None = None
+    # the tokens each constrained sequence may sample this step (structured
+    # outputs' grammar state); None: no scheduled request is constrained
+    token_masks: TokenMasks | None = None
+
+
+@dataclass
+class TokenMasks:
+    """One step's grammar masks, filled by the scheduler's ``StructuredDecider``,
+    applied by the sampler after the other processors, before temperature."""
+
+    rows: dict[int, int]  # decoder seq_id -> its row of bitmask
+    # (len(rows), ceil(vocab / 32)) int32, 32 tokens per word, bit set = allowed
+    # (xgrammar's layout); the decider's array, opaque here
+    bitmask: Any
 
 
 @dataclass
@@ -68,6 +77,22 @@ class BeamDecider(Protocol):
     def decide(self, candidates: dict[str, BeamCandidates],
                groups: dict[str, SequenceGroup]) -> list[BeamDecision]:
         """Each candidate group's beams after this step; changes no sequence."""
+
+
+class StructuredDecider(Protocol):
+    """Structured outputs as the scheduler uses them (``encdec.structured_output.manager``)."""
+
+    def fill_masks(self, groups: list[SequenceGroup]) -> TokenMasks | None:
+        """The step's masks for the constrained running sequences of ``groups``."""
+
+    def accept(self, seq: Sequence, token_id: int) -> bool:
+        """``seq`` appended ``token_id``; True when its grammar ends it."""
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A beam forked from ``parent`` continues from its grammar state."""
+
+    def free(self, seq_ids: list[int]) -> None:
+        """These sequences are done."""
 
 
 @dataclass

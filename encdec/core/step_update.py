@@ -10,6 +10,10 @@
                      of the last one later), kept by none are freed; a finished
                      search finishes and frees every beam
     prompt logprobs  kept on the group the first time a prefill reports them
+    grammars         (structured outputs) each appended token advances its
+                     sequence's matcher; a grammar that terminates ends the
+                     sequence ("stop"); forks copy their parent's matcher
+                     before either appends; dropped and finished beams free theirs
 
 Pure bookkeeping on ``encdec.core.outputs``' types, no torch.
 """
@@ -19,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from encdec.core.outputs import ModelRunnerOutput, SampledTokens
-from encdec.core.scheduler_outputs import BeamDecision, SchedulerOutputs
+from encdec.core.scheduler_outputs import BeamDecision, SchedulerOutputs, StructuredDecider
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
@@ -37,7 +41,7 @@ def mark_computed(sched: SchedulerOutputs) -> None:
 
 
 def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   stop_checker: StopChecker) -> None:
+                   stop_checker: StopChecker, structured: StructuredDecider | None = None) -> None:
     """Each sequence's tokens, stop-checked one by one. Only a sequence's last
     token may leave its text for later (``StopChecker.check(defer_text=True)``):
     the detokenizer decodes a sequence's newest token only."""
@@ -49,6 +53,9 @@ def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_
         for i, token_id in enumerate(sample.sampled_token_ids):
             seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
             stop_checker.check(seq, group.sampling_params, defer_text=i == last)
+            if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
+                stop_checker.flush_text()  # a finished sequence's text is never pending
             if seq.is_finished():
                 block_manager.free(seq)
                 break
@@ -66,13 +73,15 @@ def keep_prompt_logprobs(runner_output: ModelRunnerOutput, groups: dict[str, Seq
             group.prompt_token_logprobs = lps
 
 
-def apply_beam_decision(decision: BeamDecision, group: SequenceGroup,
-                        block_manager: BlockSpaceManager) -> None:
+def apply_beam_decision(decision: BeamDecision, group: SequenceGroup, block_manager: BlockSpaceManager,
+                        structured: StructuredDecider | None = None) -> None:
     running = {s.seq_id: s for s in group.get_seqs(SequenceStatus.RUNNING)}
     if decision.finished:
         for seq in running.values():
             seq.status = SequenceStatus.FINISHED_STOPPED
             block_manager.free(seq)
+        if structured is not None:
+            structured.free(list(running))
         return
     beams: list[Sequence] = []
     for b in decision.beams:  # every fork before any parent appends its own token
@@ -80,6 +89,8 @@ def apply_beam_decision(decision: BeamDecision, group: SequenceGroup,
         if b.seq_id != seq.seq_id:
             child = seq.fork(b.seq_id)
             block_manager.fork(seq, child)
+            if structured is not None:
+                structured.fork(seq, child)
             group.add(child)
             seq = child
         beams.append(seq)
@@ -88,8 +99,12 @@ def apply_beam_decision(decision: BeamDecision, group: SequenceGroup,
         seq.status = SequenceStatus.FINISHED_STOPPED
         block_manager.free(seq)
         group.remove(seq_id)
+    if structured is not None:
+        structured.free(decision.dropped)
     for seq, b in zip(beams, decision.beams):
         seq.append_token_id(b.token_id)
         seq.data.cumulative_logprob = b.cumulative_logprob
+        if structured is not None:  # a beam's end is the beam search's to decide (eos is its grammar's end)
+            structured.accept(seq, b.token_id)
     position = {seq.seq_id: j for j, seq in enumerate(beams)}
     group.seqs.sort(key=lambda s: position.get(s.seq_id, -1))

@@ -102,7 +102,8 @@ class LLMEngine:
                                                 eos_token_id=self.eos_token_id, seq_ids=self.seq_counter)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    stop_checker=self.output_processor.stop_checker,
-                                   beams=self.output_processor.beams)
+                                   beams=self.output_processor.beams,
+                                   structured=self.processor.structured_outputs)
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0

@@ -22,6 +22,7 @@ from encdec.inputs import InputPreprocessor, PromptType, prompt_errors
 from encdec.models.registry import get_model_hooks
 from encdec.param_checks import check_priority
 from encdec.sampling_params import BeamRowParams, BeamSearchParams, SamplingParams
+from encdec.structured_output.manager import StructuredOutputManager
 
 # Generation-config tokens a request inherits from the checkpoint unless it sets them.
 FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")
@@ -64,6 +65,12 @@ class Processor:
                                   hf_config.max_source_positions) if audio else None)
         eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else hf_config.eos_token_id
         self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        # Whisper's grammar covers its text tokens: every id after end-of-text passes
+        whisper = hf_config.model_type == "whisper" and self.eos_token_id is not None
+        passthrough = self.eos_token_id + 1 if whisper else None
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, vocab_size=vocab_size,
+                                                          eos_token_id=self.eos_token_id,
+                                                          passthrough_from=passthrough)
 
     def process_requests(self, prompts: Seq[PromptType],
                          params_list: Seq[SamplingParams | None]) -> list[tuple[dict, SamplingParams]]:
@@ -118,6 +125,10 @@ class Processor:
             params.update_from_tokenizer(self.tokenizer)
         params.verify_against(self.vocab_size)
         self._validate_params(params)
+        if params.structured_outputs is not None:  # compiled (or found cached) now: a bad one is refused here
+            self.structured_outputs.compile(params.structured_outputs)
+            if params.extra_args:  # its grammar decides where it ends, not the checkpoint's forced eos
+                params.extra_args.pop("forced_eos_token_id", None)
         params.update_from_generation_config({"eos_token_id": self.model_config.generation_config.eos_token_id},
                                              self.eos_token_id)
         return params

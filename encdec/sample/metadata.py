@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from encdec.sample.logits_processor.state import LogitsProcessors
+from encdec.structured_output.bitmask import BatchBitmask
 
 
 @dataclass
@@ -36,3 +37,6 @@ class SamplingMetadata:
     bad_words_token_ids: dict[int, list[list[int]]]  # row -> bad words as token-id sequences
 
     logitsprocs: LogitsProcessors  # built-in and custom batch-level processors
+    # structured outputs' grammar masks of this step's constrained rows; set by the
+    # model runner every step (the rest of the metadata may be last step's)
+    token_bitmask: BatchBitmask | None = None

@@ -10,6 +10,7 @@ from torch import nn
 from encdec.kernels.cpu.greedy_cpu import greedy_argmax, greedy_logprobs
 from encdec.platform.device_tensors import to_device
 from encdec.sample.metadata import SamplingMetadata
+from encdec.structured_output.bitmask import apply_bitmask
 
 _SAMPLING_EPS = 1e-5  # temperature below this = greedy (matches SamplingParams)
 
@@ -166,6 +167,7 @@ class Sampler(nn.Module):
     4. bad words: ban the last token of a word whose prefix ends the output
     5. non-argmax-invariant processors (min-tokens, logit bias, custom)
     6. repetition, frequency and presence penalties
+    6a. structured outputs: each constrained row's grammar mask (``token_bitmask``)
     6b. log-softmax of rows with logprobs_mode="processed_logprobs" (their reported logprobs)
     7. greedy rows: argmax; if every row is greedy, stop here
     8. temperature
@@ -231,7 +233,7 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled.unsqueeze(-1), logprobs, processed)
 
     def apply_logits_processors(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Steps 3-6: everything that may change the argmax."""
+        """Steps 3-6a: everything that may change the argmax."""
         if md.allowed_token_ids_mask is not None:
             logits.masked_fill_(md.allowed_token_ids_mask, float("-inf"))
         if md.bad_words_token_ids:
@@ -240,6 +242,8 @@ class Sampler(nn.Module):
             logits = proc.apply(logits)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
+        if md.token_bitmask is not None:
+            apply_bitmask(logits, md.token_bitmask)
         return logits
 
     def apply_sampling_filters(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

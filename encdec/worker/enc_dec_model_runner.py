@@ -30,6 +30,7 @@ from encdec.platform.device_tensors import padded_to_device, split_to_device, to
 from encdec.sample.beam_candidates import find_beam_rows
 from encdec.sample.sampler import Sampler
 from encdec.sequence import SequenceGroupMetadata
+from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
@@ -238,6 +239,7 @@ class EncoderDecoderModelRunner:
         rows, hidden = self._forward(metas, n, small)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
+        sampling_md.token_bitmask = batch_bitmask(sched.token_masks, self.input_batch.req_ids, self.device)
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = asked_prompt_positions(metas)
