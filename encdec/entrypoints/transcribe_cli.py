@@ -31,6 +31,8 @@ TRANSCRIBE_NO_FLAG = {
     "sampling_params": "a SamplingParams object: the command line decodes with --beam-size, --best-of "
                        "and --temperature",
     "vad_parameters": "a dict of Silero VAD settings, Python only: --vad-filter uses the defaults",
+    "structured_outputs": "a StructuredOutputsParams (JSON schema, regex, choice or grammar): Python and "
+                          "the server's transcription form field",
 }
 
 

@@ -35,21 +35,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from encdec.sampling_params import BeamSearchParams, SamplingParams
+from encdec.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from encdec.transcription.rules import compression_ratio
 
 
 def attempt_params(temperature: float, *, beam_size: int, best_of: int, max_tokens: int | None,
-                   seed: int | None, prompt_token_logprobs: dict[int, list[int]] | None = None
-                   ) -> SamplingParams | BeamSearchParams:
+                   seed: int | None, prompt_token_logprobs: dict[int, list[int]] | None = None,
+                   structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams | BeamSearchParams:
     """The params of one attempt at ``temperature`` (module docstring);
-    ``prompt_token_logprobs`` as ``SamplingParams``' (P(no speech) of a window's first attempt)."""
+    ``prompt_token_logprobs`` as ``SamplingParams``' (P(no speech) of a window's first attempt);
+    ``structured_outputs``: the window's text held to it."""
     if beam_size > 1 and temperature == 0.0:
         return BeamSearchParams(beam_size, max_tokens, renormalized_logprob=True,
-                                prompt_token_logprobs=prompt_token_logprobs)
+                                prompt_token_logprobs=prompt_token_logprobs, structured_outputs=structured_outputs)
     n = best_of if temperature > 0.0 else 1
     return SamplingParams(temperature=temperature, n=n, max_tokens=max_tokens, logprobs=0,
-                          logprobs_mode="processed_logprobs", seed=seed, prompt_token_logprobs=prompt_token_logprobs)
+                          logprobs_mode="processed_logprobs", seed=seed, prompt_token_logprobs=prompt_token_logprobs,
+                          structured_outputs=structured_outputs)
+
+
+def window_constraint(options: Any) -> StructuredOutputsParams | None:
+    """What a ``TranscribeOptions``' windows are held to: its ``structured_outputs``,
+    else its ``sampling_params``'."""
+    if options.structured_outputs is not None:
+        return options.structured_outputs
+    return options.sampling_params.structured_outputs if options.sampling_params is not None else None
 
 
 def attempt_result(completions: Sequence[Any], eot: int) -> tuple[list[int], float]:

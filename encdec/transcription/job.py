@@ -13,7 +13,7 @@ import numpy as np
 from encdec.audio import HOP_LENGTH as HOP, SAMPLE_RATE
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
-from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
+from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt, window_constraint
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.protocol import JobBase, finished_completion, text_prompt_ids, window_prompt
 from encdec.transcription.result import Segment, Transcription
@@ -66,6 +66,9 @@ class IndependentJob(JobBase):
             self._no_speech = not vad_windows
         self._multilingual = bool(getattr(self._gc, "is_multilingual", False))
         self._params = options.sampling_params or SamplingParams(temperature=0.0, max_tokens=None)
+        if options.structured_outputs is not None:  # the caller's params, held to the options' constraint
+            self._params = self._params.clone()
+            self._params.structured_outputs = options.structured_outputs
         # The fallback ladder (rules.needs_fallback, as the sequential mode's and HF's batched
         # long-form generate's): only over our own params; a caller's sampling_params are kept.
         self._fallback = (options.sampling_params is None and len(options.temperature) > 1
@@ -74,7 +77,8 @@ class IndependentJob(JobBase):
         if self._fallback:
             self._params = self._attempt(0)
         elif options.beam_size > 1:  # every window by beam search (HF's short-form generate(num_beams=...))
-            self._params = BeamSearchParams(options.beam_size, self._params.max_tokens)
+            self._params = BeamSearchParams(options.beam_size, self._params.max_tokens,
+                                            structured_outputs=window_constraint(options))
         self._prev = self._prompt_ids(options.initial_prompt)
         self._pieces = [_Piece(start, w) for start, w in windows]  # in time order
         self._dec: list[int] = []  # the windows' decoder prompt, once the language is known
@@ -172,7 +176,7 @@ class IndependentJob(JobBase):
         """The params of attempt ``index``, at ``options.temperature[index]`` (``decoding.attempt_params``)."""
         opts = self.options
         return attempt_params(opts.temperature[index], beam_size=opts.beam_size, best_of=opts.best_of,
-                              max_tokens=None, seed=None)
+                              max_tokens=None, seed=None, structured_outputs=window_constraint(opts))
 
     def _judge(self, piece: _Piece, result: tuple[list[int], float]) -> None:
         """An attempt of a piece is back: keep it, or, where it repeats itself or is

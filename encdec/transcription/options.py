@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import SamplingParams, StructuredOutputsParams
+from encdec.structured_output.params import check_structured
 
 MODES = ("sequential", "independent")
 TASKS = ("transcribe", "translate")
@@ -46,6 +47,10 @@ class TranscribeOptions:
     hotwords: str | None = None  # words to bias towards, as a <|startofprev|> prompt (no prefix)
     clip_timestamps: tuple[float, ...] | None = None  # [start, end, ...] seconds to transcribe (CLI: 0,10.5)
     sampling_params: SamplingParams | None = None  # per window; None: greedy up to the decoder's length
+    # the text tokens of each decoded window (one request: up to 30 s of audio) held to a
+    # JSON schema, regex, choice or grammar; timestamp, language and task tokens pass as
+    # the model's rules decide (encdec.structured_output.manager); None: free text
+    structured_outputs: StructuredOutputsParams | None = None
     word_timestamps: bool = False  # Segment.words from cross-attention alignment (one extra pass per window)
     # sequential mode, with word_timestamps: skip silences longer than this (s) around likely
     # hallucinations (faster-whisper's rule; transcription.silence)
@@ -104,6 +109,10 @@ class TranscribeOptions:
             raise ValueError("give vad_filter or clip_timestamps, not both (both choose what to decode)")
         if self.sampling_params is not None and not isinstance(self.sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(self.sampling_params).__name__}")
+        object.__setattr__(self, "structured_outputs", check_structured(self.structured_outputs))
+        if self.structured_outputs is not None and self.sampling_params is not None \
+                and self.sampling_params.structured_outputs is not None:
+            raise ValueError("structured_outputs given twice: in the options and in sampling_params; give one")
         if self.beam_size > 1 and self.mode == "independent" and self.sampling_params is not None \
                 and self.sampling_params.temperature > 0:
             raise ValueError(f"beam_size={self.beam_size} decodes every window by beam search, which does "

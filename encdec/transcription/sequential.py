@@ -68,7 +68,7 @@ from encdec.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram
 from encdec.models.whisper_tokens import WhisperSpecialTokens, language_token
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams
-from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt
+from encdec.transcription.decoding import attempt_params, attempt_result, score_attempt, window_constraint
 from encdec.transcription.features import whole_file_log_mel, window_features
 from encdec.transcription.options import TranscribeOptions
 from encdec.transcription.protocol import JobBase, features_prompt, finished_completion, text_prompt_ids
@@ -261,7 +261,8 @@ class SequentialJob(JobBase):
             pos, token = w.no_speech_at
             asked = {pos: [token]}
         params = attempt_params(t, beam_size=self.options.beam_size, best_of=self.options.best_of,
-                                max_tokens=self._max_tokens, seed=seed, prompt_token_logprobs=asked)
+                                max_tokens=self._max_tokens, seed=seed, prompt_token_logprobs=asked,
+                                structured_outputs=window_constraint(self.options))
         w.open[self._ask("window", w.prompt, params, w.features)] = index
 
     def _advance(self, w: Window) -> None:
