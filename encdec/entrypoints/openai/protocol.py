@@ -90,6 +90,10 @@ class CompletionRequest(BaseModel):
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     # encdec: the decoder prompt (text or token ids); ``prompt`` is then the encoder prompt
     decoder_prompt: str | list[int] | None = None
+    # vLLM: the output held to a constraint (StructuredOutputsParams' fields); OpenAI's
+    # response_format ({"type": "json_object"} or "json_schema") is the other spelling
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.echo:
@@ -116,5 +120,6 @@ class TranscriptionRequest(BaseModel):
     response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
     temperature: float = 0.0
     timestamp_granularities: list[Literal["segment", "word"]] = Field(default_factory=list)
+    structured_outputs: str | None = None  # vLLM's extra field, as JSON text: each segment's text held to it
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -142,6 +142,11 @@ def _format(fmt: Any) -> int:
 
 def _transcription(t: Any) -> dict[str, Any]:
     where = "session.audio.input.transcription"
+    if isinstance(t, dict) and "structured_outputs" in t:
+        raise RealtimeError("structured_outputs is not supported in realtime sessions (a turn's partial text "
+                            "is decoded again as audio arrives); send the audio to POST "
+                            "/v1/audio/transcriptions with the structured_outputs form field",
+                            param=f"{where}.structured_outputs", code="unsupported_parameter")
     _keys(t, where, {"model", "language", "prompt"})
     out = {}
     for name in ("model", "language", "prompt"):

@@ -15,6 +15,7 @@ from encdec.entrypoints.openai.sse import DONE, sse
 from encdec.inputs import ExplicitEncoderDecoderPrompt, TokensPrompt
 from encdec.outputs import CompletionOutput, RequestOutput
 from encdec.sampling_params import BeamSearchParams, SamplingParams
+from encdec.structured_output.requests import request_constraint
 
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.startswith("_")}
 
@@ -25,6 +26,9 @@ def refusal(e: Exception) -> APIError:
     msg = str(e)
     first = re.sub(r"^prompt \d+: ", "", msg).split(" ", 1)[0]
     param = first if first in _SAMPLING_FIELDS or first in ("prompt", "decoder_prompt") else None
+    for name in ("structured_outputs", "response_format"):  # "structured_outputs.json cannot ..."
+        if re.match(rf"{name}\b", first):
+            param = name
     return APIError(400, msg, param=param)
 
 
@@ -39,7 +43,8 @@ def beam_search_params(req: CompletionRequest) -> Any:
             num_return_sequences=req.n, ignore_eos=req.ignore_eos,
             temperature=req.temperature or 0.0, stop=req.stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=request_constraint(req.structured_outputs, req.response_format))
     except (ValueError, TypeError) as e:
         raise refusal(e) from None
 
@@ -68,6 +73,7 @@ def to_sampling_params(req: CompletionRequest) -> Any:
                     frequency_penalty=req.frequency_penalty)
     opts.update({k: v for k, v in optional.items() if v is not None})
     try:
+        opts["structured_outputs"] = request_constraint(req.structured_outputs, req.response_format)
         return SamplingParams(**opts)
     except (ValueError, TypeError) as e:
         raise refusal(e) from None
@@ -131,7 +137,10 @@ class CompletionServer:
         try:
             streams = await self.engine.add_requests(requests)
         except (ValueError, TypeError) as e:
-            raise refusal(e) from None
+            refused = refusal(e)
+            if refused.param == "structured_outputs" and req.response_format is not None:
+                refused.param = "response_format"  # the field this request spelled it with
+            raise refused from None
         created = int(arrival)
         if req.stream:
             hold = getattr(params, "output_text_buffer_length", 0)

@@ -33,6 +33,7 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine
 from encdec.entrypoints.openai.metrics import ServerMetrics
 from encdec.entrypoints.openai.multipart import read_form
 from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
+from encdec.structured_output.requests import request_constraint
 from encdec.entrypoints.openai.sse import DONE, SSEResponse, sse
 from encdec.transcription import TranscribeOptions, Transcription, format_transcription, make_job
 from encdec.transcription.driver import ClientGone, JobProgress, run_job
@@ -148,9 +149,11 @@ class TranscriptionServer:
         try:
             # the sequential mode: segments always carry times, whatever the format
             return TranscribeOptions(language=req.language, task=task, initial_prompt=req.prompt,
-                                     word_timestamps="word" in req.timestamp_granularities, **kwargs)
+                                     word_timestamps="word" in req.timestamp_granularities,
+                                     structured_outputs=request_constraint(req.structured_outputs), **kwargs)
         except (ValueError, TypeError) as e:
-            name = next((f for f in ("language", "prompt", "temperature") if f in str(e)), None)
+            fields = ("structured_outputs", "language", "prompt", "temperature")
+            name = next((f for f in fields if f in str(e)), None)
             raise APIError(400, str(e), param=name) from None
 
     def _options(self, req: TranscriptionRequest, task: str) -> TranscribeOptions:
@@ -205,11 +208,13 @@ class TranscriptionServer:
 
 async def _run(job_run: Awaitable[Transcription]) -> Transcription:
     """A job run by the driver, its errors as HTTP errors: a request the engine
-    refuses is a 400 on the file, a client that left a 499."""
+    refuses is a 400 on the file (on structured_outputs where its constraint is
+    what the engine cannot compile), a client that left a 499."""
     try:
         return await job_run
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param="file") from None
+        param = "structured_outputs" if str(e).startswith("structured_outputs") else "file"
+        raise APIError(400, str(e), param=param) from None
     except ClientGone:
         raise APIError(499, "client closed the request") from None
 
