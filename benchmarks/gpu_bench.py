@@ -28,10 +28,11 @@ import subprocess
 import sys
 import tempfile
 
+from encdec.bench.common import SPEECH
+
 from .gpu_timing import StepClock, engine_options, free_gpu, profile_run, timed
 from .harness import make_workload, padded
 
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "speech")
 PARTS = ("bart", "beams", "whisper", "tiny")
 WHISPER_TOKENS = 64
 GPU_SHARE = 0.7  # our engine's gpu_memory_utilization: HF loads beside what a finished run leaves

@@ -29,6 +29,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 from encdec.bench.common import (  # noqa: E402
+    SPEECH,
     add_background_load_arg,
     allocator_for_both_sides,
     isa_header,
@@ -37,8 +38,6 @@ from encdec.bench.common import (  # noqa: E402
     timed_with_load,
 )
 
-# The checkout's shipped clips; an installed package has none (pass --audio-dir).
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "speech")
 
 
 def run_encdec(model_dir: str, wavs, threads: int, max_new: int, busy: int = 0, compute_type: str = "float32"):

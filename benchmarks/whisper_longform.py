@@ -56,18 +56,9 @@ from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from encdec.bench.common import (  # noqa: E402
-    add_background_load_arg,
-    allocator_for_both_sides,
-    isa_header,
-    load_label,
-    load_levels,
-    timed_with_load,
-)
+from encdec.bench import common as bench  # noqa: E402
 from .wer_compare import WerDifference, paired_difference  # noqa: E402
 
-# The checkout's shipped clips; an installed package has none (pass --audio-dir).
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "speech")
 SR = 16000
 # Sequential decoding predicts timestamps (it seeks by them); the independent
 # rows decode without, as faster-whisper's batched pipeline does by default
@@ -273,10 +264,10 @@ def print_table(runners: dict, levels: list[int], walls: dict, others: dict, wer
             wall = statistics.median(walls[name, busy])
             rows[busy][name] = (wall, audio_s / wall, wers[name, busy])
             vs_idle = f"{wall / statistics.median(walls[name, 0]):7.2f}x" if busy else ""
-            print(f"{name:20s} {load_label(busy):>8s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name, busy]:7.3f} "
+            print(f"{name:20s} {bench.load_label(busy):>8s} {wall:8.2f} {audio_s / wall:12.1f} {wers[name, busy]:7.3f} "
                   f"{vs_idle:>8s} {statistics.mean(others[name, busy]):13.0f}", flush=True)
     for busy in levels:
-        print_ratios(rows[busy], load_label(busy), compare and (lambda a, b, busy=busy: compare(a, b, busy)))
+        print_ratios(rows[busy], bench.load_label(busy), compare and (lambda a, b, busy=busy: compare(a, b, busy)))
 
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
@@ -288,16 +279,16 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=6.0, help="length of each file (>= 6 for the issue)")
     ap.add_argument("--repeats", type=int, default=1, help="run every row this many times, order alternating")
-    ap.add_argument("--audio-dir", default=SPEECH, help="folder of 16 kHz s*.wav clips + sentences.txt "
+    ap.add_argument("--audio-dir", default=bench.SPEECH, help="folder of 16 kHz s*.wav clips + sentences.txt "
                                                         "(default: the checkout's tests/data/speech)")
     ap.add_argument("--compute-type", default="float32", choices=("float32", "int8", "bfloat16"),
                     help="our rows' precision (int8: quantization='int8') and faster-whisper's compute_type")
     ap.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16"),
                     help="our rows' KV cache (default: the compute type's; int8: bfloat16)")
-    add_background_load_arg(ap)
+    bench.add_background_load_arg(ap)
     args = ap.parse_args(argv)
-    levels = load_levels(args.background_load)
-    allocator = allocator_for_both_sides()
+    levels = bench.load_levels(args.background_load)
+    allocator = bench.allocator_for_both_sides()
     import torch
 
     from .wer_compare import word_error_rate
@@ -310,7 +301,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     engines = set(args.engines.split(","))
     print(f"compute type {args.compute_type}; "
           f"threads {args.threads} (both sides), OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {allocator}")
-    print(isa_header())
+    print(bench.isa_header())
     if args.background_load:
         print(f"background load: every row also timed with {args.background_load} busy process(es) of ours")
     print(f"files of {len(files[0][0]) / SR:.0f} s built from {len(clips)} clips with pauses")
@@ -346,7 +337,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                             print(f"  note: torch ran {torch.get_num_threads()} thread(s) before {name}; "
                                   f"reset to {args.threads}")
                             torch.set_num_threads(args.threads)
-                        hyps, wall, other = timed_with_load(lambda: runners[name](wavs), busy)
+                        hyps, wall, other = bench.timed_with_load(lambda: runners[name](wavs), busy)
                         if hasattr(runners[name], "close"):
                             runners[name].close()
                         walls[name, busy].append(wall)
@@ -354,7 +345,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                         wers[name, busy] = word_error_rate(" ".join(" ".join(r) for r in refs), " ".join(hyps))
                         hyps_of[name, busy] = hyps
                         if args.repeats > 1 or busy:
-                            print(f"  [{rep}] {name} ({load_label(busy)}): {wall:.2f} s "
+                            print(f"  [{rep}] {name} ({bench.load_label(busy)}): {wall:.2f} s "
                                   f"(others' CPU {other:.0f}%)", flush=True)
             print_table(runners, levels, walls, others, wers, audio_s,
                         lambda a, b, busy: paired_difference(refs, hyps_of[a, busy], hyps_of[b, busy]))

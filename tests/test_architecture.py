@@ -70,8 +70,8 @@ def _type_checking_imports(tree: ast.Module) -> set[int]:
 
 def _lazily_named(node: ast.AST) -> list:
     """The string constants ``node`` may name a module by for a lazy import."""
-    if isinstance(node, ast.Dict):
-        values = node.values
+    if isinstance(node, ast.Dict):  # a table of lazy exports, name -> module or module -> names
+        values = [*node.keys, *node.values]
     elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
         values = node.args[:1]
     else:
@@ -82,7 +82,7 @@ def _lazily_named(node: ast.AST) -> list:
 def import_graph() -> dict[str, set[str]]:
     """``encdec`` module -> the ``encdec`` modules it imports anywhere in its file
     (``if TYPE_CHECKING:`` blocks aside), lazily named ones included: a module's dotted name as a value in a dict (a
-    package's table of lazy exports, as ``encdec/__init__``'s) or given to
+    package's table of lazy exports, as ``encdec/__init__``'s, keyed by name or by module) or given to
     ``import_module``."""
     graph: dict[str, set[str]] = {name: set() for name in SOURCES}
     for name, tree in TREES.items():
@@ -249,3 +249,7 @@ def test_every_package_says_what_it_owns(package):
     assert init.exists(), f"{_rel(package)} has no __init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text()))
     assert doc and doc.splitlines()[0].strip(), f"{_rel(init)} has no docstring saying what the package owns"
+
+
+def test_a_table_of_lazy_exports_keyed_by_module_is_an_edge():
+    assert "encdec.quantization.passes" in import_graph()["encdec.quantization"]

@@ -21,9 +21,8 @@ import random
 import tempfile
 import time
 
-from .common import OtherCPUMonitor, allocator_for_both_sides
+from .common import SPEECH, OtherCPUMonitor, allocator_for_both_sides
 
-SPEECH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "speech")
 DECODER_PROMPTS = ["Summary:", "Title:", "Question: who?", "Keywords"]
 
 

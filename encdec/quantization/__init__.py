@@ -7,19 +7,13 @@ from typing import Any
 # Public names load lazily: ``encdec.models.layers`` imports ``quantization.int8``,
 # and ``quantization.passes`` imports ``encdec.models.layers``, so this package's
 # own import must import neither.
-_EXPORTS = {
-    "INT8_PATHS": "encdec.quantization.int8",
-    "Int8LinearMethod": "encdec.quantization.int8",
-    "int8_path": "encdec.quantization.int8",
-    "reduce_range": "encdec.quantization.int8",
-    "check_quantization": "encdec.quantization.passes",
-    "quantize": "encdec.quantization.passes",
-    "fused_step_linears": "encdec.quantization.passes",
-    "decode_panel_linears": "encdec.quantization.passes",
-    "place_decode_panels": "encdec.quantization.passes",
-    "float32_logits": "encdec.quantization.bfloat16",
-    "kv_cache_dtype": "encdec.quantization.bfloat16",
+_MODULES = {
+    "encdec.quantization.int8": ("INT8_PATHS", "Int8LinearMethod", "int8_path", "reduce_range"),
+    "encdec.quantization.passes": ("check_quantization", "quantize", "fused_step_linears",
+                                   "decode_panel_linears", "place_decode_panels"),
+    "encdec.quantization.bfloat16": ("float32_logits", "kv_cache_dtype"),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = list(_EXPORTS)
 
