@@ -127,6 +127,7 @@ class AsyncLLMEngine:
         for r in requests:
             if r.request_id in self._streams:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
+        await self._compile_grammars(requests)
         # Registered before the engine sees them: outputs may come before ``done`` resolves.
         self._streams.update((r.request_id, q) for r, q in zip(requests, queues))
         self._commands.put(("add", requests, done))
@@ -139,6 +140,15 @@ class AsyncLLMEngine:
                 self._commands.put(("abort", [r.request_id for r in requests], None))
             raise
         return [self._iterate(r.request_id, q) for r, q in zip(requests, queues)]
+
+    async def _compile_grammars(self, requests: list[AsyncRequest]) -> None:
+        """Structured outputs' new grammars compile here, off the engine thread
+        (the compiler is thread-safe and caches them), so no step waits on one;
+        the engine thread's processor then finds them cached. A constraint the
+        compiler refuses raises its ``ValueError`` here, before anything is queued."""
+        manager = self.engine.processor.structured_outputs
+        for so in {id(c): c for r in requests if (c := getattr(r.params, "structured_outputs", None))}.values():
+            await asyncio.to_thread(manager.compile, so)
 
     async def generate(self, prompt: Any, params: Any, request_id: str, *, priority: int = 0,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:

@@ -6,6 +6,7 @@ extra, imported only when a request asks for a constraint).
     backend.py  xgrammar: tokenizer info, compiling (off the caller's thread, cached)
     manager.py  per-sequence matchers: a step's masks, accepting tokens, beam forks
     bitmask.py  the sampler's side: the step's masks in batch-row order, applied to the logits
+    requests.py a server request's constraint (structured_outputs, OpenAI's response_format)
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ where it ends, and one that runs out of tokens finishes with "length".
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -59,15 +60,18 @@ class StructuredOutputManager:
         self.eos_token_id = eos_token_id
         self.passthrough_from = passthrough_from
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
         self._states: dict[int, _SeqState] = {}  # seq_id -> its grammar state
         self._fixed: tuple[Any, Any] | None = None  # (bits to clear, bits to set) in every row
         self._eos_row: Any = None  # (words,) int32: eos alone (a grammar whose text is done)
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            stop = [] if self.eos_token_id is None else [self.eos_token_id]
-            self._compiler = GrammarCompiler(tokenizer_info(self._tokenizer, self.vocab_size, stop))
+        """Built on first use, once (callers off the engine thread may race to it)."""
+        with self._lock:
+            if self._compiler is None:
+                stop = [] if self.eos_token_id is None else [self.eos_token_id]
+                self._compiler = GrammarCompiler(tokenizer_info(self._tokenizer, self.vocab_size, stop))
         return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> None:
