@@ -8,6 +8,7 @@ the browser tests skip, saying which is missing (``make test`` prints it with
 temporary directory, printed)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -150,6 +151,7 @@ def test_page_status_and_websocket_key_subprotocol(keyed_whisper):
     assert status["model"] == "tiny.en" and status["panels"] == ["transcribe", "live"]
     assert status["api_key_required"] is True and status["device"] == "cpu" and status["translation"] is None
     assert status["speech_languages"] == []  # tiny.en: English only, no language or translate controls
+    assert status["vad"] == (importlib.util.find_spec("silero_vad") is not None)
     assert {"running", "waiting", "kv_cache_usage"} <= set(status)
     url = base.replace("http", "ws") + "/v1/realtime?intent=transcription"
     with pytest.raises(InvalidStatus) as e:
@@ -225,6 +227,23 @@ def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whi
     worded = whisper_llm.transcribe(str(CLIP), word_timestamps=True, use_tqdm=False)[0]
     words = page.eval_on_selector_all("#tr-wordlist .word", "ws => ws.map(w => [w.textContent, w.title])")
     assert words == [[w.word.strip(), f"{_short(w.start)} – {_short(w.end)}"] for s in worded.segments for w in s.words]
+
+    # beam size, set by keyboard only, reaches the server: s01 is a clip where 2 beams
+    # change tiny.en's words; the VAD box shows where the server has the extra
+    assert page.locator("#tr-vad").is_visible() == (importlib.util.find_spec("silero_vad") is not None)
+    page.uncheck("#tr-words")
+    beam_clip = SPEECH / "s01.wav"
+    page.set_input_files("#tr-file", str(beam_clip))
+    _tab_to(page, "tr-beam-size")
+    page.keyboard.press("Control+A")
+    page.keyboard.type("2")
+    _tab_to(page, "tr-run")
+    page.keyboard.press("Enter")
+    page.wait_for_function("!document.getElementById('tr-run').disabled && "
+                           "document.getElementById('tr-elapsed').textContent.startsWith('done')")
+    beams = whisper_llm.transcribe(str(beam_clip), beam_size=2, timestamps=True, use_tqdm=False)[0]
+    assert beams.text != whisper_llm.transcribe(str(beam_clip), use_tqdm=False)[0].text
+    assert _text(page, "#tr-text") == beams.text
     page.close()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import httpx
 import pytest
@@ -153,6 +154,55 @@ def test_async_client(whisper_server, whisper_llm):
     assert asyncio.run(main()) == [format_transcription(r, "txt") for r in refs]
 
 
+def test_beam_size_and_vad_filter_equal_transcribe(whisper_server, whisper_llm, tmp_path):
+    """faster-whisper's ``beam_size`` and ``vad_filter`` as form fields are
+    ``LLM.transcribe``'s options: s01 is a clip where 2 beams change tiny.en's words;
+    VAD skips the padding around two clips, so the segments start at the speech."""
+    import numpy as np
+    import soundfile as sf
+
+    def post(path, **data):
+        resp = httpx.post(whisper_server.v1 + "/audio/transcriptions", timeout=120,
+                          files={"file": (path.name, path.read_bytes())},
+                          data={"response_format": "verbose_json", **data})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    clip = SPEECH / "s01.wav"
+    beams = whisper_llm.transcribe(str(clip), beam_size=2, timestamps=True, use_tqdm=False)[0]
+    assert beams.text != whisper_llm.transcribe(str(clip), use_tqdm=False)[0].text
+    got = post(clip, beam_size="2")
+    assert got["text"] == beams.text
+    assert [(s["start"], s["end"], s["text"]) for s in got["segments"]] == \
+        [(s.start, s.end, s.text) for s in beams.segments]
+
+    pytest.importorskip("silero_vad")
+    pad = np.zeros(3 * 16000, np.float32)
+    padded = tmp_path / "padded.wav"
+    sf.write(padded, np.concatenate([pad, sf.read(CLIP, dtype="float32")[0], pad,
+                                     sf.read(SPEECH / "s03.wav", dtype="float32")[0], pad]), 16000, subtype="PCM_16")
+    vad = whisper_llm.transcribe(str(padded), vad_filter=True, timestamps=True, use_tqdm=False)[0]
+    assert vad.segments[0].start > 2.0  # the leading silence skipped
+    got = post(padded, vad_filter="true")
+    assert got["text"] == vad.text
+    assert [(s["start"], s["end"], s["text"]) for s in got["segments"]] == \
+        [(s.start, s.end, s.text) for s in vad.segments]
+
+
+def test_vad_filter_without_the_extra_is_refused(monkeypatch):
+    """Without silero-vad, ``vad_filter=true`` is a 400 naming the field and the extra."""
+    from encdec.entrypoints.openai import serving_transcription
+    from encdec.entrypoints.openai.protocol import APIError, TranscriptionRequest
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "silero_vad" else find_spec(name, *a))
+    with pytest.raises(APIError) as e:
+        serving_transcription.TranscriptionServer.options(TranscriptionRequest(vad_filter="true"), "transcribe")
+    assert e.value.status == 400 and e.value.param == "vad_filter" and "encdec[vad]" in e.value.message
+    assert serving_transcription.TranscriptionServer.options(TranscriptionRequest(), "transcribe").vad_filter is False
+
+
 def bad(server, files=None, data=None, path="/audio/transcriptions", **kw):
     return httpx.post(server.v1 + path, files=files, data=data, timeout=60, **kw)
 
@@ -184,7 +234,9 @@ def test_bad_audio_requests_then_good(whisper_server):
          "timestamp_granularities"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "-0.1"}), 400, "temperature"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "hot"}), 400, "temperature"),
-        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "5"}), 400, "beam_size"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "0"}), 400, "beam_size"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "two"}), 400, "beam_size"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"vad_filter": "maybe"}), 400, "vad_filter"),
     ]
     for kw, status, word in cases:
         before = whisper_server.metrics()

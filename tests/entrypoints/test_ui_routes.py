@@ -42,7 +42,7 @@ def test_status_and_files(bart_engine):
     client = _client(bart_engine, api_key="k")
     status = client.get("/ui/status").json()  # open, as /metrics is
     assert status["model"] == "bart" and status["panels"] == ["text"] and status["translation"] is None
-    assert status["speech_languages"] is None
+    assert status["speech_languages"] is None and status["vad"] is False  # no transcription form
     assert status["api_key_required"] is True and status["device"] == "cpu" and status["precision"] == "float32"
     assert status["architecture"] == "BartForConditionalGeneration" and status["engine_running"] is False
     assert {"running", "waiting", "swapped", "kv_cache_usage"} <= set(status)

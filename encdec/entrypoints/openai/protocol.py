@@ -123,3 +123,8 @@ class TranscriptionRequest(BaseModel):
     structured_outputs: str | None = None  # vLLM's extra field, as JSON text: each segment's text held to it
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # faster-whisper's options, as its server (speaches) takes them: form fields named as
+    # LLM.transcribe's; beam_size > 1: beam search at temperature 0; vad_filter: decode
+    # Silero VAD's speech regions only (the ``vad`` extra)
+    beam_size: int = 1
+    vad_filter: bool = False

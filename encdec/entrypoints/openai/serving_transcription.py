@@ -8,6 +8,8 @@ outputs back; its errors become HTTP errors here (``_run``). OpenAI's fields
 map onto ``TranscribeOptions``: ``prompt`` is the ``initial_prompt``;
 ``temperature`` 0 means Whisper's automatic fallback through (0.0, 0.2, ...,
 1.0) by the log-prob and compression-ratio thresholds, t > 0 decodes at t only; ``timestamp_granularities[]=word`` turns word timestamps on.
+faster-whisper's ``beam_size`` and ``vad_filter`` are form fields of those names, as
+its server (speaches) takes them; ``vad_filter=true`` needs the ``vad`` extra.
 The result is written in the asked format: json, text, srt, vtt (text/plain
 bodies, so the ``openai`` SDK returns ``str``) or verbose_json (OpenAI's segment
 fields; ``segments`` unless only words were asked for, ``words`` when asked
@@ -18,6 +20,7 @@ SDK's ``TranscriptionStreamEvent`` parses them.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import tempfile
@@ -41,6 +44,11 @@ from encdec.transcription.driver import ClientGone, JobProgress, run_job
 # OpenAI's verbose_json segment fields, in its order
 SEGMENT_FIELDS = ("id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
                   "compression_ratio", "no_speech_prob")
+
+
+def vad_installed() -> bool:
+    """Whether ``vad_filter=true`` can run here (the ``vad`` extra: silero-vad)."""
+    return importlib.util.find_spec("silero_vad") is not None
 
 
 def _form_fields(form: Any) -> dict[str, Any]:
@@ -143,6 +151,9 @@ class TranscriptionServer:
     def options(req: TranscriptionRequest, task: str) -> TranscribeOptions:
         """The ``TranscribeOptions`` that ``LLM.transcribe`` runs for this request
         (module docstring); a value they refuse is a 400 naming the field."""
+        if req.vad_filter and not vad_installed():
+            raise APIError(400, "vad_filter=true needs the server's 'vad' extra (silero-vad), which is not "
+                           "installed: pip install 'encdec[vad]'", param="vad_filter")
         kwargs: dict[str, Any] = {}
         if req.temperature > 0:  # 0: the default ladder, Whisper's automatic fallback
             kwargs["temperature"] = (req.temperature,)
@@ -150,9 +161,10 @@ class TranscriptionServer:
             # the sequential mode: segments always carry times, whatever the format
             return TranscribeOptions(language=req.language, task=task, initial_prompt=req.prompt,
                                      word_timestamps="word" in req.timestamp_granularities,
+                                     beam_size=req.beam_size, vad_filter=req.vad_filter,
                                      structured_outputs=request_constraint(req.structured_outputs), **kwargs)
         except (ValueError, TypeError) as e:
-            fields = ("structured_outputs", "language", "prompt", "temperature")
+            fields = ("structured_outputs", "language", "prompt", "temperature", "beam_size", "vad_filter")
             name = next((f for f in fields if f in str(e)), None)
             raise APIError(400, str(e), param=name) from None
 

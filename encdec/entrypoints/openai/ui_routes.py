@@ -9,7 +9,8 @@ and to:
 - ``GET /ui/status``: the model, device, precision, queue and KV use (the
   ``/metrics`` gauges), whether an API key is needed, and which panels the model
   serves (``transcribe`` and ``live`` for Whisper, ``text`` otherwise) with the
-  language codes: a multilingual Whisper's, or a translation family's tokenizer's. Open, as ``/metrics`` is.
+  language codes: a multilingual Whisper's, or a translation family's tokenizer's, and
+  whether ``vad_filter`` can run (``vad``: the ``vad`` extra is installed). Open, as ``/metrics`` is.
 - ``POST /ui/translation-prompt``: ``{text, src_lang, tgt_lang}`` -> the token ids
   ``LLM.translate`` would send (``encdec.translation``), for the page to pass to
   ``/v1/completions`` (a browser cannot tokenize). It takes the API key as
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from encdec.entrypoints.openai.protocol import APIError
+from encdec.entrypoints.openai.serving_transcription import vad_installed
 
 UI_FILES = {
     "index.html": "text/html; charset=utf-8",
@@ -100,6 +102,7 @@ def describe(state: Any) -> dict[str, Any]:
         "max_audio_mb": state.max_audio_bytes / (1 << 20),
         "translation": None if audio else _translation_languages(engine),
         "speech_languages": _whisper_languages(engine) if audio else None,  # [] for an English-only model
+        "vad": audio and vad_installed(),  # the transcription form's vad_filter can run
     }
 
 

@@ -13,6 +13,8 @@ function form(status, fields, format) {
   if (fields.language && !fields.translate) data.append("language", fields.language);
   if (fields.prompt) data.append("prompt", fields.prompt);
   data.append("temperature", String(fields.temperature));
+  if (fields.beamSize !== 1) data.append("beam_size", String(fields.beamSize));
+  if (fields.vad) data.append("vad_filter", "true");
   if (format === "verbose_json") {
     data.append("timestamp_granularities[]", "segment");
     if (fields.words) data.append("timestamp_granularities[]", "word");
@@ -33,6 +35,8 @@ function readFields(file) {
     words: $("tr-words").checked,
     temperature: Number($("tr-temperature").value || 0),
     prompt: $("tr-prompt").value,
+    beamSize: Number($("tr-beam-size").value || 1),  // the server refuses a bad one, naming beam_size
+    vad: $("tr-vad").checked,
   };
 }
 
@@ -80,6 +84,7 @@ export function initTranscribe(status) {
   const $ = (id) => document.getElementById(id);
   const input = $("tr-file"), drop = $("tr-drop"), audio = $("tr-audio"), error = $("tr-error");
   let last = null;  // the fields of the transcript shown (for its downloads)
+  $("tr-vad-label").hidden = !status.vad;  // vad_filter only where the server has the VAD extra
 
   const useFile = (file) => {
     if (!file) return;
@@ -104,6 +109,7 @@ export function initTranscribe(status) {
     const t0 = performance.now();
     const timer = setInterval(() => { elapsed.textContent = `${((performance.now() - t0) / 1000).toFixed(0)} s`; }, 500);
     showError(error, null);
+    elapsed.textContent = "";
     progress.hidden = false;
     run.disabled = true;
     try {
