@@ -236,6 +236,7 @@ def test_bad_audio_requests_then_good(whisper_server):
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"temperature": "hot"}), 400, "temperature"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "0"}), 400, "beam_size"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "two"}), 400, "beam_size"),
+        (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"beam_size": "1000"}), 400, "max_num_seqs"),
         (dict(files={"file": ("a.wav", wav, "audio/wav")}, data={"vad_filter": "maybe"}), 400, "vad_filter"),
     ]
     for kw, status, word in cases:
@@ -243,6 +244,8 @@ def test_bad_audio_requests_then_good(whisper_server):
         resp = bad(whisper_server, **kw)
         assert resp.status_code == status, (kw.get("data"), resp.text)
         assert word in resp.json()["error"]["message"], resp.json()
+        for field in {"beam_size", "vad_filter"} & set(kw.get("data") or {}):
+            assert resp.json()["error"]["param"] == field, resp.json()
         after = whisper_server.metrics()  # refused before anything was queued
         assert after["vllm:prompt_tokens_total{}"] == before["vllm:prompt_tokens_total{}"], kw.get("data")
         ok = bad(whisper_server, files={"file": ("a.wav", wav, "audio/wav")}, data={"response_format": "text"})

@@ -177,6 +177,10 @@ class TranscriptionServer:
         except ValueError as e:
             param = "language" if "language" in str(e) else "model"
             raise APIError(400, str(e), param=param) from None
+        limit = self.engine.engine.scheduler_config.max_num_seqs  # the engine refuses wider beams
+        if options.beam_size > limit:
+            raise APIError(400, f"beam_size is {options.beam_size}, more beams than this server runs at once "
+                           f"(max_num_seqs={limit})", param="beam_size")
         return options
 
     def _format(self, t: Transcription, req: TranscriptionRequest, task: str) -> Response:
