@@ -121,6 +121,14 @@ def _measure_bfloat16() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray or args.disaggregate:  # the same app on Ray Serve (encdec.serve_ray)
+        try:
+            from encdec.serve_ray import serve_ray
+
+            return serve_ray(args)
+        except ImportError as e:
+            print(str(e), file=sys.stderr)
+            return 2
     try:
         from encdec.entrypoints.openai.api_server import serve
     except ImportError as e:

@@ -304,13 +304,11 @@ def _check_realtime(ws: WebSocket, state: ServerState) -> None:
                        "a Whisper model", param="model")
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Build the engine (errors show before the port opens), then run uvicorn until
-    SIGINT/SIGTERM; uvicorn stops accepting, finishes the requests in flight
-    (drain), and the app's lifespan stops the engine thread."""
-    import uvicorn
-
-    from encdec.entrypoints.openai.realtime_protocol import WS_MAX_MESSAGE_BYTES, RealtimeLimits
+def app_from_args(args: argparse.Namespace) -> FastAPI:
+    """``encdec serve``'s app from its parsed flags: the engine is built (a bad
+    flag or model fails here, before any port opens) but not started; the app's
+    lifespan starts it. ``encdec serve --ray`` builds one per engine replica."""
+    from encdec.entrypoints.openai.realtime_protocol import RealtimeLimits
 
     realtime_limits = RealtimeLimits(args.realtime_max_turn_seconds, args.realtime_idle_timeout,
                                      args.realtime_max_session_seconds)
@@ -327,6 +325,19 @@ def serve(args: argparse.Namespace) -> int:
                     body_read_timeout=args.body_read_timeout, body_timeout=args.body_timeout,
                     ui=not args.no_ui)
     app.state.server.realtime_limits = realtime_limits
+    return app
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the engine (errors show before the port opens), then run uvicorn until
+    SIGINT/SIGTERM; uvicorn stops accepting, finishes the requests in flight
+    (drain), and the app's lifespan stops the engine thread. (``--ray`` runs the
+    same app on Ray Serve: ``encdec.serve_ray``.)"""
+    import uvicorn
+
+    from encdec.entrypoints.openai.realtime_protocol import WS_MAX_MESSAGE_BYTES
+
+    app = app_from_args(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=60, access_log=False, ws_max_size=WS_MAX_MESSAGE_BYTES,
                             http=header_timeout_protocol(args.header_read_timeout))
@@ -336,4 +347,3 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     uvicorn.Server(config).run()
     return 0
-

@@ -43,6 +43,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ui", action="store_true",
                    help="serve no web page at / (the page: upload, live microphone and text panels)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    scale = p.add_argument_group("scale-out on Ray Serve (the serve-ray extra)")
+    scale.add_argument("--ray", action="store_true",
+                       help="serve through Ray Serve: one OpenAI ingress in front of --replicas engine replicas "
+                            "(joins the cluster at RAY_ADDRESS, or starts a local one)")
+    scale.add_argument("--replicas", type=int, default=1,
+                       help="engine replicas behind the ingress (with --ray); each is one engine")
+    scale.add_argument("--replica-cpus", type=float, default=1.0,
+                       help="CPUs Ray reserves for each engine replica (with --ray)")
+    scale.add_argument("--replica-gpus", type=float, default=0.0,
+                       help="GPUs Ray reserves for each engine replica (with --ray)")
+    scale.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
+                       help="encoder passes on E workers, decoding on D engines (with --ray)")
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)
     p.set_defaults(scheduling_policy="priority")

@@ -1,0 +1,125 @@
+"""One ASGI request carried between two processes as plain messages.
+
+``encdec serve --ray`` runs the whole ``encdec serve`` app (``build_app``) in
+every engine replica and a thin ingress in front: the ingress sends the request
+(its scope and body, or for a WebSocket a queue of client events) and gets back
+the app's ASGI ``send`` messages as a stream. The routes, validation and error
+shapes are therefore the ones of ``encdec serve``, by construction.
+
+What must hold: a scope crosses with only plain, picklable keys; the replica's
+app task is cancelled when the caller goes away (a cancelled stream aborts its
+engine requests); the app's own errors are already OpenAI-shaped responses, and
+an app that fails before answering still gets a 500 in that shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from encdec.entrypoints.openai.protocol import APIError
+
+logger = logging.getLogger("encdec")
+
+Receive = Callable[[], Awaitable[dict]]
+_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "query_string",
+               "client", "server", "subprotocols", "extensions")
+REPLICA_HEADER = b"x-encdec-replica"
+
+
+def portable_scope(scope: dict, path: str) -> dict:
+    """The parts of an ASGI scope another process can rebuild a request from;
+    ``path`` is the full request path (a proxy may have split it into root_path)."""
+    out = {k: scope[k] for k in _SCOPE_KEYS if k in scope}
+    out["path"] = path
+    out["raw_path"] = path.encode()
+    out["root_path"] = ""
+    out["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", ())]
+    out["extensions"] = {k: dict(v or {}) for k, v in (scope.get("extensions") or {}).items()}
+    return out
+
+
+def body_receive(body: bytes) -> Receive:
+    """ASGI ``receive`` for a body read whole: the body, then nothing until the
+    call is cancelled (the ingress cancels it when its client disconnects)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def error_messages(error: APIError) -> list[dict]:
+    """An ``APIError`` as the ASGI messages of its JSON response."""
+    import json
+
+    body = json.dumps(error.response_body()).encode()
+    return [{"type": "http.response.start", "status": error.status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
+            {"type": "http.response.body", "body": body, "more_body": False}]
+
+
+async def run_asgi(app: Any, scope: dict, receive: Receive, replica: str) -> AsyncIterator[dict]:
+    """Run ``app`` on one request and yield what it sends; a response start is
+    tagged with the replica's id (``x-encdec-replica``)."""
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+    started = False
+
+    async def send(message: dict) -> None:
+        await out.put(message)
+
+    async def runner() -> None:
+        try:
+            await app(scope, receive, send)
+        except Exception:  # starlette has answered already, or nothing was sent
+            logger.exception("the app failed on a relayed %s request", scope.get("type"))
+        finally:
+            await out.put(done)
+
+    task = asyncio.create_task(runner())
+    try:
+        while (message := await out.get()) is not done:
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                started = True
+                if message["type"] == "http.response.start":
+                    message = dict(message, headers=[*message.get("headers", ()), (REPLICA_HEADER, replica.encode())])
+            yield message
+        if not started and scope["type"] == "http":
+            for message in error_messages(APIError(500, "internal error: the app sent no response",
+                                                   type="internal_error")):
+                yield message
+    finally:
+        task.cancel()
+
+
+def merge_metrics(texts: dict[str, bytes | str]) -> bytes:
+    """Prometheus text from several replicas as one exposition: each family once,
+    every sample labelled with its ``replica``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import Metric
+
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        text = text.decode() if isinstance(text, bytes) else text
+        for fam in text_string_to_metric_families(text):
+            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            for s in fam.samples:
+                merged.add_sample(s.name, dict(s.labels, replica=replica), s.value, s.timestamp, s.exemplar)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)

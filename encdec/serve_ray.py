@@ -1,0 +1,165 @@
+"""``encdec serve MODEL --ray --replicas N``: ``encdec serve`` on Ray Serve.
+
+An ingress deployment (no CPU reserved) takes every HTTP request and WebSocket
+and relays it, through a deployment handle, to one of N ``EngineReplica``s;
+each replica is one ``AsyncLLMEngine`` inside the very app ``encdec serve``
+runs (``app_from_args``), so the routes, validation and error JSON are the
+same by construction (``asgi_relay``). Routing is Ray Serve's default: of two
+replicas picked at random, the one with fewer requests in flight (power of two
+choices), so a busy replica gets fewer new requests. A Realtime WebSocket is
+one streaming call for its whole life, so it stays on the replica that took it;
+its client events reach that replica through a small queue actor.
+
+``/metrics`` on the ingress is every live replica's metrics, each sample with a
+``replica`` label: replicas push their exposition to a named board actor each
+second, and one silent for 10 s is left out.
+
+Faults: a replica that dies fails the requests it held with a 503 in OpenAI's
+error shape (a stream already started ends with an error event); Serve starts a
+new replica, and the other replicas keep serving. A relayed request waits at
+most ``ray_ingress.RELAY_IDLE_TIMEOUT`` seconds for the next piece of its answer.
+
+Ray Serve is the ``serve-ray`` extra, imported only here and only when used.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+logger = logging.getLogger("encdec")
+
+EXTRA = "encdec[serve-ray]"
+APP_NAME = "encdec"
+PUSH_SECONDS = 1.0  # how often a replica sends its metrics to the board
+
+
+def _ray() -> tuple[Any, Any]:
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise ImportError(f"encdec serve --ray needs Ray Serve: pip install '{EXTRA}' ({e})") from e
+    return ray, serve
+
+
+class EngineReplica:
+    """One engine inside ``encdec serve``'s app; the ingress calls ``http`` and
+    ``websocket`` (streaming) through a deployment handle."""
+
+    async def __init__(self, args: argparse.Namespace) -> None:
+        _, serve = _ray()
+        from encdec.entrypoints.openai.api_server import app_from_args
+
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.app = app_from_args(args)  # loads the model: a bad one fails the deployment
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()  # starts the engine thread on this event loop
+        self._pusher = asyncio.create_task(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        from encdec.entrypoints.openai.ray_ingress import metrics_board
+
+        board = None
+        while True:
+            try:
+                board = board or metrics_board()
+                await board.put.remote(self.replica, self.app.state.server.metrics.render())
+            except Exception as e:  # the board's owner died: the next round makes another
+                logger.warning("metrics push failed: %s", e)
+                board = None
+            await asyncio.sleep(PUSH_SECONDS)
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose engine thread has stopped."""
+        engine = self.app.state.server.engine
+        if not engine.is_running:
+            raise RuntimeError(f"the engine is not running: {engine.error!r}")
+
+    async def http(self, scope: dict, body: bytes):
+        """The app's messages for one request, after one naming this replica (so
+        the ingress can say which replica a lost request was on)."""
+        from encdec.entrypoints.openai.asgi_relay import body_receive, run_asgi
+
+        yield {"type": "relay.replica", "replica": self.replica}
+        async for message in run_asgi(self.app, scope, body_receive(body), self.replica):
+            yield message
+
+    async def websocket(self, scope: dict, inbox: Any):
+        from encdec.entrypoints.openai.asgi_relay import run_asgi
+
+        async def receive() -> dict:
+            return await inbox.get_async()
+
+        yield {"type": "relay.replica", "replica": self.replica}
+        async for message in run_asgi(self.app, scope, receive, self.replica):
+            yield message
+
+
+def _replica_deployment(args: argparse.Namespace) -> Any:
+    _, serve = _ray()
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    options = {"num_cpus": args.replica_cpus}
+    if args.replica_gpus:
+        options["num_gpus"] = args.replica_gpus
+    return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=args.replicas,
+                            ray_actor_options=options, health_check_period_s=5,
+                            max_ongoing_requests=256).bind(args)
+
+
+def build_application(args: argparse.Namespace) -> Any:
+    """The Serve application for ``encdec serve``'s parsed flags (``--ray``)."""
+    _, serve = _ray()
+    from encdec.entrypoints.openai.ray_ingress import ingress_deployment
+
+    if args.disaggregate:
+        raise ValueError("--disaggregate (encoder and decoder work on separate workers) is not built yet: "
+                         "serve with --ray --replicas N")
+    max_body = int(args.max_audio_mb * (1 << 20)) + (64 << 10)
+    return ingress_deployment(serve).bind(_replica_deployment(args), max_body)
+
+
+def build(config: dict[str, Any]) -> Any:
+    """``serve run encdec.serve_ray:build model=MODEL replicas=2 ...``: the keys are
+    ``encdec serve``'s flags without the dashes (``num_threads=1``); a flag with
+    no value takes ``true``."""
+    from encdec.entrypoints.openai.cli_args import add_server_args
+
+    config = dict(config)
+    argv = [str(config.pop("model"))]
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True or str(value).lower() == "true":
+            argv.append(flag)
+        elif value is not False and str(value).lower() != "false":
+            argv += [flag, str(value)]
+    parser = argparse.ArgumentParser(prog="encdec serve")
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    args.ray = True
+    return build_application(args)
+
+
+def serve_ray(args: argparse.Namespace) -> int:
+    """Join the cluster at ``RAY_ADDRESS`` (or start a local one), deploy, and
+    serve on ``--host``/``--port`` until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    ray, serve = _ray()
+    application = build_application(args)  # flag errors before any process starts
+    if not ray.is_initialized():
+        ray.init(configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(application, name=APP_NAME, route_prefix="/")
+    print(f"encdec serve --ray: {args.replicas} replica(s) of {args.model} on http://{args.host}:{args.port}",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    return 0

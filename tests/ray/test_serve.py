@@ -1,0 +1,305 @@
+"""``encdec serve --ray`` on a local Ray cluster (2 CPUs, 127.0.0.1, no dashboard):
+the official ``openai`` client against the Ray Serve ingress with 2 engine
+replicas gets what offline ``LLM`` gives; both replicas serve; a Realtime session
+works through the ingress; a replica killed mid-load fails only its own requests
+(503 in OpenAI's error shape) and the next requests succeed.
+
+One cluster and one Serve instance serve the module; each model's app replaces
+the previous one (2 CPUs hold one pair of engines). Everything runs under a
+deadline, since the machine is shared and slow at times."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from encdec import LLM, SamplingParams  # noqa: E402
+from encdec.serve_ray import APP_NAME, build  # noqa: E402
+
+pytestmark = [pytest.mark.ray]
+
+SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
+BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
+WHISPER_KW = dict(kv_cache_memory=256 << 20, swap_space=0.1)
+STEP_SECONDS = 300  # generous: other test suites share these 2 cores
+MODEL = "tiny-bart"  # the served name of the BART app
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise in the main thread if the block takes longer than ``seconds``."""
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A quiet local cluster with Serve on a free loopback port; yields its base URL.
+    Teardown checks that all its processes exit."""
+    import psutil
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    temp_dir = tempfile.mkdtemp(prefix="encdec-serve-")  # short: Ray puts unix sockets here
+    with deadline(120, "ray.init"):
+        ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
+                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
+                 log_to_driver=False, configure_logging=False)
+    ours = psutil.Process().children(recursive=True)
+    port = _free_port()
+    try:
+        with deadline(120, "serve.start"):
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
+            serve.shutdown()
+        ray.shutdown()
+        ours += [p for p in psutil.Process().children(recursive=True) if p not in ours]
+        _, alive = psutil.wait_procs(ours, timeout=30)
+        for p in alive:  # idle workers can outlive shutdown on a loaded host: ours, by pid
+            p.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=10)
+        for p in alive:
+            p.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _deploy(model: str, served_name: str, kv: dict) -> None:
+    """``model`` on 2 replicas (1 CPU and 1 torch thread each) behind the ingress;
+    replaces the app deployed before."""
+    app = build({"model": model, "replicas": 2, "num_threads": 1, "served_model_name": served_name,
+                 "kv_cache_memory": kv["kv_cache_memory"], "swap_space": kv["swap_space"]})
+    with deadline(STEP_SECONDS, f"deploying {served_name}"):
+        serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def _metric_by_replica(base: str, name: str) -> dict[str, float]:
+    """``name``'s samples summed per ``replica`` label (the ingress's merged /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == name:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return out
+
+
+def _wait_served(base: str, name: str, total: float) -> dict[str, float]:
+    """Per-replica counts once the board shows ``total`` (replicas push each second)."""
+    for _ in range(40):
+        counts = _metric_by_replica(base, name)
+        if sum(counts.values()) >= total:
+            return counts
+        time.sleep(0.5)
+    return counts
+
+
+def _prompts(n: int) -> list[str]:
+    words = ("rain spain plain fox dog encoder decoder summary token batch cache block "
+             "speech text numbers Ada Alan 1984 42 pages memory").split()
+    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(3 + i % 23)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def bart_app(cluster, tiny_bart):
+    _deploy(tiny_bart, "tiny-bart", BART_KW)
+    return cluster
+
+
+async def _complete_all(base: str, prompts: list[str], **kw) -> list:
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+        async def one(prompt):
+            raw = await client.completions.with_raw_response.create(model=MODEL, prompt=prompt, **kw)
+            return raw.headers.get("x-encdec-replica"), raw.parse()
+
+        return await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+
+
+@pytest.mark.parametrize("n", [16, pytest.param(64, marks=pytest.mark.slow)])
+def test_concurrent_completions_equal_offline_on_both_replicas(bart_app, tiny_bart, n):
+    prompts = _prompts(n)
+    llm = LLM(tiny_bart, num_threads=1, **BART_KW)
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
+                                                    use_tqdm=False)]
+    before = sum(_metric_by_replica(bart_app, "vllm:request_success_total").values())
+    with deadline(STEP_SECONDS, f"{n} completions"):
+        results = asyncio.run(_complete_all(bart_app, prompts, max_tokens=16, temperature=0.0))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert [r[1].choices[0].text for r in results] == want
+    counts = _wait_served(bart_app, "vllm:request_success_total", before + n)
+    assert sum(counts.values()) == before + n
+    assert len({r[0] for r in results}) == 2 and len([c for c in counts.values() if c > 0]) == 2, counts
+
+
+def test_errors_keep_encdec_serve_shapes(bart_app):
+    r = httpx.post(bart_app + "/v1/completions", content=b"x", timeout=60)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.get(bart_app + "/v1/nothere", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(bart_app + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert httpx.get(bart_app + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny-bart"
+
+
+def _replica_actors() -> dict[str, object]:
+    """The EngineReplica actors by replica id (the ``x-encdec-replica`` header)."""
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if "#EngineReplica#" in name:
+            out[name.rsplit("#", 1)[1]] = ray.get_actor(name, namespace=entry["namespace"])
+    return out
+
+
+def _wait_replicas_running(n: int, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app = serve.status().applications.get(APP_NAME)
+        dep = app and app.deployments.get("EngineReplica")
+        if dep and dep.status == "HEALTHY" and dep.replica_states.get("RUNNING", 0) == n:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"EngineReplica not back to {n} running replicas in {seconds} s")
+
+
+async def _load(base: str, seconds_after: float, kill) -> tuple[list, list]:
+    """8 clients sending long completions back to back; ``kill()`` once both replicas
+    have answered some, then ``seconds_after`` more seconds of load. Returns the
+    (replica, completion) answers and the errors, with the time each came."""
+    prompts, answers, errors = _prompts(64), [], []
+    stop = asyncio.Event()
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
+        async def worker(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    raw = await client.completions.with_raw_response.create(
+                        model=MODEL, prompt=prompts[i % 64], max_tokens=240, temperature=0.0, n=4,
+                        extra_body={"ignore_eos": True})
+                    answers.append((time.monotonic(), raw.headers.get("x-encdec-replica"), raw.parse()))
+                except openai.APIError as e:
+                    errors.append((time.monotonic(), e))
+                i += 8
+
+        workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
+        while len({a[1] for a in answers}) < 2 and not errors:
+            await asyncio.sleep(0.05)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(kill)
+        await asyncio.sleep(seconds_after)
+        stop.set()
+        await asyncio.gather(*workers)
+    return killed_at, answers, errors
+
+
+def test_killed_replica_fails_only_its_requests(bart_app):
+    """Load on both replicas; one replica is killed: the requests it held are 503s in
+    OpenAI's shape naming it, the other replica's go on; Serve restarts it."""
+    actors = _replica_actors()
+    victim = sorted(actors)[0]
+    with deadline(STEP_SECONDS, "load with a replica killed"):
+        killed_at, answers, errors = asyncio.run(
+            _load(bart_app, 3.0, lambda: ray.kill(actors[victim], no_restart=True)))
+    timeline = sorted([(round(t - killed_at, 2), r) for t, r, _ in answers]
+                      + [(round(t - killed_at, 2), repr(e)) for t, e in errors])
+    assert errors, f"no request was lost: the kill missed the load ({victim}): {timeline}"
+    for _, e in errors:
+        assert isinstance(e, openai.APIStatusError) and e.status_code == 503, timeline
+        assert e.body["type"] == "service_unavailable" and f"replica {victim} " in e.body["message"], e.body
+    survivor = [a for a in answers if a[1] != victim]
+    assert any(t > killed_at for t, _, _ in survivor), "the other replica stopped answering"
+    assert all(len(c.choices[0].text) > 0 for _, _, c in answers)
+    _wait_replicas_running(2, STEP_SECONDS)
+    with deadline(STEP_SECONDS, "requests after the restart"):
+        after = asyncio.run(_complete_all(bart_app, _prompts(8), max_tokens=8, temperature=0.0))
+    assert not [r for r in after if isinstance(r, BaseException)], after
+    assert victim not in _replica_actors()
+
+
+@pytest.fixture(scope="module")
+def whisper_app(cluster, ct2_dir):
+    _deploy(str(ct2_dir), "tiny.en", WHISPER_KW)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def whisper_llm(ct2_dir):
+    return LLM(str(ct2_dir), num_threads=1, **WHISPER_KW)
+
+
+@pytest.mark.parametrize("n", [4, pytest.param(16, marks=pytest.mark.slow)])
+def test_concurrent_transcriptions_equal_offline(whisper_app, whisper_llm, n):
+    paths = sorted(SPEECH.glob("s*.wav"))[:n]
+    assert len(paths) == n
+    want = [o.text for o in whisper_llm.transcribe([str(p) for p in paths], use_tqdm=False)]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=whisper_app + "/v1", api_key="none", max_retries=0,
+                                      timeout=180) as client:
+            return await asyncio.gather(*(client.audio.transcriptions.create(
+                model="tiny.en", file=(p.name, p.read_bytes())) for p in paths))
+
+    with deadline(STEP_SECONDS, f"{n} transcriptions"):
+        got = asyncio.run(main())
+    assert [t.text for t in got] == want
+
+
+def _pcm16(wav: np.ndarray) -> bytes:
+    return (np.clip(wav, -1, 32767 / 32768) * 32768).astype("<i2").tobytes()
+
+
+def test_realtime_session_through_the_ingress(whisper_app, whisper_llm):
+    """A manual-commit session: the committed turn's text is LLM.transcribe's of the same samples."""
+    import soundfile as sf
+
+    wav, rate = sf.read(SPEECH / "s00.wav", dtype="float32")
+    pcm = _pcm16(wav)
+    (want,) = whisper_llm.transcribe(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0, use_tqdm=False)
+    client = openai.OpenAI(base_url=whisper_app + "/v1", api_key="none", max_retries=0, timeout=120)
+    done = "conversation.item.input_audio_transcription.completed"
+    with deadline(STEP_SECONDS, "a realtime session"), \
+            client.realtime.connect(model="tiny.en", extra_query={"intent": "transcription"}) as conn:
+        assert conn.recv().type == "session.created"
+        conn.send({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": rate}, "transcription": {"model": "tiny.en"},
+            "turn_detection": None}}}})
+        for i in range(0, len(pcm), 3200):
+            conn.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 3200]).decode()})
+        conn.send({"type": "input_audio_buffer.commit"})
+        events = []
+        while not events or events[-1].type not in (done, "error",
+                                                    "conversation.item.input_audio_transcription.failed"):
+            events.append(conn.recv())
+    assert events[-1].type == done, [e.type for e in events]
+    assert events[-1].transcript == want.text
