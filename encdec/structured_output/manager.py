@@ -63,6 +63,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._states: dict[int, _SeqState] = {}  # seq_id -> its grammar state
         self._fixed: tuple[Any, Any] | None = None  # (bits to clear, bits to set) in every row
+        self._bitmask: Any = None  # the step's masks (_buffer)
         self._eos_row: Any = None  # (words,) int32: eos alone (a grammar whose text is done)
 
     @property
@@ -88,8 +89,7 @@ class StructuredOutputManager:
                 for seq in g.get_seqs(SequenceStatus.RUNNING)]
         if not seqs:
             return None
-        xgr = import_xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # (rows, words) int32, all allowed
+        bitmask = self._buffer(len(seqs))  # (rows, words) int32, all allowed
         filled = []
         for i, (seq, group) in enumerate(seqs):
             state = self._state(seq, group)
@@ -99,12 +99,12 @@ class StructuredOutputManager:
                 state.matcher.fill_next_token_bitmask(bitmask, i)
             filled.append(i)
         clear, add = self._fixed_bits()
-        if filled:
-            bitmask[filled] &= clear
-            if add is not None:  # pass-through tokens; once the text is done, one closing timestamp
-                open_rows = [i for i in filled if not torch.equal(bitmask[i], self._eos_row)
-                             or not self._passes(seqs[i][0].get_last_token_id())]
-                bitmask[open_rows] |= add
+        for i in filled:  # in place, row by row (an indexed update copies the rows twice)
+            bitmask[i] &= clear
+            # pass-through tokens; once the text is done, one closing timestamp
+            if add is not None and (not torch.equal(bitmask[i], self._eos_row)
+                                    or not self._passes(seqs[i][0].get_last_token_id())):
+                bitmask[i] |= add
         return TokenMasks({seq.seq_id: i for i, (seq, _) in enumerate(seqs)}, bitmask)
 
     def accept(self, seq: Sequence, token_id: int) -> bool:
@@ -158,25 +158,32 @@ class StructuredOutputManager:
         self._states[seq.seq_id] = state
         return state
 
+    def _buffer(self, rows: int) -> Any:
+        """``rows`` rows of all-allowed words. One buffer, grown as needed, reused
+        each step: the runner copies its rows out before the next ``fill_masks``."""
+        have = 0 if self._bitmask is None else len(self._bitmask)
+        if have < rows:
+            self._bitmask = import_xgrammar().allocate_token_bitmask(max(rows, 2 * have), self.vocab_size)
+        return self._bitmask[:rows].fill_(-1)
+
     def _fixed_bits(self) -> tuple[Any, Any]:
         """(a row that clears the special tokens a grammar never allows, a row
-        that sets the pass-through tokens or None), both (1, words) int32."""
+        that sets the pass-through tokens or None), both (words,) int32."""
         if self._fixed is None:
             xgr = import_xgrammar()
-            clear = xgr.allocate_token_bitmask(1, self.vocab_size)
+            clear = xgr.allocate_token_bitmask(1, self.vocab_size)[0]
             specials = set(getattr(self._tokenizer, "all_special_ids", ()) or ()) - {self.eos_token_id}
             for t in specials:
                 if 0 <= t < self.vocab_size and not self._passes(t):
-                    clear[0, t // 32] &= ~_bit(t)
+                    clear[t // 32] &= ~_bit(t)
             add = None
             self._eos_row = xgr.allocate_token_bitmask(1, self.vocab_size)[0].zero_()
             if self.eos_token_id is not None:
                 self._eos_row[self.eos_token_id // 32] = _bit(self.eos_token_id)
             if self.passthrough_from is not None:
-                add = xgr.allocate_token_bitmask(1, self.vocab_size)
-                add.zero_()
+                add = xgr.allocate_token_bitmask(1, self.vocab_size)[0].zero_()
                 for t in range(self.passthrough_from, self.vocab_size):
-                    add[0, t // 32] |= _bit(t)
+                    add[t // 32] |= _bit(t)
             self._fixed = (clear, add)
         return self._fixed
 
