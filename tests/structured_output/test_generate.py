@@ -128,3 +128,27 @@ def test_two_constraints_or_none_refused():
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
     with pytest.raises(ValueError, match="exactly one of"):
         BeamSearchParams(2, structured_outputs={})
+
+
+@pytest.fixture(scope="module")
+def wide_t5_llm(tmp_path_factory):
+    """T5 whose head is 28 tokens wider than its tokenizer (t5-small: 32128 logits, 32100 tokens)."""
+    from transformers import T5ForConditionalGeneration
+
+    from tests.structured_output.conftest import make_checkpoint, make_llm
+
+    path = make_checkpoint("t5", str(tmp_path_factory.mktemp("wide_t5")))
+    model = T5ForConditionalGeneration.from_pretrained(path)
+    model.resize_token_embeddings(model.config.vocab_size + 28)
+    model.save_pretrained(path)
+    return make_llm(path)
+
+
+def test_logits_wider_than_the_tokenizer(wide_t5_llm):
+    tokenizer_size = len(wide_t5_llm.get_tokenizer())
+    assert wide_t5_llm.llm_engine.worker.vocab_size == tokenizer_size + 28
+    outs = wide_t5_llm.generate(prompts(N), [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                                                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                                             for i in range(N)])
+    _check_json([o.outputs[0] for o in outs])
+    assert all(t < tokenizer_size for o in outs for t in o.outputs[0].token_ids)
