@@ -78,13 +78,14 @@ class EngineReplica:
             raise RuntimeError(f"the engine is not running: {engine.error!r}")
 
     async def http(self, scope: dict, body: bytes):
-        """The app's messages for one request, after one naming this replica (so
-        the ingress can say which replica a lost request was on)."""
+        """The app's messages for one request in lists (``run_asgi``), after one
+        naming this replica (so the ingress can say which replica a lost request
+        was on)."""
         from encdec.entrypoints.openai.asgi_relay import body_receive, run_asgi
 
-        yield {"type": "relay.replica", "replica": self.replica}
-        async for message in run_asgi(self.app, scope, body_receive(body), self.replica):
-            yield message
+        yield [{"type": "relay.replica", "replica": self.replica}]
+        async for messages in run_asgi(self.app, scope, body_receive(body), self.replica):
+            yield messages
 
     async def websocket(self, scope: dict, inbox: Any):
         from encdec.entrypoints.openai.asgi_relay import run_asgi
@@ -92,9 +93,9 @@ class EngineReplica:
         async def receive() -> dict:
             return await inbox.get_async()
 
-        yield {"type": "relay.replica", "replica": self.replica}
-        async for message in run_asgi(self.app, scope, receive, self.replica):
-            yield message
+        yield [{"type": "relay.replica", "replica": self.replica}]
+        async for messages in run_asgi(self.app, scope, receive, self.replica):
+            yield messages
 
 
 def _replica_deployment(args: argparse.Namespace) -> Any:
@@ -112,13 +113,15 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
 def build_application(args: argparse.Namespace) -> Any:
     """The Serve application for ``encdec serve``'s parsed flags (``--ray``)."""
     _, serve = _ray()
+    from encdec.entrypoints.openai.api_server import check_server_flags
     from encdec.entrypoints.openai.ray_ingress import ingress_deployment
 
+    check_server_flags(args)  # a bad flag fails here, not in every replica
     if args.disaggregate:
         raise ValueError("--disaggregate (encoder and decoder work on separate workers) is not built yet: "
                          "serve with --ray --replicas N")
     max_body = int(args.max_audio_mb * (1 << 20)) + (64 << 10)
-    return ingress_deployment(serve).bind(_replica_deployment(args), max_body)
+    return ingress_deployment(serve).bind(_replica_deployment(args), max_body, args.body_timeout)
 
 
 def build(config: dict[str, Any]) -> Any:
@@ -128,6 +131,8 @@ def build(config: dict[str, Any]) -> Any:
     from encdec.entrypoints.openai.cli_args import add_server_args
 
     config = dict(config)
+    if "model" not in config:
+        raise ValueError("the application's args need 'model' (a hub id or checkpoint directory)")
     argv = [str(config.pop("model"))]
     for key, value in config.items():
         flag = "--" + key.replace("_", "-")

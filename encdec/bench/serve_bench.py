@@ -5,10 +5,15 @@ The requests (token-id encoder prompts, greedy, fixed output lengths with
 ``ignore_eos``) run once offline in this process, then through a server
 subprocess on 127.0.0.1, whose clients are a few lines of asyncio here (no HTTP
 library: the client must cost the shared CPU as little as possible). Time to
-first token is measured at the client, from sending the request to the first
-text chunk.
+first token and request latency are measured at the client, from sending the
+request to the first text chunk and to the end of the stream.
+
+``--ray --replicas N`` also runs the same clients against ``encdec serve --ray``
+(a local Ray cluster: N engine replicas of one torch thread behind the Ray Serve
+ingress), to measure what the Ray path costs against one ``encdec serve``.
 
     python -m benchmarks.serve_bench [--requests 200] [--concurrency 1 16 200] [--model-dir DIR]
+                                     [--ray --replicas 2]
 """
 from __future__ import annotations
 
@@ -45,8 +50,8 @@ def run_offline(model_dir: str, enc, out_lens, engine_opts: dict) -> tuple[list[
     return [o.outputs[0].token_ids for o in outs], seconds
 
 
-async def stream_one(port: int, body: dict) -> tuple[float, list[int]]:
-    """POST one streaming completion; (seconds to the first token, token ids)."""
+async def stream_one(port: int, body: dict) -> tuple[float, list[int], float]:
+    """POST one streaming completion; (seconds to the first token, token ids, seconds in all)."""
     payload = json.dumps(body).encode()
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -79,10 +84,10 @@ async def stream_one(port: int, body: dict) -> tuple[float, list[int]]:
                     ttft = time.perf_counter() - t0
                 ids += [int(t.removeprefix("token_id:")) for t in toks]
     writer.close()
-    return ttft or 0.0, ids
+    return ttft or 0.0, ids, time.perf_counter() - t0
 
 
-async def run_clients(port: int, enc, out_lens, concurrency: int) -> tuple[list[list[int]], list[float], float]:
+async def run_clients(port: int, enc, out_lens, concurrency: int) -> tuple[list[list[int]], list[tuple], float]:
     """``concurrency`` clients, each sending the next unsent request when its last finishes."""
     results: list = [None] * len(enc)
     todo = iter(range(len(enc)))
@@ -96,7 +101,7 @@ async def run_clients(port: int, enc, out_lens, concurrency: int) -> tuple[list[
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - t0
-    return [r[1] for r in results], [r[0] for r in results], seconds
+    return [r[1] for r in results], [(r[0], r[2]) for r in results], seconds
 
 
 def start_server(model_dir: str, engine_args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -105,7 +110,7 @@ def start_server(model_dir: str, engine_args: list[str]) -> tuple[subprocess.Pop
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "encdec.entrypoints.cli", "serve", model_dir,
                              "--port", str(port), "--log-level", "warning", *engine_args])
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600  # --ray: a cluster to start first
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
@@ -118,7 +123,7 @@ def start_server(model_dir: str, engine_args: list[str]) -> tuple[subprocess.Pop
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("server did not become healthy in 300 s")
+    raise RuntimeError("server did not become healthy in 600 s")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -134,9 +139,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None,
                     help="a checkpoint (default: a random 4-layer BART, d_model 256, vocab 16384)")
+    ap.add_argument("--ray", action="store_true", help="also through encdec serve --ray (the serve-ray extra)")
+    ap.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     args = ap.parse_args(argv)
-
-    import psutil
 
     from encdec.testing import make_random_bart
 
@@ -157,24 +162,40 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     offline = total / seconds
     print(f"offline LLM.generate: {total} tokens in {seconds:.2f} s = {offline:.1f} tok/s; {mon.summary()}")
 
-    proc, port = start_server(model_dir, ["--kv-cache-memory", str(opts["kv_cache_memory"]),
-                                          "--swap-space", str(opts["swap_space"]),
-                                          "--max-num-seqs", str(opts["max_num_seqs"])])
+    engine = ["--kv-cache-memory", str(opts["kv_cache_memory"]), "--swap-space", str(opts["swap_space"]),
+              "--max-num-seqs", str(opts["max_num_seqs"])]
+    servers = [("encdec serve", engine)]
+    if args.ray:
+        servers.append((f"encdec serve --ray --replicas {args.replicas}",
+                        [*engine, "--ray", "--replicas", str(args.replicas), "--num-threads", "1"]))
+    for label, flags in servers:
+        bench_server(label, model_dir, flags, enc, out_lens, ref, offline, args.concurrency)
+
+
+def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, ref, offline: float,
+                 concurrency: list[int]) -> None:
+    """Each concurrency through a server started with ``flags``; its CPU counts the
+    processes it started (with --ray: the cluster's)."""
+    import psutil
+
+    total = sum(out_lens)
+    proc, port = start_server(model_dir, flags)
     try:
         asyncio.run(run_clients(port, enc[:2], out_lens[:2], 2))  # warm-up
         server = psutil.Process(proc.pid)
-        for c in args.concurrency:
-            cpu0 = sum(server.cpu_times()[:2])
+        for c in concurrency:
+            cpu0 = _tree_cpu(server)
             with OtherCPUMonitor() as mon:
-                ids, ttfts, seconds = asyncio.run(run_clients(port, enc, out_lens, c))
-            server_cpu = 100 * (sum(server.cpu_times()[:2]) - cpu0) / seconds
+                ids, times, seconds = asyncio.run(run_clients(port, enc, out_lens, c))
+            server_cpu = 100 * (_tree_cpu(server) - cpu0) / seconds
             same = sum(a == b for a, b in zip(ids, ref))
-            served = total / seconds
-            print(f"served, {c:>3} clients: {total} tokens in {seconds:.2f} s = {served:.1f} tok/s "
+            served, ttfts, latency = total / seconds, [t[0] for t in times], [t[1] for t in times]
+            print(f"{label}, {c:>3} clients: {total} tokens in {seconds:.2f} s = {served:.1f} tok/s "
                   f"({100 * served / offline:.0f}% of offline); TTFT p50 {1000 * statistics.median(ttfts):.0f} ms, "
-                  f"p99 {1000 * pct(ttfts, 0.99):.0f} ms; {same}/{len(ref)} token-identical to offline; "
+                  f"p99 {1000 * pct(ttfts, 0.99):.0f} ms; latency p50 {1000 * statistics.median(latency):.0f} ms, "
+                  f"p99 {1000 * pct(latency, 0.99):.0f} ms; {same}/{len(ref)} token-identical to offline; "
                   f"server CPU {server_cpu:.0f}%, the rest of the machine {mon.mean() - server_cpu:.0f}% "
-                  "(100% = one core)")
+                  "(100% = one core)", flush=True)
     finally:
         proc.terminate()
         try:
@@ -182,6 +203,18 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
 
+
+def _tree_cpu(proc) -> float:
+    """User + system CPU seconds of ``proc`` and its live descendants."""
+    import psutil
+
+    seconds = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            seconds += sum(p.cpu_times()[:2])
+        except psutil.Error:  # exited meanwhile
+            pass
+    return seconds
 
 if __name__ == "__main__":
     main()

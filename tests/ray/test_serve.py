@@ -95,10 +95,10 @@ def cluster():
 
 
 def _deploy(model: str, served_name: str, kv: dict) -> None:
-    """``model`` on 2 replicas (1 CPU and 1 torch thread each) behind the ingress;
-    replaces the app deployed before."""
+    """``model`` on 2 replicas (1 CPU and 1 torch thread each) behind the ingress
+    (bodies up to 1 MiB of audio); replaces the app deployed before."""
     app = build({"model": model, "replicas": 2, "num_threads": 1, "served_model_name": served_name,
-                 "kv_cache_memory": kv["kv_cache_memory"], "swap_space": kv["swap_space"]})
+                 "max_audio_mb": 1, "kv_cache_memory": kv["kv_cache_memory"], "swap_space": kv["swap_space"]})
     with deadline(STEP_SECONDS, f"deploying {served_name}"):
         serve.run(app, name=APP_NAME, route_prefix="/")
 
@@ -171,6 +171,19 @@ def test_errors_keep_encdec_serve_shapes(bart_app):
     r = httpx.post(bart_app + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert httpx.get(bart_app + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny-bart"
+    r = httpx.post(bart_app + "/v1/completions", content=b"x" * (2 << 20), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_stream_through_the_ingress(bart_app):
+    client = openai.OpenAI(base_url=bart_app + "/v1", api_key="none", max_retries=0, timeout=60)
+    prompt = _prompts(3)[2]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0)
+    with deadline(STEP_SECONDS, "a stream"):
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, stream=True)]
+    assert len(pieces) > 1 and "".join(pieces) == whole.choices[0].text
 
 
 def _replica_actors() -> dict[str, object]:

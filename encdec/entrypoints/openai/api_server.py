@@ -304,10 +304,8 @@ def _check_realtime(ws: WebSocket, state: ServerState) -> None:
                        "a Whisper model", param="model")
 
 
-def app_from_args(args: argparse.Namespace) -> FastAPI:
-    """``encdec serve``'s app from its parsed flags: the engine is built (a bad
-    flag or model fails here, before any port opens) but not started; the app's
-    lifespan starts it. ``encdec serve --ray`` builds one per engine replica."""
+def check_server_flags(args: argparse.Namespace) -> tuple:
+    """``encdec serve``'s flags checked without loading anything: (RealtimeLimits, EngineArgs)."""
     from encdec.entrypoints.openai.realtime_protocol import RealtimeLimits
 
     realtime_limits = RealtimeLimits(args.realtime_max_turn_seconds, args.realtime_idle_timeout,
@@ -315,7 +313,14 @@ def app_from_args(args: argparse.Namespace) -> FastAPI:
     for flag in ("header_read_timeout", "body_read_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    engine_args = engine_args_from(args)
+    return realtime_limits, engine_args_from(args)
+
+
+def app_from_args(args: argparse.Namespace) -> FastAPI:
+    """``encdec serve``'s app from its parsed flags: the engine is built (a bad
+    flag or model fails here, before any port opens) but not started; the app's
+    lifespan starts it. ``encdec serve --ray`` builds one per engine replica."""
+    realtime_limits, engine_args = check_server_flags(args)
     configure_cpu_runtime(engine_args.num_threads)  # a server owns its process: full CPU speed
     model_name = args.served_model_name or args.model
     metrics = ServerMetrics(model_name)

@@ -68,9 +68,11 @@ def error_messages(error: APIError) -> list[dict]:
             {"type": "http.response.body", "body": body, "more_body": False}]
 
 
-async def run_asgi(app: Any, scope: dict, receive: Receive, replica: str) -> AsyncIterator[dict]:
-    """Run ``app`` on one request and yield what it sends; a response start is
-    tagged with the replica's id (``x-encdec-replica``)."""
+async def run_asgi(app: Any, scope: dict, receive: Receive, replica: str) -> AsyncIterator[list[dict]]:
+    """Run ``app`` on one request and yield what it sends, in batches: whatever
+    is queued when the caller asks again goes as one list, consecutive body pieces
+    joined (each item crossing processes costs far more than its bytes). A
+    response start is tagged with the replica's id (``x-encdec-replica``)."""
     out: asyncio.Queue = asyncio.Queue()
     done = object()
     started = False
@@ -88,18 +90,36 @@ async def run_asgi(app: Any, scope: dict, receive: Receive, replica: str) -> Asy
 
     task = asyncio.create_task(runner())
     try:
-        while (message := await out.get()) is not done:
-            if message["type"] in ("http.response.start", "websocket.accept"):
-                started = True
+        finished = False
+        while not finished:
+            batch = [await out.get()]
+            while not out.empty():
+                batch.append(out.get_nowait())
+            finished = batch[-1] is done
+            messages = [m for m in batch if m is not done]
+            for i, message in enumerate(messages):
                 if message["type"] == "http.response.start":
-                    message = dict(message, headers=[*message.get("headers", ()), (REPLICA_HEADER, replica.encode())])
-            yield message
+                    headers = [*message.get("headers", ()), (REPLICA_HEADER, replica.encode())]
+                    messages[i] = dict(message, headers=headers)
+                started = started or message["type"] in ("http.response.start", "websocket.accept")
+            if messages:
+                yield _join_bodies(messages)
         if not started and scope["type"] == "http":
-            for message in error_messages(APIError(500, "internal error: the app sent no response",
-                                                   type="internal_error")):
-                yield message
+            yield error_messages(APIError(500, "internal error: the app sent no response", type="internal_error"))
     finally:
         task.cancel()
+
+
+def _join_bodies(messages: list[dict]) -> list[dict]:
+    """Consecutive ``http.response.body`` messages as one."""
+    out: list[dict] = []
+    for m in messages:
+        if out and m["type"] == out[-1]["type"] == "http.response.body" and out[-1].get("more_body"):
+            out[-1] = {"type": "http.response.body", "body": out[-1].get("body", b"") + m.get("body", b""),
+                       "more_body": m.get("more_body", False)}
+        else:
+            out.append(m)
+    return out
 
 
 def merge_metrics(texts: dict[str, bytes | str]) -> bytes:

@@ -1,7 +1,7 @@
 """The ingress of ``encdec serve --ray``: every request relayed to an engine replica.
 
 It reads a request's body (up to the largest audio upload plus form fields,
-else 413), sends it with the request's scope to a replica through the
+else 413; within ``--body-timeout`` seconds, else 408), sends it with the request's scope to a replica through the
 deployment handle and streams the replica's answer back. A replica that dies
 or goes silent for ``RELAY_IDLE_TIMEOUT`` seconds turns into a 503 in OpenAI's
 error shape, or, once a stream has started, an SSE error event and the end of
@@ -57,11 +57,16 @@ def _replica_lost(e: BaseException, replica: str | None) -> APIError:
                     "retry the request", type="service_unavailable")
 
 
-async def _next(stream: Any, timeout: float) -> dict | None:
-    try:
-        return await asyncio.wait_for(stream.__anext__(), timeout)
-    except StopAsyncIteration:
-        return None
+async def _messages(stream: Any, timeout: float):
+    """The replica's messages one by one (it sends them in lists); a list slower
+    than ``timeout`` seconds raises TimeoutError."""
+    while True:
+        try:
+            batch = await asyncio.wait_for(stream.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        for message in batch:
+            yield message
 
 
 class RelayedResponse(Response):
@@ -73,9 +78,19 @@ class RelayedResponse(Response):
         self.stream, self.timeout = stream, timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """(A client that goes away makes Serve cancel this call, which cancels
+        the replica's.)"""
         started, event_stream, replica = False, False, None
+        messages = _messages(self.stream, self.timeout)
         try:
-            while (message := await _next(self.stream, self.timeout)) is not None:
+            while True:
+                try:
+                    message = await messages.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as e:  # ray's actor errors, a timeout; not the client's
+                    await _fail(send, _replica_lost(e, replica), started, event_stream)
+                    return
                 if message["type"] == "relay.replica":
                     replica = message["replica"]
                     continue
@@ -84,24 +99,25 @@ class RelayedResponse(Response):
                     event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                                        for k, v in message.get("headers", ()))
                 await send(message)
-        except Exception as e:  # ray's actor errors, a timeout
-            error = _replica_lost(e, replica)
-            if not started:
-                for message in error_messages(error):
-                    await send(message)
-                return
-            tail = f"data: {json.dumps(error.response_body())}\n\n".encode() if event_stream else b""
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             self.stream.cancel()
+
+
+async def _fail(send: Any, error: APIError, started: bool, event_stream: bool) -> None:
+    if not started:
+        for message in error_messages(error):
+            await send(message)
+        return
+    tail = f"data: {json.dumps(error.response_body())}\n\n".encode() if event_stream else b""
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 class OpenAIIngress:
     """Relays each request to an engine replica; Serve calls
     ``__serve_build_asgi_app__`` after the constructor for the routes."""
 
-    def __init__(self, replicas: Any, max_body: int):
-        self.replicas, self.max_body = replicas, max_body
+    def __init__(self, replicas: Any, max_body: int, body_timeout: float):
+        self.replicas, self.max_body, self.body_timeout = replicas, max_body, body_timeout
         self.board = metrics_board()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -120,15 +136,27 @@ class OpenAIIngress:
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE)
 
     async def relay(self, request: Request, path: str) -> Response:
+        try:
+            body = await asyncio.wait_for(self._read_body(request), self.body_timeout)
+        except TimeoutError:
+            body = APIError(408, f"the request body was not complete within {self.body_timeout:g} s "
+                            "(--body-timeout)", type="timeout_error")
+        if isinstance(body, APIError):
+            return Response(json.dumps(body.response_body()), status_code=body.status,
+                            media_type="application/json", headers={"connection": "close"})
+        scope = portable_scope(request.scope, request.url.path)
+        stream = self.replicas.options(method_name="http", stream=True).remote(scope, body)
+        return RelayedResponse(stream, RELAY_IDLE_TIMEOUT)
+
+    async def _read_body(self, request: Request) -> bytes | APIError:
+        """The whole body (the replica gets it in one piece), or a 413 past the cap."""
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > self.max_body:
-                e = APIError(413, f"the request body is larger than {self.max_body} bytes")
-                return Response(json.dumps(e.response_body()), status_code=413, media_type="application/json")
-        scope = portable_scope(request.scope, request.url.path)
-        stream = self.replicas.options(method_name="http", stream=True).remote(scope, bytes(body))
-        return RelayedResponse(stream, RELAY_IDLE_TIMEOUT)
+                return APIError(413, f"the request body is over {self.max_body} bytes, this server's limit "
+                                "(--max-audio-mb sets it for audio)", param="file")
+        return bytes(body)
 
     async def websocket(self, ws: WebSocket, path: str) -> None:
         from ray.util.queue import Queue
@@ -139,7 +167,7 @@ class OpenAIIngress:
         pump = asyncio.create_task(_pump(ws, inbox))
         replica = None
         try:
-            while (message := await _next(stream, RELAY_IDLE_TIMEOUT)) is not None:
+            async for message in _messages(stream, RELAY_IDLE_TIMEOUT):
                 if message["type"] == "relay.replica":
                     replica = message["replica"]
                 else:
