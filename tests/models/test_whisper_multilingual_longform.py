@@ -73,6 +73,7 @@ def test_detected_language_equals_hf(base, clips):
                                                      for r, (lang, _, _) in zip(results, clips)))
 
 
+@pytest.mark.slow  # 45-65 s each: Whisper base long-form against HF, per task
 @pytest.mark.parametrize("task", ["transcribe", "translate"])
 def test_given_language_equals_hf(base, clips, task):
     llm, model, proc = base
