@@ -6,7 +6,8 @@ function over 80, the comparison libraries (HF ``generate``, CTranslate2,
 faster-whisper, jiwer) never imported at a module's top level, the checkout's
 ``benchmarks/`` and ``tests/`` never imported, beam search decided outside the
 engine, no ``isinstance`` on a beam row class standing for a sampling type, and
-every package says what it owns in its ``__init__`` docstring."""
+every package says what it owns in its ``__init__`` docstring, and the live
+turn state machine exists once."""
 from __future__ import annotations
 
 import ast
@@ -253,3 +254,12 @@ def test_every_package_says_what_it_owns(package):
 
 def test_a_table_of_lazy_exports_keyed_by_module_is_an_edge():
     assert "encdec.quantization.passes" in import_graph()["encdec.quantization"]
+
+
+def test_the_live_turn_state_machine_exists_once():
+    """Both live front ends drive ``LiveSession``; turn state lives in ``transcription/live`` alone."""
+    for front_end in ("encdec/entrypoints/openai/realtime.py", "encdec/transcription/stream.py"):
+        assert "LiveSession(" in (ROOT / front_end).read_text(), front_end
+    turn_classes = {name for name, tree in TREES.items() for node in ast.walk(tree)
+                    if isinstance(node, ast.ClassDef) and node.name.endswith(("Turn", "TurnEnded"))}
+    assert {n for n in turn_classes if not n.startswith("encdec.transcription.live.")} == set(), turn_classes
