@@ -218,7 +218,7 @@ async def _load(base: str, seconds_after: float, kill) -> tuple[list, list]:
             while not stop.is_set():
                 try:
                     raw = await client.completions.with_raw_response.create(
-                        model=MODEL, prompt=prompts[i % 64], max_tokens=240, temperature=0.0, n=4,
+                        model=MODEL, prompt=prompts[i % 64], max_tokens=120 + i % 120, temperature=0.0, n=4,
                         extra_body={"ignore_eos": True})
                     answers.append((time.monotonic(), raw.headers.get("x-encdec-replica"), raw.parse()))
                 except openai.APIError as e:
@@ -228,6 +228,7 @@ async def _load(base: str, seconds_after: float, kill) -> tuple[list, list]:
         workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
         while len({a[1] for a in answers}) < 2 and not errors:
             await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # both replicas have taken new requests (each takes about a second)
         killed_at = time.monotonic()
         await asyncio.to_thread(kill)
         await asyncio.sleep(seconds_after)

@@ -70,25 +70,38 @@ async def _messages(stream: Any, timeout: float):
 
 
 class RelayedResponse(Response):
-    """Sends what the replica's app sends; a lost replica before the response
-    starts is a 503, after it an SSE error event (streams) or a cut body."""
+    """Sends what the replica's app sends. A replica lost before it took the
+    request (it had not named itself: Serve routed to it before seeing it die)
+    means one more try on another replica; a replica lost with the request is a
+    503 before the response starts, after it an SSE error event (streams) or a
+    cut body."""
 
-    def __init__(self, stream: Any, timeout: float):
+    def __init__(self, call: Any, timeout: float):
         super().__init__()
-        self.stream, self.timeout = stream, timeout
+        self.call, self.timeout = call, timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         """(A client that goes away makes Serve cancel this call, which cancels
         the replica's.)"""
-        started, event_stream, replica = False, False, None
-        messages = _messages(self.stream, self.timeout)
+        started, event_stream, replica, tries, ended = False, False, None, 2, False
+        stream = self.call()
+        messages = _messages(stream, self.timeout)
         try:
             while True:
                 try:
                     message = await messages.__anext__()
                 except StopAsyncIteration:
+                    ended = True  # nothing to cancel: a finished call's cancel can reach the proxy's
                     return
-                except Exception as e:  # ray's actor errors, a timeout; not the client's
+                except (Exception, asyncio.CancelledError) as e:  # ray's errors, a timeout; not the client's
+                    if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                        raise  # this call is being cancelled (the client left)
+                    tries -= 1
+                    if replica is None and tries and not isinstance(e, TimeoutError):
+                        stream.cancel()
+                        stream = self.call()
+                        messages = _messages(stream, self.timeout)
+                        continue
                     await _fail(send, _replica_lost(e, replica), started, event_stream)
                     return
                 if message["type"] == "relay.replica":
@@ -100,7 +113,8 @@ class RelayedResponse(Response):
                                        for k, v in message.get("headers", ()))
                 await send(message)
         finally:
-            self.stream.cancel()
+            if not ended:
+                stream.cancel()
 
 
 async def _fail(send: Any, error: APIError, started: bool, event_stream: bool) -> None:
@@ -145,8 +159,8 @@ class OpenAIIngress:
             return Response(json.dumps(body.response_body()), status_code=body.status,
                             media_type="application/json", headers={"connection": "close"})
         scope = portable_scope(request.scope, request.url.path)
-        stream = self.replicas.options(method_name="http", stream=True).remote(scope, body)
-        return RelayedResponse(stream, RELAY_IDLE_TIMEOUT)
+        handle = self.replicas.options(method_name="http", stream=True)
+        return RelayedResponse(lambda: handle.remote(scope, body), RELAY_IDLE_TIMEOUT)
 
     async def _read_body(self, request: Request) -> bytes | APIError:
         """The whole body (the replica gets it in one piece), or a 413 past the cap."""
@@ -172,11 +186,13 @@ class OpenAIIngress:
                     replica = message["replica"]
                 else:
                     await ws.send(message)
+            stream = None  # ended: nothing to cancel
         except Exception as e:  # the replica died: its session ends, others go on
             await _close(ws, 1011, _replica_lost(e, replica).message)
         finally:
             pump.cancel()
-            stream.cancel()
+            if stream is not None:
+                stream.cancel()
             inbox.shutdown(force=True)
 
 
