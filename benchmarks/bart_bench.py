@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import tempfile
-import time
 
 from encdec.bench.common import (
     OtherCPUMonitor,
@@ -40,7 +38,7 @@ from encdec.bench.common import (
     load_levels,
 )
 
-from .harness import agreement, make_workload, run_ct2, run_ours
+from .harness import agreement, make_workload, padded, run_ct2, run_ours
 
 
 def run_hf(model_dir: str, enc, out_lens, batch: int) -> tuple[int, float]:
