@@ -54,7 +54,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--replica-gpus", type=float, default=0.0,
                        help="GPUs Ray reserves for each engine replica (with --ray)")
     scale.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
-                       help="encoder passes on E workers, decoding on D engines (with --ray)")
+                       help="encoder passes on E workers, decoding on D engines (with --ray; not built yet: "
+                            "refused with that message)")
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)
     p.set_defaults(scheduling_policy="priority")
