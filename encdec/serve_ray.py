@@ -151,7 +151,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     """Join the cluster at ``RAY_ADDRESS`` (or start a local one), deploy, and
     serve on ``--host``/``--port`` until SIGINT/SIGTERM."""
     import signal
-    import threading
+    import time
 
     ray, serve = _ray()
     application = build_application(args)  # flag errors before any process starts
@@ -161,10 +161,11 @@ def serve_ray(args: argparse.Namespace) -> int:
     serve.run(application, name=APP_NAME, route_prefix="/")
     print(f"encdec serve --ray: {args.replicas} replica(s) of {args.model} on http://{args.host}:{args.port}",
           flush=True)
-    stop = threading.Event()
+    stopping: list[int] = []  # a flag only: a lock taken in a handler can deadlock its own thread
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
+    while not stopping:
+        time.sleep(0.2)
     serve.delete(APP_NAME)
     serve.shutdown()
     return 0
