@@ -157,13 +157,14 @@ def serve_ray(args: argparse.Namespace) -> int:
     application = build_application(args)  # flag errors before any process starts
     if not ray.is_initialized():
         ray.init(configure_logging=False)
+    # set after ray.init (which sets its own); a signal while deploying stops once deployed
+    stopping: list[int] = []  # a flag only: a lock taken in a handler can deadlock its own thread
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application, name=APP_NAME, route_prefix="/")
     print(f"encdec serve --ray: {args.replicas} replica(s) of {args.model} on http://{args.host}:{args.port}",
           flush=True)
-    stopping: list[int] = []  # a flag only: a lock taken in a handler can deadlock its own thread
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _: stopping.append(signum))
     while not stopping:
         time.sleep(0.2)
     serve.delete(APP_NAME)

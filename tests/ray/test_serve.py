@@ -62,6 +62,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_cli_serves_and_stops_on_sigint(tiny_bart, tmp_path):
+    """``encdec serve MODEL --ray`` (its own local cluster, in a subprocess) answers a
+    completion, and SIGINT stops it with exit status 0 (it runs before this module's
+    cluster starts)."""
+    import subprocess
+    import sys
+
+    port, log = _free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "encdec.entrypoints.cli", "serve", tiny_bart, "--ray",
+                                 "--replicas", "1", "--port", str(port), "--num-threads", "1",
+                                 "--kv-cache-memory", str(BART_KW["kv_cache_memory"]), "--swap-space", "0.05"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        end = time.monotonic() + STEP_SECONDS
+        while time.monotonic() < end and proc.poll() is None:
+            if "replica(s) of" in log.read_text():  # printed once deployed
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"not healthy: {log.read_text()[-2000:]}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        assert client.completions.create(model=tiny_bart, prompt="hello", max_tokens=4).choices[0].text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A quiet local cluster with Serve on a free loopback port; yields its base URL.
