@@ -6,13 +6,9 @@ One cluster serves the module; its processes are gone after teardown. Every
 job runs under a deadline, since the machine is shared and slow at times."""
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +19,8 @@ pytest.importorskip("ray.data")
 
 from encdec import LLM, SamplingParams
 from encdec.ray import LLMPredictor
+from tests.ray import local_cluster
+from tests.ray.local_cluster import deadline
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")]
@@ -34,32 +32,12 @@ SPEECH = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
 JOB_SECONDS = 300  # generous: other test suites share these 2 cores
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, what: str):
-    """Raise in the main thread if the block takes longer than ``seconds``."""
-    def expire(signum, frame):
-        raise TimeoutError(f"{what} took more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """A quiet local cluster; teardown checks that all its processes exit."""
     import psutil
 
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    temp_dir = tempfile.mkdtemp(prefix="encdec-ray-")  # short: Ray puts unix sockets here
-    with deadline(120, "ray.init"):
-        ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
-                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                 log_to_driver=False, configure_logging=False)
+    temp_dir = local_cluster.start("encdec-ray-")
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -68,15 +46,7 @@ def cluster():
     try:
         yield
     finally:
-        ray.shutdown()
-        _, alive = psutil.wait_procs(ours, timeout=30)
-        for p in alive:  # idle workers can outlive shutdown on a loaded host: ours, by pid
-            p.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=10)
-        for p in alive:
-            p.kill()
-        _, left = psutil.wait_procs(alive, timeout=10)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        left = local_cluster.stop(ours, temp_dir)
         assert not left, f"Ray processes survived SIGKILL after ray.shutdown(): {left}"
 
 

@@ -13,10 +13,8 @@ import asyncio
 import base64
 import contextlib
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +29,8 @@ httpx = pytest.importorskip("httpx")
 
 from encdec import LLM, SamplingParams  # noqa: E402
 from encdec.serve_ray import APP_NAME, build  # noqa: E402
+from tests.ray import local_cluster  # noqa: E402
+from tests.ray.local_cluster import deadline  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
@@ -39,21 +39,6 @@ BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
 WHISPER_KW = dict(kv_cache_memory=256 << 20, swap_space=0.1)
 STEP_SECONDS = 300  # generous: other test suites share these 2 cores
 MODEL = "tiny-bart"  # the served name of the BART app
-
-
-@contextlib.contextmanager
-def deadline(seconds: float, what: str):
-    """Raise in the main thread if the block takes longer than ``seconds``."""
-    def expire(signum, frame):
-        raise TimeoutError(f"{what} took more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _free_port() -> int:
@@ -102,12 +87,7 @@ def cluster():
     Teardown checks that all its processes exit."""
     import psutil
 
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    temp_dir = tempfile.mkdtemp(prefix="encdec-serve-")  # short: Ray puts unix sockets here
-    with deadline(120, "ray.init"):
-        ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
-                 include_dashboard=False, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                 log_to_driver=False, configure_logging=False)
+    temp_dir = local_cluster.start("encdec-serve-")
     ours = psutil.Process().children(recursive=True)
     port = _free_port()
     try:
@@ -117,15 +97,7 @@ def cluster():
     finally:
         with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
             serve.shutdown()
-        ray.shutdown()
-        ours += [p for p in psutil.Process().children(recursive=True) if p not in ours]
-        _, alive = psutil.wait_procs(ours, timeout=30)
-        for p in alive:  # idle workers can outlive shutdown on a loaded host: ours, by pid
-            p.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=10)
-        for p in alive:
-            p.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        local_cluster.stop(ours, temp_dir)
 
 
 def _deploy(model: str, served_name: str, kv: dict) -> None:
