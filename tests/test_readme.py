@@ -94,7 +94,7 @@ def test_readme_command_runs_as_written(command, kind, tmp_path):
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_readme_python_block_parses(index):
-    ast.parse(_blocks("python")[index])
+    assert ast.parse(_blocks("python")[index]).body  # a SyntaxError fails it; an empty block too
 
 
 def test_readme_links_point_at_files():

@@ -3,7 +3,6 @@ never waits on another request's compile) and refuses a bad one before
 anything is queued."""
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 
@@ -16,6 +15,7 @@ from encdec import SamplingParams, StructuredOutputsParams  # noqa: E402
 from encdec.engine.arg_utils import EngineArgs  # noqa: E402
 from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest  # noqa: E402
 from encdec.structured_output import backend  # noqa: E402
+from tests.entrypoints.test_async_engine import run  # noqa: E402
 from tests.structured_output.conftest import SCHEMA  # noqa: E402
 
 
@@ -24,14 +24,6 @@ def engine(tiny_bart):
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01))
     yield eng
     eng.shutdown(30)
-
-
-def _run(engine, coro):
-    async def main():
-        engine.start(asyncio.get_running_loop())
-        return await asyncio.wait_for(coro(), 120)
-
-    return asyncio.run(main())
 
 
 def test_compiled_off_the_engine_thread(engine, monkeypatch):
@@ -51,7 +43,7 @@ def test_compiled_off_the_engine_thread(engine, monkeypatch):
             last = out
         return last
 
-    out = _run(engine, go)
+    out = run(engine, go)
     jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
     assert callers and callers[0] != "encdec-engine"  # the first compile: before the engine thread's cached lookups
 
@@ -65,4 +57,4 @@ def test_bad_grammar_refused_before_queueing(engine):
                                        AsyncRequest("bad", "hi", params)])
         return engine.engine.get_num_unfinished_requests()
 
-    assert _run(engine, go) == 0
+    assert run(engine, go) == 0

@@ -24,7 +24,8 @@ def _check_json(outputs) -> None:
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
-def _json_modes(llm, n: int) -> None:
+def _json_modes(llm, n: int) -> int:
+    """How many outputs validated (greedy, sampled, every returned beam)."""
     so = StructuredOutputsParams(json=SCHEMA)
     greedy = llm.generate(prompts(n), SamplingParams(temperature=0, max_tokens=120, structured_outputs=so))
     _check_json([o.outputs[0] for o in greedy])
@@ -36,15 +37,16 @@ def _json_modes(llm, n: int) -> None:
     returned = [c for o in beams for c in o.outputs]
     assert len(returned) == 4 * max(1, n // 4)
     _check_json(returned)
+    return len(greedy) + len(sampled) + len(returned)
 
 
 def test_json_schema_greedy_sampled_beams(family_llm):
-    _json_modes(family_llm, N)
+    assert _json_modes(family_llm, N) == 2 * N + 4 * max(1, N // 4)
 
 
 @pytest.mark.slow
 def test_json_schema_64_outputs(family_llm):
-    _json_modes(family_llm, 64)
+    assert _json_modes(family_llm, 64) == 2 * 64 + 4 * 16
 
 
 def test_regex_choice_grammar(family_llm):

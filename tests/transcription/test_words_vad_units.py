@@ -96,6 +96,6 @@ def test_vad_parameters_out_of_range_are_refused_naming_the_field(params, field)
 
 
 def test_vad_parameters_in_range_are_taken():
-    TranscribeOptions(vad_filter=True, vad_parameters={"threshold": 0.3, "neg_threshold": None,
-                                                       "max_speech_duration_s": math.inf, "speech_pad_ms": 0})
-    TranscribeOptions(vad_filter=True, vad_parameters={"threshold": 0.6, "neg_threshold": 0.4})
+    for params in ({"threshold": 0.3, "neg_threshold": None, "max_speech_duration_s": math.inf, "speech_pad_ms": 0},
+                   {"threshold": 0.6, "neg_threshold": 0.4}):
+        assert TranscribeOptions(vad_filter=True, vad_parameters=params).vad_parameters == params
