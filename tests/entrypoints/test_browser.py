@@ -198,6 +198,10 @@ def test_key_then_keyboard_upload_equals_transcribe(chromium, keyed_whisper, whi
     assert page.locator("#key-form").is_hidden()  # kept for the session
     assert page.locator("#tr-language").is_hidden() and page.locator("#tr-translate").is_hidden()  # English only
 
+    # Subscribe to file choosers before the key press: Playwright turns the browser's
+    # interception on by a message it does not wait for, and a chooser opened before
+    # that lands is the native one, which headless Chromium never reports.
+    page.on("filechooser", lambda _: None)
     _tab_to(page, "tr-file")
     with page.expect_file_chooser() as chooser:
         page.keyboard.press("Space")
