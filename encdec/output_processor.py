@@ -11,12 +11,11 @@ deciders, which ``Scheduler.update`` applies each step:
 and owns what they leave behind:
 
     text          a token that does not end its sequence may leave its text
-                  pending (``StopChecker.check(defer_text=True)``); the pending
-                  list is the stop checker's alone, decoded by ``flush_text``
-                  at defined points: the start of each ``Scheduler.update``,
-                  while a step's kernels run (the engine, between
-                  ``execute_model`` and ``get_output``), and here before
-                  any unfinished request's output is read
+                  owed (``StopChecker.check(defer_text=True)``, where no stop
+                  string needs it); owed text is decoded here before any
+                  output is made (``settle_text``), and by the stop checker,
+                  whole, when a sequence ends. A batch job's request is decoded
+                  once, at its end, not token by token
     outputs       ``make_output``: a finished group as a ``RequestOutput`` (a
                   beam group's from its finished hypotheses)
 """
@@ -42,18 +41,22 @@ class OutputProcessor:
                                         eos_token_id=eos_token_id)
         self.beams = BeamSearchManager(seq_ids, tokenizer)
 
-    def flush_text(self) -> None:
-        """Decode every token whose text the stop checker left pending."""
-        self.stop_checker.flush_text()
-
     def make_output(self, group: SequenceGroup) -> RequestOutput:
-        """A finished group's output (its text is never pending: a token that
-        ends a sequence is decoded at once)."""
+        """A finished group's output (an aborted sequence's owed text decoded first)."""
         if group.sampling_params.sampling_type is SamplingType.BEAM:
             return self.beams.make_output(group)
+        self._settle(group)
         return RequestOutput.from_seq_group(group)
 
     def partial_outputs(self, groups: Iterable[SequenceGroup]) -> dict[str, RequestOutput]:
         """What unfinished groups have produced so far, every token's text included."""
-        self.flush_text()
-        return {g.request_id: RequestOutput.from_seq_group(g) for g in groups}
+        out = {}
+        for group in groups:
+            self._settle(group)
+            out[group.request_id] = RequestOutput.from_seq_group(group)
+        return out
+
+    def _settle(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            if seq.num_text_tokens < seq.get_output_len():
+                self.stop_checker.settle_text(seq, group.sampling_params)

@@ -124,16 +124,47 @@ class Detokenizer:
         return self._tokens_to_string(tokens)
 
     def decode_sequence_inplace(self, seq: Sequence, params: Any) -> int:
-        """Append the newest token's text to ``seq.output_text``; return the
-        number of characters added (the stop checker searches only those)."""
+        """Append the text of every output token ``output_text`` lacks, the newest
+        last; return the number of characters the newest added (the stop checker
+        searches only those, and trims them when the token ends the sequence)."""
+        self.decode_owed(seq, params, upto=seq.get_output_len() - 1)
+        return self._decode_next(seq, params)
+
+    def decode_owed(self, seq: Sequence, params: Any, upto: int | None = None) -> None:
+        """Append the text of the output tokens before ``upto`` (default: all)
+        that ``output_text`` lacks. Owed text from the first token on is decoded
+        in one call when it ends cleanly: the text token-by-token decoding gives
+        (tests/test_detokenizer.py), at a fraction of its cost; text ending in
+        an incomplete character goes token by token, which holds it back."""
+        ids = seq.get_output_token_ids()
+        end = len(ids) if upto is None else upto
+        if seq.num_text_tokens >= end:
+            return
+        if seq.tokens is None and seq.num_text_tokens == 0 and end > 1:
+            tokens = self._to_tokens(ids[:end], params.skip_special_tokens)
+            text = self._to_string(tokens, params) if tokens else ""
+            if not text.endswith("\ufffd"):
+                seq.output_text += text
+                seq.tokens = tokens
+                seq.prefix_offset = max(len(tokens) - 5, 0)
+                seq.read_offset = len(tokens)
+                seq.num_text_tokens = end
+                return
+        while seq.num_text_tokens < end:
+            self._decode_next(seq, params)
+
+    def _decode_next(self, seq: Sequence, params: Any) -> int:
+        """The first owed token's text (vLLM's prefix/read offsets); returns the characters added."""
         skip = params.skip_special_tokens
+        ids = seq.get_output_token_ids()
+        i = seq.num_text_tokens
         if seq.tokens is None:
             # Start from the output so far (nonempty only after a fork/recompute).
-            seq.tokens = self._to_tokens(seq.get_output_token_ids()[:-1], skip)
+            seq.tokens = self._to_tokens(ids[:i], skip)
             seq.prefix_offset = max(len(seq.tokens) - 5, 0)
             seq.read_offset = len(seq.tokens)
-        new_tokens = self._to_tokens([seq.get_last_token_id()], skip)
-        seq.tokens.extend(new_tokens)
+        seq.tokens.extend(self._to_tokens([ids[i]], skip))
+        seq.num_text_tokens = i + 1
         # Empty after every token that produced text (the common case): no decoder call.
         prefix = (self._to_string(seq.tokens[seq.prefix_offset: seq.read_offset], params)
                   if seq.read_offset > seq.prefix_offset else "")

@@ -134,7 +134,9 @@ class Sequence:
         self.output_text = ""
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
-        # Incremental detokenizer state (see encdec.outputs).
+        # Incremental detokenizer state (see encdec.outputs): output tokens whose
+        # text output_text holds (the rest is owed, decoded when read or at the end).
+        self.num_text_tokens = 0
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
@@ -179,7 +181,7 @@ class Sequence:
         return self.data.cumulative_logprob
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return self.status >= SequenceStatus.FINISHED_STOPPED  # SequenceStatus.is_finished, inlined: hot
 
     def reset_state_for_recompute(self) -> None:
         self.data.reset_state_for_recompute()
@@ -307,11 +309,14 @@ class SequenceGroup:
 
     def update_num_computed_tokens(self, n: int) -> None:
         for seq in self.seqs:
-            if not seq.is_finished():
+            if seq.status < SequenceStatus.FINISHED_STOPPED:
                 seq.data.update_num_computed_tokens(n)
 
     def is_finished(self) -> bool:
-        return all(s.is_finished() for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # most groups; asked for every group of every step
+            return seqs[0].status >= SequenceStatus.FINISHED_STOPPED
+        return all(s.is_finished() for s in seqs)
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id}, num_seqs={len(self.seqs)})"

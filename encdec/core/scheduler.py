@@ -45,6 +45,7 @@ from encdec.core.scheduler_outputs import (
     StepBlocks,
     StructuredDecider,
 )
+from encdec.core.step_metadata import StepMetadata
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
@@ -95,6 +96,8 @@ class Scheduler(Preemption):
         self._requests: dict[str, tuple[int, SequenceGroup]] = {}
         self._counter = itertools.count()
         self._batch_seq_ids: dict[int, None] = {}  # last step's scheduled seq_ids, in order
+        self._running_sorted = True  # running is in _key order (groups appended since: False)
+        self._metadata = StepMetadata(self.block_manager)
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -143,6 +146,7 @@ class Scheduler(Preemption):
             self.block_manager.free(seq)
         self.block_manager.free_cross(group)
         self._requests.pop(group.request_id, None)
+        self._metadata.forget(group.request_id)
         if self.structured is not None:
             self.structured.free([s.seq_id for s in group.get_seqs()])
 
@@ -153,19 +157,25 @@ class Scheduler(Preemption):
         and out of ``running``. Returns the groups that finished in this step, the
         ones ``schedule`` could never run first."""
         sched = scheduler_outputs
-        groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
-        self.stop_checker.flush_text()  # text a sequence's last token left: before it appends the next
         step_update.mark_computed(sched)
-        step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker,
-                                   self.structured)
+        ended = step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker,
+                                           self.structured)
+        groups: dict[str, SequenceGroup] = {}
+        if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
+            groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
         step_update.keep_prompt_logprobs(runner_output, groups)
         decisions = self.beams.decide(runner_output.beam_candidates, groups) if runner_output.beam_candidates else []
         for decision in decisions:
             step_update.apply_beam_decision(decision, groups[decision.request_id], self.block_manager,
                                             self.structured)
+        ended += [groups[d.request_id] for d in decisions]  # beams end groups in their decisions only
         finished = list(sched.ignored_seq_groups)
-        finished += [s.seq_group for s in sched.scheduled_seq_groups if s.seq_group.is_finished()]
-        self.free_finished_seq_groups()
+        done = {id(g): g for g in ended if g.is_finished()}
+        if done:
+            finished += [s.seq_group for s in sched.scheduled_seq_groups if id(s.seq_group) in done]
+            self.running = [g for g in self.running if id(g) not in done]
+            for group in done.values():
+                self._free_group(group)
         return finished
 
     def free_finished_seq_groups(self) -> None:
@@ -197,11 +207,20 @@ class Scheduler(Preemption):
         When the cache is full, preempt from the least urgent end, which is the
         group itself once it is the least urgent one left."""
         bm = self.block_manager
-        queue = deque(sorted(self.running, key=self._key))
+        if not self._running_sorted:  # keys never change: sorted stays sorted as groups leave
+            self.running.sort(key=self._key)
+            self._running_sorted = True
+        queue = deque(self.running)
         kept: list[SequenceGroup] = []
         preempted = 0
         while queue:
             group = queue.popleft()
+            seqs = group.seqs
+            # Most rows of most steps: one sequence whose next token lands in a block
+            # it alone holds; the block manager has nothing to do for it.
+            if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and bm.slot_is_ready(seqs[0]):
+                kept.append(group)
+                continue
             while not bm.can_append_slots(group):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, blocks)
@@ -253,6 +272,7 @@ class Scheduler(Preemption):
                 seq.status = SequenceStatus.RUNNING
                 blocks.copy.extend(bm.append_slots(seq))
             self.running.append(group)
+            self._running_sorted = False
             resumed.append(group)
             self.stats.num_swapped_in += 1
             self.stats.num_blocks_swapped_in += len(pairs)
@@ -297,6 +317,7 @@ class Scheduler(Preemption):
                 seq.status = SequenceStatus.RUNNING
             budget -= tokens
             self.running.append(group)
+            self._running_sorted = False
             admitted.append(group)
             self._record_admission(group.request_id)
             if group.metrics.first_scheduled_time is None:
@@ -353,31 +374,12 @@ class Scheduler(Preemption):
             prefills = self._schedule_waiting(blocks)
         self.num_steps += 1
         bm = self.block_manager
-        metas, scheduled = [], []
-        for group, is_prompt in [(g, True) for g in prefills] + [(g, False) for g in decodes]:
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            # A prefill (first, or after recompute) computes prompt + outputs so far.
-            chunk = seqs[0].get_len() if is_prompt else 1
-            cached = is_prompt and self._cross_kv_cached(group)
-            scheduled.append(ScheduledSequenceGroup(group, chunk))
-            metas.append(SequenceGroupMetadata(
-                request_id=group.request_id,
-                is_prompt=is_prompt,
-                seq_data={s.seq_id: s.data for s in seqs},
-                sampling_params=group.sampling_params,
-                block_tables={s.seq_id: bm.get_block_table(s) for s in seqs},
-                token_chunk_size=chunk,
-                encoder_seq_data=group.encoder_seq.data,
-                cross_block_table=bm.get_cross_block_table(group),
-                encoder_inputs=(group.encoder_seq.inputs.get("encoder_features")
-                                if is_prompt and not cached else None),
-                cross_kv_cached=cached,
-            ))
+        metas, scheduled = self._metadata.build(prefills, decodes, self._cross_kv_cached)
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
-        num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)]) + \
-            sum(g.num_seqs(SequenceStatus.RUNNING) for g in decodes)
+        num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)])
         batch = dict.fromkeys(sid for m in metas for sid in m.seq_data)
+        num_tokens += len(batch) - sum(len(m.seq_data) for m in metas[: len(prefills)])  # one per decode row
         joined = [sid for sid in batch if sid not in self._batch_seq_ids]
         left = [sid for sid in self._batch_seq_ids if sid not in batch]
         self._batch_seq_ids = batch

@@ -41,24 +41,26 @@ def mark_computed(sched: SchedulerOutputs) -> None:
 
 
 def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   stop_checker: StopChecker, structured: StructuredDecider | None = None) -> None:
-    """Each sequence's tokens, stop-checked one by one. Only a sequence's last
-    token may leave its text for later (``StopChecker.check(defer_text=True)``):
-    the detokenizer decodes a sequence's newest token only."""
+                   stop_checker: StopChecker, structured: StructuredDecider | None = None) -> list[SequenceGroup]:
+    """Each sequence's tokens, stop-checked one by one; their text may be left
+    owed (``StopChecker.check(defer_text=True)``) where no stop string needs it.
+    Returns the groups a sequence of which finished (each once)."""
     seqs = {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
             for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
+    ended: dict[int, SequenceGroup] = {}
     for sample in samples:
         seq, group = seqs[sample.seq_id]
-        last = len(sample.sampled_token_ids) - 1
         for i, token_id in enumerate(sample.sampled_token_ids):
             seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
-            stop_checker.check(seq, group.sampling_params, defer_text=i == last)
+            stop_checker.check(seq, group.sampling_params, defer_text=True)
             if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
-                stop_checker.flush_text()  # a finished sequence's text is never pending
+                stop_checker.settle_text(seq, group.sampling_params)  # a finished sequence's text is never owed
             if seq.is_finished():
                 block_manager.free(seq)
+                ended[id(group)] = group
                 break
+    return list(ended.values())
 
 
 def keep_prompt_logprobs(runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup]) -> None:

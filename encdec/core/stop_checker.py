@@ -31,41 +31,39 @@ class StopChecker:
         self.get_tokenizer_len = get_tokenizer_len
         self.detokenizer = detokenizer
         self.eos_token_id = eos_token_id
-        self._pending_text: list[tuple[Any, SamplingParams]] = []  # (seq, params): last token's text owed
 
     def check(self, seq: Any, sampling_params: SamplingParams, *, defer_text: bool = False) -> None:
         """The token just appended to ``seq``: its text (when the request wants
         text and a detokenizer was given), then whether it ends the sequence.
 
         ``defer_text``: a request with no stop strings is decided by token ids
-        alone, so a token that does not end its sequence may leave its text to
-        ``flush_text`` (the engine calls it while the next step's kernels run).
-        A token that ends it is decoded now: the request's output is made from
-        this step's text."""
+        alone, so a token that does not end its sequence may leave its text
+        owed: decoded when someone reads it (``settle_text``: partial outputs)
+        or, in one call for the whole output, when the sequence ends here. A
+        sequence's text is never owed once it finished."""
         params = sampling_params
         if self.detokenizer is None or not params.detokenize:
             self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
             return
         if defer_text and not params.stop:
             self.maybe_stop_sequence(seq, 0, params, self.eos_token_id)
-            if not seq.is_finished():
-                self._pending_text.append((seq, params))
-                return
-            added = self.detokenizer.decode_sequence_inplace(seq, params)
-            if seq.status == SequenceStatus.FINISHED_STOPPED:  # eos or a stop token id: as maybe_stop_sequence
-                self._trim_token_text(seq, added, params)
+            if seq.is_finished():  # eos or a stop token id (not its text): as maybe_stop_sequence
+                self.settle_text(seq, params, trim_last=seq.status == SequenceStatus.FINISHED_STOPPED)
             return
         added = self.detokenizer.decode_sequence_inplace(seq, params)
         self.maybe_stop_sequence(seq, added, params, self.eos_token_id)
 
-    def flush_text(self) -> None:
-        """Decode every token ``check`` left without its text. The pending list is
-        this object's alone; it must be flushed before a pending sequence appends
-        its next token (``Scheduler.update`` does, first) and before anything
-        reads its text (``encdec.output_processor``)."""
-        pending, self._pending_text = self._pending_text, []
-        for seq, params in pending:
-            self.detokenizer.decode_sequence_inplace(seq, params)
+    def settle_text(self, seq: Any, sampling_params: SamplingParams, *, trim_last: bool = False) -> None:
+        """Decode the text ``check`` left owed. ``trim_last``: the newest token
+        ended the sequence as a stop token, so its text is cut as
+        ``maybe_stop_sequence`` cuts it."""
+        params = sampling_params
+        if self.detokenizer is None or not params.detokenize:
+            return
+        if trim_last:
+            self._trim_token_text(seq, self.detokenizer.decode_sequence_inplace(seq, params), params)
+        else:
+            self.detokenizer.decode_owed(seq, params)
 
     def maybe_stop_sequence(self, seq: Any, new_char_count: int, sampling_params: SamplingParams,
                             eos_token_id: int | None = None) -> None:

@@ -2,7 +2,6 @@
 
     seq_group_metadata, scheduler_outputs = self.scheduler.schedule()
     step = self.worker.execute_model(seq_group_metadata, scheduler_outputs)
-    self.output_processor.flush_text()  # while the device computes the step
     return self._update(scheduler_outputs, step.get_output())
 
 The worker owns the device (model, KV cache, persistent batch, runner); the
@@ -195,9 +194,6 @@ class LLMEngine:
         """One scheduled forward; returns the requests that finished in it."""
         metas, sched = self.scheduler.schedule()
         step = self.worker.execute_model(metas, sched)  # returns once its kernels are queued
-        # The last step's text, decoded while a GPU computes this one (detokenizing
-        # 256 rows takes ~1 ms of host time a step, during which it would sit idle).
-        self.output_processor.flush_text()
         return self._update(sched, step.get_output())
 
     def _update(self, sched: SchedulerOutputs, output: ModelRunnerOutput) -> list[RequestOutput]:

@@ -29,6 +29,7 @@ from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import padded_to_device, split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
 from encdec.sample.sampler import Sampler
+from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
 from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
@@ -102,14 +103,23 @@ class _DecoderRows:
         last = len(self.tokens) - 1
         self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
 
-    def add_decode(self, m: SequenceGroupMetadata) -> None:
-        for sid, sd in m.seq_data.items():
-            n = sd.get_len()
-            self.rows.append(SampledRow(sid, len(self.tokens), m))
-            self.table_rows.append(len(self.tables))
-            self.tokens.append(sd.get_last_token_id())
-            self.positions.append(n - 1)
-            self._add_table(m, sid, n)
+    def add_decodes(self, metas: list[SequenceGroupMetadata]) -> None:
+        """One token per decoding sequence. Every step runs this for every
+        decoding row, so the lists are bound once here rather than looked up per row."""
+        rows, table_rows, tokens, positions = self.rows, self.table_rows, self.tokens, self.positions
+        seq_lens, tables, enc_lens, cross_tables = self.seq_lens, self.tables, self.enc_lens, self.cross_tables
+        for m in metas:
+            enc_len = len(m.encoder_seq_data.prompt_token_ids)
+            for sid, sd in m.seq_data.items():
+                n = sd.get_len()
+                rows.append(SampledRow(sid, len(tokens), m))
+                table_rows.append(len(tables))
+                tokens.append(sd.get_last_token_id())
+                positions.append(n - 1)
+                seq_lens.append(n)
+                tables.append(m.block_tables[sid])
+                enc_lens.append(enc_len)
+                cross_tables.append(m.cross_block_table)
 
 
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
@@ -140,6 +150,7 @@ class EncoderDecoderModelRunner:
         self.block_size = cache.block_size
         self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
         self.graphs: Any = None  # DecodeGraphs (worker/cuda_graphs.py) on CUDA: decode steps replayed
+        self._last_order: tuple[list[int], list[int]] | None = None  # (rows' seq_ids, batch order) of the last step
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata]) -> ModelInput:
@@ -150,8 +161,7 @@ class EncoderDecoderModelRunner:
         for m in prefills:
             dec.add_prefill(m)
         num_prefill_tokens = len(dec.tokens)
-        for m in metas[len(prefills):]:
-            dec.add_decode(m)
+        dec.add_decodes(metas[len(prefills):])
         enc = _EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
@@ -212,14 +222,21 @@ class EncoderDecoderModelRunner:
         if not rows:
             return []
         joined = set(sched.seq_ids_joined)
-        for row in rows:
-            if row.seq_id in joined:
-                sd = row.meta.seq_data[row.seq_id]
-                ib.add_request(str(row.seq_id), row.meta.sampling_params, sd.prompt_token_ids,
-                               sd.output_token_ids, seed_index=sd.sample_index)
+        if joined:
+            for row in rows:
+                if row.seq_id in joined:
+                    sd = row.meta.seq_data[row.seq_id]
+                    ib.add_request(str(row.seq_id), row.meta.sampling_params, sd.prompt_token_ids,
+                                   sd.output_token_ids, seed_index=sd.sample_index)
         ib.condense()
+        # Most steps run the same rows in the same order as the last: its order holds.
+        key = [row.seq_id for row in rows]
+        if self._last_order is not None and not joined and not sched.seq_ids_left and key == self._last_order[0]:
+            return self._last_order[1]
         index = {str(row.seq_id): i for i, row in enumerate(rows)}
-        return [index[key] for key in ib.req_ids]
+        order = [index[k] for k in ib.req_ids]
+        self._last_order = (key, order)
+        return order
 
     # -- step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -249,7 +266,8 @@ class EncoderDecoderModelRunner:
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
         token_lps = prompt_token_logprobs(all_logits[len(order):], asked)
         # Beam search: its groups' rows go to candidate selection, not sampling.
-        beam = find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
+        beam = (find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
+                if any(m.sampling_params.sampling_type is SamplingType.BEAM for m in metas) else None)
         with single_thread(small):
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))

@@ -113,43 +113,58 @@ def test_token_past_the_tokenizer_stops() -> None:
     assert (step, seq.status, seq.stop_reason) == (3, SequenceStatus.FINISHED_STOPPED, 12)
 
 
-# -- text left for the next step's kernels (check(defer_text=True), flush_text) ---------
+# -- text left owed (check(defer_text=True)), decoded when read or at the end ----------
 
 
 class FakeDetok:
-    """Appends each token's text from a table; counts its calls."""
+    """Appends each owed token's text from a table (the counter the real one
+    keeps on the sequence); counts the tokens it decoded."""
 
     def __init__(self, texts: dict[int, str]) -> None:
         self.texts, self.calls = texts, 0
 
+    def decode_owed(self, seq, params, upto: int | None = None) -> None:
+        end = len(seq.output) if upto is None else upto
+        while seq.num_text_tokens < end:
+            self._next(seq)
+
     def decode_sequence_inplace(self, seq, params) -> int:
+        self.decode_owed(seq, params, len(seq.output) - 1)
+        return self._next(seq)
+
+    def _next(self, seq) -> int:
         self.calls += 1
-        text = self.texts[seq.get_last_token_id()]
+        text = self.texts[seq.output[seq.num_text_tokens]]
+        seq.num_text_tokens += 1
         seq.output_text += text
         return len(text)
 
 
 class FakeSeqWithStatus(FakeSeq):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_text_tokens = 0
+
     def is_finished(self) -> bool:
         return SequenceStatus.is_finished(self.status)
 
 
 def _run(params: SamplingParams, tokens: list[int], defer: bool) -> tuple[FakeSeqWithStatus, int]:
-    """The engine's order: pending text flushed before each append, then the check."""
+    """Append and check each token (the engine's order); returns the sequence and
+    the most tokens whose text was owed at once."""
     texts = {t: s for t, s in WORDS} | {EOS: "</s>"}
     detok = FakeDetok(texts)
     checker = StopChecker(100, detokenizer=detok, eos_token_id=EOS)
     seq = FakeSeqWithStatus()
-    pending_seen = 0
+    most_owed = 0
     for token in tokens:
-        checker.flush_text()
         seq.output.append(token)
         checker.check(seq, params, defer_text=defer)
-        pending_seen += len(checker._pending_text)
+        most_owed = max(most_owed, len(seq.output) - seq.num_text_tokens)
         if seq.is_finished():
             break
-    checker.flush_text()
-    return seq, pending_seen
+    checker.settle_text(seq, params)
+    return seq, most_owed
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(stop_token_ids=[12]),
@@ -160,21 +175,22 @@ def _run(params: SamplingParams, tokens: list[int], defer: bool) -> tuple[FakeSe
 def test_deferred_text_ends_as_immediate_text(params: SamplingParams) -> None:
     tokens = [10, 11, 12, EOS, 13, 14]
     now, _ = _run(params, tokens, defer=False)
-    later, pending = _run(params, tokens, defer=True)
+    later, owed = _run(params, tokens, defer=True)
     assert (later.output_text, later.status, later.stop_reason) == (now.output_text, now.status, now.stop_reason)
-    # Text waits only where no stop string needs it; the token that ends the sequence never waits.
-    assert (pending > 0) == (not params.stop)
+    assert later.num_text_tokens == len(later.output)  # a finished sequence owes no text
+    # Text waits only where no stop string needs it.
+    assert (owed > 0) == (not params.stop)
 
 
-def test_a_finishing_token_is_decoded_at_once() -> None:
-    detok = FakeDetok({10: "Hello", EOS: "</s>"})
+def test_a_finishing_token_settles_the_whole_text() -> None:
+    detok = FakeDetok({10: "Hello", 11: " world", EOS: "</s>"})
     checker = StopChecker(100, detokenizer=detok, eos_token_id=EOS)
     seq = FakeSeqWithStatus()
-    seq.output.append(10)
-    checker.check(seq, SamplingParams(), defer_text=True)
-    assert (seq.output_text, detok.calls) == ("", 0)  # left for flush_text
-    checker.flush_text()
+    for token in (10, 11):
+        seq.output.append(token)
+        checker.check(seq, SamplingParams(), defer_text=True)
+    assert (seq.output_text, detok.calls) == ("", 0)  # owed
     seq.output.append(EOS)
     checker.check(seq, SamplingParams(), defer_text=True)
     assert seq.status == SequenceStatus.FINISHED_STOPPED
-    assert (seq.output_text, detok.calls, checker._pending_text) == ("Hello", 2, [])  # eos text trimmed
+    assert (seq.output_text, detok.calls, seq.num_text_tokens) == ("Hello world", 3, 3)  # eos text trimmed

@@ -1,5 +1,6 @@
-"""A step's text is decoded while the next step's kernels run (StopChecker.flush_text);
-what callers read must not lag: partial outputs carry every token's text."""
+"""A step's text may be left owed (decoded when read, or whole at the end:
+StopChecker.check(defer_text=True)); what callers read must not lag: partial
+outputs carry every token's text, final outputs equal token-by-token decoding."""
 from __future__ import annotations
 
 from encdec import LLM, SamplingParams
@@ -23,4 +24,28 @@ def test_partial_outputs_carry_the_last_steps_text(tiny_bart):
     assert [p.token_ids for p in partial] == [c.token_ids for c in cut]
     assert [p.text for p in partial] == [c.text for c in cut]
     assert final.text.startswith(partial[-1].text) and any(p.text for p in partial)
-    assert eng.output_processor.stop_checker._pending_text == []
+    assert eng.scheduler.get_seq_group("r") is None
+
+
+def test_text_decoded_at_the_end_equals_text_decoded_each_step(tiny_bart):
+    """The same requests, their text decoded whole at the end (nobody read it
+    before) and token by token (a partial output read after every step)."""
+    llm = LLM(tiny_bart, device="cpu", kv_cache_memory=16 << 20)
+    eng = llm.llm_engine
+    prompts = ["the quick brown fox jumps", "over the lazy dog", "a b c d e f g", "hello world"]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=24, skip_special_tokens=False),
+             SamplingParams(temperature=0.0, max_tokens=24, skip_special_tokens=False,
+                            spaces_between_special_tokens=False, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=24)]
+    whole = [o.outputs[0] for o in llm.generate(prompts, kinds, use_tqdm=False)]
+    for i, (p, k) in enumerate(zip(prompts, kinds)):
+        eng.add_request(f"s{i}", p, k)
+    stepped = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            stepped[out.request_id] = out.outputs[0]
+        eng.get_partial_outputs([f"s{i}" for i in range(len(prompts))])
+    assert [stepped[f"s{i}"].text for i in range(len(prompts))] == [w.text for w in whole]
+    assert [stepped[f"s{i}"].token_ids for i in range(len(prompts))] == [w.token_ids for w in whole]
+    assert any(w.text for w in whole)
