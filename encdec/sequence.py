@@ -130,7 +130,7 @@ class Sequence:
             ids, text = inputs["encoder_prompt_token_ids"], inputs.get("encoder_prompt")
         self.prompt = text
         self.data = SequenceData(ids)
-        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.output_logprobs: list[dict[int, Logprob] | None] = []
         self.output_text = ""
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -154,9 +154,10 @@ class Sequence:
         return (self.get_len() + self.block_size - 1) // self.block_size
 
     def append_token_id(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
-        logprobs = logprobs or {}
+        # None where the request asked for no logprobs: no object per token for the
+        # garbage collector to walk (a request that asks gets a dict every token).
         self.output_logprobs.append(logprobs)
-        lp = logprobs.get(token_id)
+        lp = logprobs.get(token_id) if logprobs else None
         self.data.append_token_id(token_id, lp.logprob if lp is not None else 0.0)
 
     def get_len(self) -> int:

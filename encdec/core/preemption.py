@@ -10,6 +10,7 @@ from collections import deque
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import CacheConfig, PreemptionMode, SchedulerConfig
 from encdec.core.scheduler_outputs import SchedulerStats, StepBlocks
+from encdec.core.step_metadata import StepMetadata
 from encdec.sequence import SequenceGroup, SequenceStatus
 
 
@@ -24,6 +25,7 @@ class Preemption:
     running: list[SequenceGroup]
     swapped: deque[SequenceGroup]
     stats: SchedulerStats
+    _metadata: StepMetadata
 
     # -- failure ---------------------------------------------------------------
     def _fail(self, group: SequenceGroup, error: str, status: SequenceStatus,
@@ -59,6 +61,7 @@ class Preemption:
         mode, and a single-sequence group is recomputed when CPU swap is full.
         """
         bm = self.block_manager
+        self._metadata.forget(group.request_id)  # swap-in and recompute give it new tables
         mode = self.scheduler_config.preemption_mode or PreemptionMode.SWAP
         can_recompute = group.get_max_num_running_seqs() == 1
         if mode is PreemptionMode.RECOMPUTE and not can_recompute:

@@ -287,6 +287,7 @@ class Scheduler(Preemption):
             return admitted
         if self._by_priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._key))
+        num_running = self._num_running_seqs()  # counted once, kept as groups are admitted
         while self.waiting:
             group = self.waiting[0]
             if not self._outranks_swapped(group):
@@ -309,13 +310,14 @@ class Scheduler(Preemption):
             tokens = seqs[0].get_len() + group.encoder_seq.get_len()
             if admitted and tokens > budget:
                 break
-            if self._num_running_seqs() + len(seqs) > cfg.max_num_seqs:
+            if num_running + len(seqs) > cfg.max_num_seqs:
                 break
             self.waiting.popleft()
             bm.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             budget -= tokens
+            num_running += len(seqs)
             self.running.append(group)
             self._running_sorted = False
             admitted.append(group)

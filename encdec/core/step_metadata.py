@@ -4,9 +4,9 @@ scheduler's ``ScheduledSequenceGroup``) per scheduled group, prefills first.
 A decode row of a single-sequence group keeps one pair across steps: its
 sequence data and its self and cross tables are live objects that grow in
 place, and a decode always computes one token, so last step's pair still says
-everything. The pair is rebuilt when the block manager holds another table
-object than the one it names (swap-in, recompute, a fork), and dropped when the
-group prefills again or is freed. Building it afresh for every row of every
+everything. The pair is dropped when the group is preempted (swap-in and
+recompute give it new tables), prefills again or is freed, and rebuilt when
+the block manager holds another self table than the one it names. Building it afresh for every row of every
 step cost a few microseconds each: at 256 rows, a large share of a small
 model's step. No torch here.
 """
@@ -58,10 +58,10 @@ class StepMetadata:
         if len(seqs) != 1:
             return False
         seq = seqs[0]
-        bm = self._bm
+        # Preemption forgets the pair (its tables are replaced when it comes back);
+        # this guards what else could replace them: another sequence, another table.
         return (seq.status is SequenceStatus.RUNNING and meta.seq_data.get(seq.seq_id) is seq.data
-                and meta.block_tables.get(seq.seq_id) is bm.get_block_table(seq)
-                and meta.cross_block_table is bm.get_cross_block_table(group))
+                and meta.block_tables.get(seq.seq_id) is self._bm.get_block_table(seq))
 
     def _entry(self, group: SequenceGroup, is_prompt: bool, cached: bool) -> Entry:
         bm = self._bm
