@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from encdec.sequence import Logprob
 
 
-@dataclass
+@dataclass(slots=True)  # one per row per step: slots make it cheaper to build
 class SampledTokens:
     """The tokens one decoder sequence (a persistent-batch row) appends this step."""
 
