@@ -164,11 +164,13 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
         self.num_cache_layers = cfg.decoder_layers  # one KV cache tensor per decoder layer
         self.num_kv_heads = cfg.decoder_attention_heads
         self.head_size = cfg.d_model // cfg.decoder_attention_heads
-        # Pre-norm families (mBART, M2M100, NLLB) have Whisper's decoder layer: their
-        # decode steps run as one C call (FusedDecodeStep) where the kernel has the
-        # activation. Post-norm ones (BART, Marian) run op by op.
+        # Decode steps run as one C call (FusedDecodeStep) where the kernel has the
+        # activation: pre-norm families (mBART, M2M100, NLLB) have Whisper's decoder
+        # layer; post-norm ones (BART; Marian's SiLU runs op by op) the same layer
+        # with each norm after its residual add.
         self.fused_activation = cfg.activation_function
-        self.fused_decode = layout.pre_norm and cfg.activation_function in decoder_step_cpu.ACTIVATIONS
+        self.fused_post_norm = not layout.pre_norm
+        self.fused_decode = cfg.activation_function in decoder_step_cpu.ACTIVATIONS
 
     # -- family hooks --------------------------------------------------------------
     @staticmethod

@@ -292,11 +292,13 @@ class FusedDecodeStep:
     pre-norm BART families'; T5's non-gated ones): a decode-only CPU step runs every layer in one C
     call (``decoder_step_cpu``: the same math, one parallel region, no per-op
     overhead). ``fused_decode`` False runs them op by op (tests compare the two);
-    ``fused_activation`` names the FFN's activation. The weights are checked,
-    packed and their pointers taken on the first step."""
+    ``fused_activation`` names the FFN's activation; ``fused_post_norm``: the
+    layers are post-norm (BART's). The weights are checked, packed and their
+    pointers taken on the first step."""
 
     fused_decode: bool = True
     fused_activation: str = "gelu"
+    fused_post_norm: bool = False
     _fused_weights: Any = None  # decoder_step_cpu.DecoderWeights, or None: the kernel cannot run these weights
     _fused_checked: bool = False
 
@@ -307,7 +309,8 @@ class FusedDecodeStep:
         if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
             return False
         if not self._fused_checked:
-            self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers), self.fused_activation)
+            self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers), self.fused_activation,
+                                                                   post_norm=self.fused_post_norm)
             self._fused_checked = True
         if self._fused_weights is None:
             return False

@@ -1,9 +1,10 @@
 """The pre-norm BART families (mBART: GELU; M2M100 and NLLB: ReLU) have Whisper's
-decoder layer, and T5's (ReLU, RMSNorm, no biases, a position bias) is the same
-with those changes, so their decode-only CPU steps run every layer in one C call
+decoder layer, T5's (ReLU, RMSNorm, no biases, a position bias) is the same
+with those changes, and BART's (GELU) the same with each norm after its
+residual add, so their decode-only CPU steps run every layer in one C call
 (``decoder_step_cpu``): the same tokens and log-probabilities as op by op, for
-each ISA build this CPU runs. Post-norm families (BART, Marian) and T5 v1.1's
-gated FFN run op by op."""
+each ISA build this CPU runs. Marian's SiLU FFN and T5 v1.1's gated FFN run op
+by op."""
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,13 @@ def _t5(path: str, seed: int) -> str:
     return make_random_t5(path, seed=seed, d_kv=16, init_factor=1.5)
 
 
-PRE_NORM = {"m2m100": (make_random_m2m100, "relu"), "mbart": (make_random_mbart, "gelu"), "t5": (_t5, "relu")}
+FUSED = {"m2m100": (make_random_m2m100, "relu"), "mbart": (make_random_mbart, "gelu"), "t5": (_t5, "relu"),
+         "bart": (make_random_bart, "gelu")}
 
 
-@pytest.fixture(scope="module", params=sorted(PRE_NORM))
+@pytest.fixture(scope="module", params=sorted(FUSED))
 def family(request, tmp_path_factory):
-    make, activation = PRE_NORM[request.param]
+    make, activation = FUSED[request.param]
     path = make(str(tmp_path_factory.mktemp(request.param)), seed=1)
     return request.param, activation, LLM(path, kv_cache_memory=32 << 20, enable_encoder_cache=False)
 
@@ -41,12 +43,13 @@ def _run(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
-def test_pre_norm_families_decode_in_one_call(family, isa, monkeypatch):
+def test_families_decode_in_one_call(family, isa, monkeypatch):
     name, activation, llm = family
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert decoder_step_cpu.path(isa) == isa
     model = llm.llm_engine.worker.model
     assert model.fused_activation == activation
+    assert model.fused_post_norm == (name == "bart")
     ran = []
     real = decoder_step_cpu.decode_step
     monkeypatch.setattr(decoder_step_cpu, "decode_step", lambda *a, **k: (out := real(*a, **k), ran.append(
@@ -63,9 +66,8 @@ def test_pre_norm_families_decode_in_one_call(family, isa, monkeypatch):
         torch.testing.assert_close(torch.tensor(lp_f), torch.tensor(lp_o), atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("make", [make_random_bart, make_random_marian,
-                                  lambda p: make_random_t5(p, style="t5-v1.1", d_kv=16)])
-def test_post_norm_families_and_gated_t5_run_op_by_op(make, tmp_path):
+@pytest.mark.parametrize("make", [make_random_marian, lambda p: make_random_t5(p, style="t5-v1.1", d_kv=16)])
+def test_silu_marian_and_gated_t5_run_op_by_op(make, tmp_path):
     model = LLM(make(str(tmp_path / "m")), kv_cache_memory=16 << 20).llm_engine.worker.model
     assert model.fused_decode is False
 
@@ -78,8 +80,9 @@ def test_t5_with_heads_narrower_than_d_model_runs_op_by_op(tmp_path):
     assert _run(llm, True) and model._fused_checked and model._fused_weights is None
 
 
+@pytest.mark.parametrize("make", [make_random_m2m100, make_random_bart])  # pre-norm, post-norm
 @pytest.mark.parametrize("isa", build.host_isas())
-def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch, isa):
+def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch, isa, make):
     """quantization="int8" where the kernels' ISA has VNNI: the fused step runs the
     decoder's int8 weights (small_linear_int8_cpu), with the same tokens as the
     int8 layers op by op (the same int8 products; float32 rounding of the scales differs)."""
@@ -89,7 +92,7 @@ def test_int8_decoder_steps_run_int8_in_one_call(tmp_path, monkeypatch, isa):
     if not small_linear_int8_cpu.vnni_available():
         pytest.skip(f"the fused int8 step needs VNNI on the {isa} path (AVX512-VNNI, AVX-VNNI); "
                     "without it the decoder keeps float32 weights in the step")
-    llm = LLM(make_random_m2m100(str(tmp_path / "m"), seed=1), kv_cache_memory=32 << 20,
+    llm = LLM(make(str(tmp_path / "m"), seed=1), kv_cache_memory=32 << 20,
               enable_encoder_cache=False, quantization="int8")
     model = llm.llm_engine.worker.model
     assert all(m.int8 is not None for m in (model.decoder.layers[0].fc1, model.decoder.layers[-1].self_attn.qkv_proj))

@@ -30,6 +30,11 @@
  * The BART-layout pre-norm families (mBART, M2M100, NLLB) have Whisper's
  * layer, biases included; they differ in the activation alone.
  *
+ * Post-norm (post_norm: BART's layer) is the same layer with each norm moved
+ * after its residual add, h = LN1(h + out1(...)) and so on: the matmuls read
+ * h itself, and each norm runs in place on h in the next norm's phase (the
+ * last in LN_OUT).
+ *
  * T5's layer (rms_norm, no biases: NULL, scale 1, a ReLU FFN) is the same
  * layer with RMSNorm (x * rsqrt(mean(x^2) + eps) * w, no mean, no bias) and
  * its relative position bias in self-attention (a per-step distance table,
@@ -211,7 +216,8 @@ static int32_t max_len(const int32_t *lens, int64_t M) {
 /* Rows per item of the row-wise phases (LayerNorm, K/V copy, joins). */
 #define ROWS_ITEM 4
 /* The phases of one layer, in order (TEAM_PHASE numbers them l * PHASES + k). */
-enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, QF, FC2, PHASES };
+enum { LN1, QKV, KV_COPY, SELF_ATT, SELF_JOIN, O1, LN2, Q, CROSS_ATT, CROSS_JOIN, O2, LN3, FC1, QF, FC2, LN_OUT,
+       PHASES };
 
 /* A step's arguments and scratch, shared by its threads (step_job). */
 typedef struct {
@@ -226,6 +232,7 @@ typedef struct {
     float eps, scale;
     int ffn_post;  /* POST_GELU or POST_RELU: fc1's activation */
     int rms_norm;  /* T5: RMSNorm (the norms' biases unused) */
+    int post_norm; /* BART: each norm after its residual add, in place on h */
     const float *bias;  /* T5: self-attention's distance table (H, bias_stride), or NULL */
     int64_t bias_stride;
     int kv_bf16;        /* the caches hold bfloat16 (else float32) */
@@ -255,13 +262,15 @@ static void quantize_step_rows(const step_t *s, const float *x, int64_t ldx, int
     for (int64_t m = r0; m < r1; m++) quantize_row_u8(x + m * ldx, K, s->xq + m * ldq, s->rs + m);
 }
 
-/* x = LN(h) for rows [r0, r1), and the rows quantized for an int8 matmul. */
+/* The next matmul's input rows [r0, r1), quantized for an int8 matmul:
+ * x = LN(h), or post-norm h = LN(h) in place (w NULL: h as it is). */
 static void norm_rows(const step_t *s, const float *w, const float *b, int64_t r0, int64_t r1) {
-    if (s->rms_norm)
-        rms_norm_rows(s->x, s->h, w, r0, r1, s->d, s->eps);
-    else
-        layer_norm_rows(s->x, s->h, w, b, r0, r1, s->d, s->eps);
-    quantize_step_rows(s, s->x, s->d, s->d, r0, r1);
+    float *out = s->post_norm ? s->h : s->x;
+    if (w && s->rms_norm)
+        rms_norm_rows(out, s->h, w, r0, r1, s->d, s->eps);
+    else if (w)
+        layer_norm_rows(out, s->h, w, b, r0, r1, s->d, s->eps);
+    quantize_step_rows(s, out, s->d, s->d, r0, r1);
 }
 
 /* Row m of an attention's output a from its parts, and the row quantized for an int8 matmul. */
@@ -284,7 +293,8 @@ static void step_matmul(const step_t *s, int64_t i, float *y, int64_t ldy, const
 /* Every layer's phases, in order; tid picks this thread's scores scratch. */
 static void step_job(void *arg, int tid) {
     step_t *s = arg;
-    float *h = s->h, *x = s->x, *qkv = s->qkv, *q = s->q, *a = s->a, *f = s->f, *part = s->part;
+    float *h = s->h, *qkv = s->qkv, *q = s->q, *a = s->a, *f = s->f, *part = s->part;
+    const float *x = s->post_norm ? h : s->x;  /* the matmuls' input rows (norm_rows) */
     float *scores = s->scores_all + tid * s->scores_size;
     const int64_t M = s->M, d = s->d, H = s->H, D = d / H, ffn = s->ffn, block_size = s->block_size, C = s->C;
     const int64_t rows_items = (M + ROWS_ITEM - 1) / ROWS_ITEM;
@@ -296,7 +306,12 @@ static void step_job(void *arg, int tid) {
 #define QW(name) (qw ? &qw->name : NULL)
         const int p = (int)(l * PHASES);
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
-        TEAM_PHASE(team, p + LN1, rows_items, norm_rows(s, w->ln1_w, w->ln1_b, ROWS(i)));
+        /* Post-norm: norm k of the layer runs in phase k + 1 (LN2, LN3, LN_OUT); LN1 quantizes h for an
+         * int8 first layer (later ones' LN_OUT did). */
+        const layer_t *pre = s->post_norm ? NULL : w;
+        const int post = s->post_norm;
+        TEAM_PHASE(team, p + LN1, post && !(s->qlayers && l == 0) ? 0 : rows_items,
+                   norm_rows(s, pre ? w->ln1_w : NULL, w->ln1_b, ROWS(i)));
         TEAM_PHASE(team, p + QKV, matmul_items(3 * d),
                    step_matmul(s, i, qkv, 3 * d, x, d, w->qkv_w, QW(qkv), w->qkv_b, d, 3 * d, POST_NONE));
         TEAM_PHASE(team, p + KV_COPY, M, copy_kv(s, w, qkv + i * 3 * d + d, s->slots[i]));
@@ -307,7 +322,8 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
         TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN2, rows_items, norm_rows(s, w->ln2_w, w->ln2_b, ROWS(i)));
+        TEAM_PHASE(team, p + LN2, rows_items,
+                   norm_rows(s, pre ? w->ln2_w : w->ln1_w, pre ? w->ln2_b : w->ln1_b, ROWS(i)));
         TEAM_PHASE(team, p + Q, matmul_items(d),
                    step_matmul(s, i, q, d, x, d, w->q_w, QW(q), w->q_b, d, d, POST_NONE));
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
@@ -317,12 +333,14 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
         TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
-        TEAM_PHASE(team, p + LN3, rows_items, norm_rows(s, w->ln3_w, w->ln3_b, ROWS(i)));
+        TEAM_PHASE(team, p + LN3, rows_items,
+                   norm_rows(s, pre ? w->ln3_w : w->ln2_w, pre ? w->ln3_b : w->ln2_b, ROWS(i)));
         TEAM_PHASE(team, p + FC1, matmul_items(ffn),
                    step_matmul(s, i, f, ffn, x, d, w->fc1_w, QW(fc1), w->fc1_b, d, ffn, s->ffn_post));
         TEAM_PHASE(team, p + QF, s->qlayers ? rows_items : 0, quantize_step_rows(s, f, ffn, ffn, ROWS(i)));
         TEAM_PHASE(team, p + FC2, matmul_items(d),
                    step_matmul(s, i, h, d, f, ffn, w->fc2_w, QW(fc2), w->fc2_b, ffn, d, POST_ADD));
+        TEAM_PHASE(team, p + LN_OUT, post ? rows_items : 0, norm_rows(s, w->ln3_w, w->ln3_b, ROWS(i)));
 #undef ROWS
 #undef QW
     }
@@ -337,6 +355,7 @@ static void step_job(void *arg, int tid) {
  * biases unused); bias: self-attention's distance table (H, bias_stride,
  * bias_stride >= the longest self length), or NULL. Biases of matmuls may be
  * NULL (none). kv_bf16: the layers' caches hold bfloat16 (else float32).
+ * post_norm: BART's post-norm layers (the header).
  * Returns 0, or -1 where the scratch could not be allocated, or ffn_post is
  * neither (then nothing was done). */
 int decoder_step_f32(
@@ -344,7 +363,7 @@ int decoder_step_f32(
     const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
-    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16)
+    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16, int post_norm)
 {
     if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
@@ -373,8 +392,8 @@ int decoder_step_f32(
         .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
-        .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .bias = bias, .bias_stride = bias_stride,
-        .kv_bf16 = kv_bf16,
+        .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .post_norm = post_norm, .bias = bias,
+        .bias_stride = bias_stride, .kv_bf16 = kv_bf16,
         .rs = part + M * C * (d + 2 * H) + nt * scores_size,
         .xq = (uint8_t *)counters + counter_bytes,
         .team = {0, 0, counters, counters + P + 1},

@@ -1,6 +1,7 @@
 """Builds and calls ``decoder_step_cpu.c``: every pre-LayerNorm decoder layer
 (Whisper's; mBART's, M2M100's and NLLB's are the same layer with a GELU or ReLU
-FFN) of a decode-only step, in one call whose threads share each phase (team.h).
+FFN), or every post-LayerNorm one (BART's), of a decode-only step, in one call
+whose threads share each phase (team.h).
 
 The C file includes the panel matmul and paged attention kernels, so its
 vector path is theirs (``path(isa)``: "avx512", "avx2" or "none"), built by
@@ -32,7 +33,7 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # table once; past this the work buffers grow and the step runs op by op.
 MAX_ROWS = 256
 _ARGS = [_P, _P, _I64, _I64, _I64, _I64, _F, _F, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int,
-         ctypes.c_int, _P, ctypes.c_int, _P, _I64, ctypes.c_int]
+         ctypes.c_int, _P, ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.c_int]
 ACTIVATIONS = {act: small_linear_cpu.POST[act] for act in ("gelu", "relu")}  # the FFN activations the kernel runs
 _KERNEL = build.Kernel("decoder_step_cpu.c", "decoder_step_f32", _ARGS, ctypes.c_int,
                        "decoder layers of decode steps run op by op (slower)", path_symbol="decoder_step_path")
@@ -55,6 +56,7 @@ class DecoderWeights:
     weight_ptrs: list[list[int]]  # per layer, 18 addresses
     int8_table: torch.Tensor | None = None  # (layers, 18) int64: the C qlayer_t array, or None (float32)
     rms_norm: bool = False  # T5's RMSNorm (no mean, no bias) in place of LayerNorm
+    post_norm: bool = False  # BART's layers: each norm after its residual add
     _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, repr=False)
 
     def table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -66,10 +68,11 @@ class DecoderWeights:
         return self._table[1]
 
 
-def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
+def decoder_weights(layers, activation: str = "gelu", *, post_norm: bool = False) -> DecoderWeights | None:
     """The arguments of ``decode_step`` for ``layers`` (pre-norm decoder layers:
     ``WhisperDecoderLayer``s, ``BartDecoderLayer``s of a pre-norm family, or
-    ``T5DecoderLayer``s with a non-gated FFN: RMSNorm, no biases) whose FFN
+    ``T5DecoderLayer``s with a non-gated FFN: RMSNorm, no biases; ``post_norm``:
+    BART's post-norm ``BartDecoderLayer``s) whose FFN
     applies ``activation`` (exact "gelu" or "relu"), or None where the kernel
     cannot run them (another activation; a gated FFN; no build; a weight not
     float32 (or int8 from ``Linear.quantize_int8`` on a CPU with VNNI), CPU,
@@ -116,11 +119,11 @@ def decoder_weights(layers, activation: str = "gelu") -> DecoderWeights | None:
             tensors += [t for pk in packed for t in (pk.wq, pk.ws, pk.comp)]
             int8_rows.append([a for pk in packed for a in pk.ptrs()])
         shapes.add((fc2.out_features, sa.num_heads, fc1.out_features, norms[0].eps, sa.scale))
-    if len(shapes) != 1:
+    if len(shapes) != 1 or (post_norm and rms == {True}):
         return None
     d, heads, ffn, eps, scale = shapes.pop()
     table = None if int8_rows is None else torch.tensor(int8_rows, dtype=torch.int64)
-    return DecoderWeights(d, heads, ffn, eps, scale, activation, tensors, ptrs, table, rms.pop())
+    return DecoderWeights(d, heads, ffn, eps, scale, activation, tensors, ptrs, table, rms.pop(), post_norm)
 
 
 def _ffn(layer) -> tuple | None:
@@ -172,7 +175,8 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
         self_lens.data_ptr(), cross_tables.data_ptr(), cross_tables.stride(0), cross_lens.data_ptr(), threads,
         ACTIVATIONS[w.activation], None if w.int8_table is None else w.int8_table.data_ptr(), int(w.rms_norm),
         None if position_bias is None else position_bias.data_ptr(),
-        0 if position_bias is None else position_bias.shape[1], int(kv_caches[0].dtype == torch.bfloat16))
+        0 if position_bias is None else position_bias.shape[1], int(kv_caches[0].dtype == torch.bfloat16),
+        int(w.post_norm))
     if rc != 0:
         raise MemoryError("decoder step kernel could not allocate its scratch")
     return h
