@@ -156,16 +156,21 @@ class BlockSpaceManager:
                 needed += gpu.get_ref_count(table[i]) > 1
         return needed <= self.get_num_free_gpu_blocks()
 
-    def slot_is_ready(self, seq: Sequence) -> bool:
-        """Whether a decode step's one write (position ``get_len() - 1``) lands in
-        a block ``seq`` alone holds, so ``append_slots`` would change nothing:
-        checked per row per step, before the general path."""
+    def slot_is_ready(self, seq: Sequence, num_lookahead_slots: int = 0) -> bool:
+        """Whether a decode step's one write (position ``get_len() - 1``, plus the
+        lookahead) lands in a block ``seq`` alone holds, so ``append_slots`` would
+        change nothing: checked per row per step, before the general path."""
         table = self.block_tables[seq.seq_id]
         data = seq.data
         n = data.get_len()
-        if n > len(table) * self.block_size or data.get_num_computed_tokens() < n - 1:
+        end = n + num_lookahead_slots
+        if end > len(table) * self.block_size or data.get_num_computed_tokens() < n - 1:
             return False
-        return self.gpu_allocator.get_ref_count(table[(n - 1) // self.block_size]) == 1
+        bs, ref = self.block_size, self.gpu_allocator.get_ref_count
+        first, last = (n - 1) // bs, (end - 1) // bs
+        if first == last:  # a decode step without lookahead: one block
+            return ref(table[first]) == 1
+        return all(ref(table[i]) == 1 for i in range(first, last + 1))
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
         """Make the slots this step writes exist and belong to ``seq`` alone.

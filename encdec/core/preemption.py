@@ -1,5 +1,6 @@
 """How a group leaves the device before it finishes: preemption (swap out or
-recompute) and failure (a group that can never run). A part of ``Scheduler``,
+recompute) and failure (a group that can never run); and how a swapped group
+comes back. A part of ``Scheduler``,
 kept apart so each file reads as one concern; it works on the scheduler's own
 queues, block manager and stats. No torch here.
 """
@@ -119,3 +120,44 @@ class Preemption:
         self.running = running
         self.stats.num_preempted_for_priority += preempted
         return preempted
+
+    def _schedule_swapped(self, blocks: StepBlocks) -> list[SequenceGroup]:
+        """Resume swapped groups, most urgent first, stopping at the first that
+        does not fit (so a big group is not starved by smaller ones behind it).
+        Under the priority policy, stop before a group a waiting one outranks."""
+        bm = self.block_manager
+        if self._by_priority and len(self.swapped) > 1:
+            self.swapped = deque(sorted(self.swapped, key=self._key))
+        best_waiting = min((g.priority for g in self.waiting), default=None) if self._by_priority else None
+        resumed: list[SequenceGroup] = []
+        while self.swapped:
+            group = self.swapped[0]
+            if best_waiting is not None and best_waiting < group.priority:
+                break
+            status = bm.can_swap_in(group)
+            if status is AllocStatus.LATER and bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks:
+                status = AllocStatus.NEVER  # the cache is empty and it still does not fit
+            if status is AllocStatus.NEVER:
+                self.swapped.popleft()
+                live = group.get_seqs(SequenceStatus.SWAPPED)
+                held = {b for s in live for b in bm.get_block_table(s)}
+                need = len(held) + len(bm.get_cross_block_table(group)) + len(live)  # + next tokens
+                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            if self._num_running_seqs() + group.num_seqs(SequenceStatus.SWAPPED) > \
+                    self.scheduler_config.max_num_seqs:
+                break
+            self.swapped.popleft()
+            pairs = bm.swap_in(group)
+            blocks.swap_in.extend(pairs)
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+                blocks.copy.extend(bm.append_slots(seq))
+            self.running.append(group)
+            self._running_sorted = False
+            resumed.append(group)
+            self.stats.num_swapped_in += 1
+            self.stats.num_blocks_swapped_in += len(pairs)
+        return resumed

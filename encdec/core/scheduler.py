@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import CacheConfig, SchedulerConfig
@@ -97,6 +97,7 @@ class Scheduler(Preemption):
         self._counter = itertools.count()
         self._batch_seq_ids: dict[int, None] = {}  # last step's scheduled seq_ids, in order
         self._running_sorted = True  # running is in _key order (groups appended since: False)
+        self.num_appended = 0  # tokens the last update appended (beams' excepted)
         self._metadata = StepMetadata(self.block_manager)
 
     # -- queues ----------------------------------------------------------------
@@ -158,8 +159,8 @@ class Scheduler(Preemption):
         ones ``schedule`` could never run first."""
         sched = scheduler_outputs
         step_update.mark_computed(sched)
-        ended = step_update.append_samples(runner_output.samples, sched, self.block_manager, self.stop_checker,
-                                           self.structured)
+        ended, self.num_appended = step_update.append_samples(
+            runner_output.samples, sched, self.block_manager, self.stop_checker, self.structured)
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
@@ -202,7 +203,7 @@ class Scheduler(Preemption):
         return self._by_priority and group.priority < min(g.priority for g in self.swapped)
 
     # -- schedule --------------------------------------------------------------
-    def _schedule_running(self, blocks: StepBlocks) -> tuple[list[SequenceGroup], int]:
+    def _schedule_running(self, blocks: StepBlocks, ahead: Collection[int] = ()) -> tuple[list[SequenceGroup], int]:
         """Give each running group, most urgent first, the slot of its next token.
         When the cache is full, preempt from the least urgent end, which is the
         group itself once it is the least urgent one left."""
@@ -216,12 +217,14 @@ class Scheduler(Preemption):
         while queue:
             group = queue.popleft()
             seqs = group.seqs
+            # A sequence of the step still running computes one position further.
+            lookahead = 1 if ahead and any(s.seq_id in ahead for s in seqs) else 0
             # Most rows of most steps: one sequence whose next token lands in a block
             # it alone holds; the block manager has nothing to do for it.
-            if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and bm.slot_is_ready(seqs[0]):
+            if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and bm.slot_is_ready(seqs[0], lookahead):
                 kept.append(group)
                 continue
-            while not bm.can_append_slots(group):
+            while not bm.can_append_slots(group, lookahead):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, blocks)
                 preempted += 1
@@ -229,54 +232,13 @@ class Scheduler(Preemption):
                     break
             else:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    blocks.copy.extend(bm.append_slots(seq))
+                    blocks.copy.extend(bm.append_slots(seq, lookahead))
                 kept.append(group)
         self.running = kept
         return list(kept), preempted  # a copy: running grows with resumed and new groups
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
-
-    def _schedule_swapped(self, blocks: StepBlocks) -> list[SequenceGroup]:
-        """Resume swapped groups, most urgent first, stopping at the first that
-        does not fit (so a big group is not starved by smaller ones behind it).
-        Under the priority policy, stop before a group a waiting one outranks."""
-        bm = self.block_manager
-        if self._by_priority and len(self.swapped) > 1:
-            self.swapped = deque(sorted(self.swapped, key=self._key))
-        best_waiting = min((g.priority for g in self.waiting), default=None) if self._by_priority else None
-        resumed: list[SequenceGroup] = []
-        while self.swapped:
-            group = self.swapped[0]
-            if best_waiting is not None and best_waiting < group.priority:
-                break
-            status = bm.can_swap_in(group)
-            if status is AllocStatus.LATER and bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks:
-                status = AllocStatus.NEVER  # the cache is empty and it still does not fit
-            if status is AllocStatus.NEVER:
-                self.swapped.popleft()
-                live = group.get_seqs(SequenceStatus.SWAPPED)
-                held = {b for s in live for b in bm.get_block_table(s)}
-                need = len(held) + len(bm.get_cross_block_table(group)) + len(live)  # + next tokens
-                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
-                continue
-            if status is AllocStatus.LATER:
-                break
-            if self._num_running_seqs() + group.num_seqs(SequenceStatus.SWAPPED) > \
-                    self.scheduler_config.max_num_seqs:
-                break
-            self.swapped.popleft()
-            pairs = bm.swap_in(group)
-            blocks.swap_in.extend(pairs)
-            for seq in group.get_seqs(SequenceStatus.SWAPPED):
-                seq.status = SequenceStatus.RUNNING
-                blocks.copy.extend(bm.append_slots(seq))
-            self.running.append(group)
-            self._running_sorted = False
-            resumed.append(group)
-            self.stats.num_swapped_in += 1
-            self.stats.num_blocks_swapped_in += len(pairs)
-        return resumed
 
     def _schedule_waiting(self, blocks: StepBlocks) -> list[SequenceGroup]:
         bm = self.block_manager
@@ -362,13 +324,17 @@ class Scheduler(Preemption):
             if len(admitted) > ADMITTED_HISTORY:
                 del admitted[next(iter(admitted))]
 
-    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+    def schedule(self, ahead: Collection[int] = ()) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        """The next step. ``ahead``: the decoder sequences of a step still running
+        whose token is not appended yet (async scheduling): each gets the slot of
+        the position after it. The caller makes sure nothing it holds would be
+        preempted (``LLMEngine``: enough free blocks for every running row)."""
         blocks = StepBlocks()
         idle = self.block_manager.swap_out_idle_cross()  # first: this step may reuse their blocks
         blocks.swap_out.extend(idle)
         self.stats.num_blocks_swapped_out += len(idle)
         preempted = self._preempt_for_waiting(blocks) if self._by_priority else 0
-        decodes, num_out_of_slots = self._schedule_running(blocks)
+        decodes, num_out_of_slots = self._schedule_running(blocks, ahead)
         preempted += num_out_of_slots
         prefills: list[SequenceGroup] = []
         if not num_out_of_slots:  # the cache was just short for running groups: add nothing

@@ -41,17 +41,26 @@ def mark_computed(sched: SchedulerOutputs) -> None:
 
 
 def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   stop_checker: StopChecker, structured: StructuredDecider | None = None) -> list[SequenceGroup]:
+                   stop_checker: StopChecker,
+                   structured: StructuredDecider | None = None) -> tuple[list[SequenceGroup], int]:
     """Each sequence's tokens, stop-checked one by one; their text may be left
     owed (``StopChecker.check(defer_text=True)``) where no stop string needs it.
-    Returns the groups a sequence of which finished (each once)."""
+    Returns the groups a sequence of which finished (each once) and the number
+    of tokens appended. A sample of a
+    sequence no longer running (it ended in the step before, which ran after
+    this one was scheduled: async scheduling) is dropped."""
     seqs = {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
             for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
     ended: dict[int, SequenceGroup] = {}
+    appended = 0
     for sample in samples:
-        seq, group = seqs[sample.seq_id]
+        entry = seqs.get(sample.seq_id)
+        if entry is None:  # finished (or aborted) after this step was scheduled ahead: its row was spare
+            continue
+        seq, group = entry
         for i, token_id in enumerate(sample.sampled_token_ids):
             seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
+            appended += 1
             stop_checker.check(seq, group.sampling_params, defer_text=True)
             if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
@@ -60,7 +69,7 @@ def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_
                 block_manager.free(seq)
                 ended[id(group)] = group
                 break
-    return list(ended.values())
+    return list(ended.values()), appended
 
 
 def keep_prompt_logprobs(runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup]) -> None:

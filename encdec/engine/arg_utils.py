@@ -83,6 +83,10 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)
     # Requests with the same encoder input share one encoder pass and cross-attention table.
     enable_encoder_cache: bool = True
+    # Schedule and pack step N+1 on the host while step N runs on the device, so
+    # the device does not wait for the host between steps; default: on for CUDA
+    # (a CPU step is synchronous: nothing to overlap), off on CPU.
+    async_scheduling: bool | None = None
     # CPU threads for torch, set process-wide by LLM (configure_cpu_runtime; LLMEngine
     # never changes process state); default: leave the process's setting.
     num_threads: int | None = None
@@ -117,6 +121,8 @@ class EngineArgs:
         if self.min_admission is not None and (isinstance(self.min_admission, bool)
                                                or not isinstance(self.min_admission, int) or self.min_admission < 1):
             raise ValueError(f"min_admission must be a positive int or None, got {self.min_admission!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.
         self.cache_config()
 

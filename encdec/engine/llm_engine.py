@@ -30,8 +30,9 @@ from encdec.engine.processor import Processor
 from encdec.inputs import PromptType
 from encdec.output_processor import OutputProcessor
 from encdec.outputs import RequestOutput
-from encdec.sampling_params import SamplingParams
+from encdec.sampling_params import SamplingParams, SamplingType
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec.worker.enc_dec_model_runner import StepPlan
 from encdec.worker.worker import Worker
 
 logger = logging.getLogger("encdec")
@@ -107,6 +108,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
+        self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
+                                 else self.worker.device.type == "cuda")
+        self._ahead: tuple[SchedulerOutputs, StepPlan] | None = None  # the next step, planned ahead
+        self.steps_planned_ahead = 0  # steps scheduled and packed while the one before ran
 
     # -- what callers read (the worker's parts are ``engine.worker.*``) ----------------
     @property
@@ -191,21 +196,57 @@ class LLMEngine:
 
     # -- step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduled forward; returns the requests that finished in it."""
-        metas, sched = self.scheduler.schedule()
-        step = self.worker.execute_model(metas, sched)  # returns once its kernels are queued
-        return self._update(sched, step.get_output())
+        """One scheduled forward; returns the requests that finished in it.
+
+        With ``async_scheduling`` the next step is scheduled and packed while
+        this one runs (between queuing its kernels and waiting for its tokens),
+        its rows one position further; this step's tokens are applied before the
+        next one runs, so logits processors, stop strings and text see what they
+        would see without it. Steps with beam search, grammar masks or the
+        priority policy (whose preemption could take a row still running) and
+        steps short of a free block per row are followed by an unplanned step."""
+        if self._ahead is not None:
+            sched, plan = self._ahead
+            self._ahead = None
+            step = self.worker.run_step(plan)
+        else:
+            metas, sched = self.scheduler.schedule()
+            step = self.worker.execute_model(metas, sched)  # returns once its kernels are queued
+        ahead = self._rows_ahead(sched)
+        if ahead:
+            metas, next_sched = self.scheduler.schedule(ahead)
+            self._ahead = (next_sched, self.worker.plan_step(metas, next_sched, ahead))
+            self.steps_planned_ahead += 1
+        outs = self._update(sched, step.get_output())
+        if self._ahead is not None and not self.scheduler.has_unfinished_seqs():
+            self._ahead = None  # every row of it has finished: nothing to run
+        return outs
+
+    def _rows_ahead(self, sched: SchedulerOutputs) -> set[int] | None:
+        """The step's decoder sequences, if the next step may be scheduled before
+        their tokens are known (see ``step``); else None."""
+        if not self.async_scheduling or sched.token_masks is not None or self.scheduler_config.policy == "priority":
+            return None
+        ids = set()
+        for s in sched.scheduled_seq_groups:
+            group = s.seq_group
+            if len(group.seqs) != 1 or group.sampling_params.sampling_type is SamplingType.BEAM:
+                return None
+            ids.add(group.seqs[0].seq_id)
+        if len(ids) > self.scheduler.block_manager.get_num_free_gpu_blocks():
+            return None  # a row might need a block it could only get by preempting another
+        return ids
 
     def _update(self, sched: SchedulerOutputs, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Counters, then the scheduler applies the step; finished requests' outputs."""
         for s in sched.scheduled_seq_groups[: sched.num_prefill_groups]:
             self.num_prompt_tokens += s.token_chunk_size + s.seq_group.encoder_seq.get_len()
-        self.num_generated_tokens += sum(len(s.sampled_token_ids) for s in output.samples)
         if output.beam_candidates:  # one token per running beam, chosen by HF's beam rules
             self.num_generated_tokens += sum(s.seq_group.num_seqs(SequenceStatus.RUNNING)
                                              for s in sched.scheduled_seq_groups
                                              if s.seq_group.request_id in output.beam_candidates)
         finished = self.scheduler.update(sched, output)
+        self.num_generated_tokens += self.scheduler.num_appended  # a spare row's sample is not one
         now, outs = time.time(), []
         for group in finished:
             group.metrics.finished_time = now

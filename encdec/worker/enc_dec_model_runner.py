@@ -18,6 +18,7 @@ batch's order, which is what the logits processors index by.
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,6 +56,27 @@ class ModelInput:
     attn_metadata: AttentionMetadata  # where each sequence's tokens and KV live; shared by all layers
     encoder_inputs: dict[str, Any]  # keyword args of the model's encoder for the step's prefills; {} if none
     sampled_rows: list[SampledRow]  # every sequence sampled this step, prefills first
+    # (index in input_ids, its sequence's data) of rows scheduled ahead: their input
+    # token is the one the step before samples, written in by ``run`` once appended
+    owed: list[tuple[int, Any]]
+
+    def fill_owed(self) -> None:
+        if self.owed:
+            index = to_device([i for i, _ in self.owed], torch.long, self.input_ids.device)
+            tokens = to_device([sd.get_last_token_id() for _, sd in self.owed], torch.long, self.input_ids.device)
+            self.input_ids.index_copy_(0, index, tokens)
+
+
+@dataclass
+class StepPlan:
+    """A step packed on the host, not yet run (``plan``, then ``run``): the
+    engine plans step N+1 while step N runs on the device (async scheduling)."""
+
+    metas: list[SequenceGroupMetadata]
+    sched: SchedulerOutputs
+    parts: list[ModelInput]  # one packed step, or (prefills eager, decode rows replayed by a graph)
+    bucket: int | None  # the CUDA graph the (last) part replays; None: eager
+    small: bool  # a small CPU decode step: one thread
 
 
 class _EncoderRows:
@@ -82,6 +104,7 @@ class _DecoderRows:
         self.tables: list[list[int]] = []
         self.cross_tables: list[list[int]] = []
         self.rows: list[SampledRow] = []
+        self.owed: list[tuple[int, Any]] = []  # (token index, sequence data) of rows scheduled ahead
 
     def _add_table(self, m: SequenceGroupMetadata, seq_id: int, seq_len: int) -> None:
         self.seq_lens.append(seq_len)
@@ -104,15 +127,20 @@ class _DecoderRows:
         last = len(self.tokens) - 1
         self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
 
-    def add_decodes(self, metas: list[SequenceGroupMetadata]) -> None:
+    def add_decodes(self, metas: list[SequenceGroupMetadata], ahead: Collection[int] = ()) -> None:
         """One token per decoding sequence. Every step runs this for every
-        decoding row, so the lists are bound once here rather than looked up per row."""
+        decoding row, so the lists are bound once here rather than looked up per row.
+        ``ahead``: sequences whose token of the step running now is not appended
+        yet: one position further, their input token owed."""
         rows, table_rows, tokens, positions = self.rows, self.table_rows, self.tokens, self.positions
         seq_lens, tables, enc_lens, cross_tables = self.seq_lens, self.tables, self.enc_lens, self.cross_tables
         for m in metas:
             enc_len = len(m.encoder_seq_data.prompt_token_ids)
             for sid, sd in m.seq_data.items():
                 n = sd.get_len()
+                if ahead and sid in ahead:
+                    n += 1
+                    self.owed.append((len(tokens), sd))
                 rows.append(SampledRow(sid, len(tokens), m))
                 table_rows.append(len(tables))
                 tokens.append(sd.get_last_token_id())
@@ -177,16 +205,18 @@ class EncoderDecoderModelRunner:
         self._self_tables, self._cross_tables = _PaddedTables(), _PaddedTables()
 
     # -- inputs --------------------------------------------------------------
-    def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True) -> ModelInput:
+    def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
+                ahead: Collection[int] = ()) -> ModelInput:
         """Pack the step's prefills and decodes (see the module docstring).
-        ``moved``: whether this step copied or swapped blocks (tables changed in place)."""
+        ``moved``: whether this step copied or swapped blocks (tables changed in
+        place); ``ahead``: see ``_DecoderRows.add_decodes``."""
         dev = self.device
         prefills = [m for m in metas if m.is_prompt]
         dec = _DecoderRows()
         for m in prefills:
             dec.add_prefill(m)
         num_prefill_tokens = len(dec.tokens)
-        dec.add_decodes(metas[len(prefills):])
+        dec.add_decodes(metas[len(prefills):], ahead)
         enc = _EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
@@ -235,7 +265,7 @@ class EncoderDecoderModelRunner:
         )
         enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
         return ModelInput(input_ids=input_ids, positions=pos,
-                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows)
+                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows, owed=dec.owed)
 
     # -- persistent batch ----------------------------------------------------
     def _update_batch(self, sched: SchedulerOutputs, rows: list[SampledRow]) -> list[int]:
@@ -264,21 +294,51 @@ class EncoderDecoderModelRunner:
         return order
 
     # -- step ----------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs) -> AsyncModelRunnerOutput:
         """One step, returned once its kernels are queued and before the first
         wait for them: ``get_output()`` waits (``encdec.worker.step_output``)."""
+        return self.run(self.plan(metas, sched))
+
+    @torch.inference_mode()
+    def plan(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs,
+             ahead: Collection[int] = ()) -> StepPlan:
+        """Pack the step on the host. With CUDA graphs a decode step replays its
+        bucket's graph, and a step that also admits requests runs only its
+        prefills eagerly and its decode rows through the graph, each part packed
+        on its own: ``prepare`` packs prefills first, so the two concatenate into
+        the whole step's layout (eagerly, those rows would pay every layer's
+        launches again). Anything else (no graphs, CPU) runs the packed step
+        eagerly (``small``: on one thread). ``ahead``: sequences whose token of
+        the step running now is not appended yet (async scheduling)."""
+        n = sched.num_prefill_groups  # the scheduler puts prefills first
+        # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
+        # A decode-only step batches one token per sequence: num_batched_tokens rows.
+        small = self.device.type == "cpu" and n == 0 and sched.num_batched_tokens <= SMALL_STEP_ROWS
+        graphs = self.graphs
+        if not metas:
+            return StepPlan(metas, sched, [], None, small)
+        if graphs is not None and 0 < n < len(metas):
+            dec = self.prepare(metas[n:], ahead=ahead)
+            bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
+            if bucket is not None:
+                return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small)
+        inp = self.prepare(metas, bool(sched.blocks_to_copy or sched.blocks_to_swap_in), ahead)
+        bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
+        return StepPlan(metas, sched, [inp], bucket, small)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:
+        """Queue a planned step: block moves, owed input tokens, forward, sampling."""
+        metas, sched, small = plan.metas, plan.sched, plan.small
         self.cache.swap_out(sched.blocks_to_swap_out)
         self.cache.swap_in(sched.blocks_to_swap_in)
         self.cache.copy(sched.blocks_to_copy)
         if not metas:
             self._update_batch(sched, [])
             return AsyncModelRunnerOutput.empty()
-        # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
-        n = sched.num_prefill_groups  # the scheduler puts prefills first
-        # A decode-only step batches one token per sequence: num_batched_tokens rows.
-        small = self.device.type == "cpu" and n == 0 and sched.num_batched_tokens <= SMALL_STEP_ROWS
-        rows, hidden = self._forward(metas, n, small, bool(sched.blocks_to_copy or sched.blocks_to_swap_in))
+        for part in plan.parts:
+            part.fill_owed()
+        rows, hidden = self._forward(plan)
         order = self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         sampling_md.token_bitmask = batch_bitmask(sched.token_masks, self.input_batch.req_ids, self.device)
@@ -304,30 +364,17 @@ class EncoderDecoderModelRunner:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
                           **inp.encoder_inputs)
 
-    def _forward(self, metas: list[SequenceGroupMetadata], n: int, small: bool,
-                 moved: bool) -> tuple[list[SampledRow], torch.Tensor]:
-        """The step's sampled rows and hidden states. With CUDA graphs a decode
-        step replays its bucket's graph, and a step that also admits requests
-        runs only its prefills eagerly and its decode rows through the graph,
-        each part packed on its own: ``prepare`` packs prefills first, so the two
-        concatenate into the whole step's layout (eagerly, those rows would pay
-        every layer's launches again). Anything else (no graphs, CPU) runs the
-        packed step eagerly (``small``: on one thread). ``n``: the prefills;
-        ``moved``: blocks were copied or swapped in before this step."""
-        graphs = self.graphs
-        if graphs is not None and 0 < n < len(metas):
-            dec = self.prepare(metas[n:])
-            bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
-            if bucket is not None:
-                pre = self.prepare(metas[:n])
-                offset = len(pre.input_ids)
-                rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
-                tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
-                return rows, torch.cat([self._eager(pre), tail])
-        inp = self.prepare(metas, moved)
-        md = inp.attn_metadata
-        bucket = graphs.bucket(md, len(inp.input_ids)) if graphs is not None else None
+    def _forward(self, plan: StepPlan) -> tuple[list[SampledRow], torch.Tensor]:
+        """The planned step's sampled rows and hidden states (see ``plan``)."""
+        graphs, bucket = self.graphs, plan.bucket
+        if len(plan.parts) == 2:
+            pre, dec = plan.parts
+            offset = len(pre.input_ids)
+            rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
+            tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
+            return rows, torch.cat([self._eager(pre), tail])
+        inp = plan.parts[0]
         if bucket is not None:
-            return inp.sampled_rows, graphs.replay(inp.input_ids, inp.positions, md, bucket)
-        with single_thread(small):
+            return inp.sampled_rows, graphs.replay(inp.input_ids, inp.positions, inp.attn_metadata, bucket)
+        with single_thread(plan.small):
             return inp.sampled_rows, self._eager(inp)

@@ -13,6 +13,7 @@ here; the engine above sees only configs and ``execute_model``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from encdec.worker.cache_engine import (
     typical_decoder_len,
 )
 from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
-from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner
+from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, StepPlan
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.step_output import AsyncModelRunnerOutput
 
@@ -320,3 +321,13 @@ class Worker:
         """The step, returned once its kernels are queued; ``get_output()`` waits
         for them (``EncoderDecoderModelRunner.execute``)."""
         return self.model_runner.execute(metas, sched)
+
+    def plan_step(self, metas: list[SequenceGroupMetadata], sched: SchedulerOutputs,
+                  ahead: Collection[int]) -> StepPlan:
+        """Pack a step on the host while the one before it runs (async scheduling);
+        ``ahead``: the running step's sequences, whose tokens ``run_step`` writes in."""
+        return self.model_runner.plan(metas, sched, ahead)
+
+    def run_step(self, plan: StepPlan) -> AsyncModelRunnerOutput:
+        """Queue a step ``plan_step`` packed, once the step before it was applied."""
+        return self.model_runner.run(plan)
