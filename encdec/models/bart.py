@@ -220,8 +220,9 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
         return self.decoder.close(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        return logits + self.final_logits_bias if self.layout.final_logits_bias else logits
+        if self.layout.final_logits_bias:
+            return self.lm_head.forward_bias(hidden, self.final_logits_bias[0])
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names -> ours; q/k/v fused; tied copies (``shared``, the stacks'

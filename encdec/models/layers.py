@@ -96,21 +96,22 @@ class Linear(nn.Linear):
         self.packed = self.panels = None
         self.small_rows = False
 
-    def _packed(self, x: torch.Tensor, act: str) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        bias = self.bias if bias is None else bias
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if rows == 0:
             return x.new_empty(*lead, self.out_features)
         if rows <= small_linear_cpu.MAX_ROWS and self.small_rows:  # a decode step's few rows
-            out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, self.bias, post=act)
+            out = small_linear_cpu.small_linear(x2, self.panel_weight(), self.out_features, bias, post=act)
             return out.view(*lead, self.out_features)
         bucket = _row_bucket(rows)
         if bucket != rows:  # zero rows, computed and dropped: see _row_bucket
             x2 = torch.cat([x2, x2.new_zeros(bucket - rows, x2.shape[1])])
         # oneDNN's post-ops: ReLU always (one pass less over the output); GELU per gelu_path
         fused = act == "relu" or (act == "gelu" and self.fused_gelu)
-        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, act if fused else "none",
+        out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, bias, act if fused else "none",
                                                  [], ("none" if act == "gelu" else "") if fused else "")
         out = out[:rows].view(*lead, self.out_features)
         return out if fused else apply_act_(out, act)
@@ -123,6 +124,16 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self._packed(x, "none")
+
+    def forward_bias(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``self(x) + bias`` for a bias-free layer and a (out_features,) ``bias``
+        (BART's ``final_logits_bias`` on its LM head): in the matmul where the
+        float32 weight is packed (no second pass over the (rows, vocab) output;
+        the same float32 sums), a separate add otherwise."""
+        if (self.packed is None or self.bias is not None or self.weight.dtype != torch.float32
+                or bias.dtype != torch.float32 or not bias.is_contiguous() or x.dtype != torch.float32):
+            return self(x) + bias
+        return self._packed(x, "none", bias)
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(self(x))`` (exact, erf): when packed, fused into the matmul

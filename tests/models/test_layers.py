@@ -67,3 +67,18 @@ def test_forward_act_relu_and_none_match_torch(rows):
         assert (lin(x) - plain).abs().max() < 0.05 * plain.abs().max()
     with pytest.raises(ValueError, match="act must be"):
         lin.forward_act(x, "tanh")
+
+
+@pytest.mark.parametrize("rows", [3, 70, 300])  # the small-row kernel; oneDNN
+def test_forward_bias_adds_the_bias_in_the_matmul(rows):
+    """A bias-free layer's ``forward_bias(x, b)`` (BART's LM head and final_logits_bias)
+    is ``self(x) + b`` to the bit on each path: unpacked, packed, int8."""
+    torch.manual_seed(2)
+    lin = Linear(48, 1000, bias=False)
+    x, b = torch.randn(rows, 48), torch.randn(1, 1000)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward_bias(x, b[0]), lin(x) + b, atol=0, rtol=0)
+        if lin.pack():
+            torch.testing.assert_close(lin.forward_bias(x, b[0]), lin(x) + b, atol=0, rtol=0)
+        lin.quantize_int8(quantization.int8_path())
+        torch.testing.assert_close(lin.forward_bias(x, b[0]), lin(x) + b, atol=0, rtol=0)
