@@ -53,6 +53,11 @@ from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 __all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "SchedulerStats"]
 
 
+def _constrained(group: SequenceGroup) -> bool:
+    params = group.sampling_params
+    return params is not None and getattr(params, "structured_outputs", None) is not None
+
+
 # Admissions SchedulerStats.admitted_at_step remembers (oldest dropped first).
 ADMITTED_HISTORY = 4096
 
@@ -98,6 +103,9 @@ class Scheduler(Preemption):
         self._batch_seq_ids: dict[int, None] = {}  # last step's scheduled seq_ids, in order
         self._running_sorted = True  # running is in _key order (groups appended since: False)
         self.num_appended = 0  # tokens the last update appended (beams' excepted)
+        # Unfinished requests with structured outputs: none, and no step asks the
+        # structured-output manager anything (it would look at every row).
+        self._num_constrained = 0
         self._metadata = StepMetadata(self.block_manager)
 
     # -- queues ----------------------------------------------------------------
@@ -108,6 +116,7 @@ class Scheduler(Preemption):
                                  "scheduler has no beam search (Scheduler(..., beams=...))")
             self.beams.start(seq_group)
         self._requests[seq_group.request_id] = (next(self._counter), seq_group)
+        self._num_constrained += _constrained(seq_group)
         self.waiting.append(seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
@@ -146,7 +155,8 @@ class Scheduler(Preemption):
         for seq in group.get_seqs():
             self.block_manager.free(seq)
         self.block_manager.free_cross(group)
-        self._requests.pop(group.request_id, None)
+        if self._requests.pop(group.request_id, None) is not None:
+            self._num_constrained -= _constrained(group)
         self._metadata.forget(group.request_id)
         if self.structured is not None:
             self.structured.free([s.seq_id for s in group.get_seqs()])
@@ -160,7 +170,8 @@ class Scheduler(Preemption):
         sched = scheduler_outputs
         step_update.mark_computed(sched)
         ended, self.num_appended = step_update.append_samples(
-            runner_output.samples, sched, self.block_manager, self.stop_checker, self.structured)
+            runner_output.samples, sched, self.block_manager, self.stop_checker,
+            self.structured if self._num_constrained else None)
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
@@ -211,6 +222,19 @@ class Scheduler(Preemption):
         if not self._running_sorted:  # keys never change: sorted stays sorted as groups leave
             self.running.sort(key=self._key)
             self._running_sorted = True
+        # A row needs at most a copy of a shared block and two new ones (one lookahead
+        # slot): with that many free for every row, no one is preempted and the order
+        # does not matter. Most steps, where the cache is not nearly full.
+        if bm.get_num_free_gpu_blocks() >= 3 * sum(map(len, (g.seqs for g in self.running))):
+            ready, append = bm.slot_is_ready, bm.append_slots
+            for group in self.running:
+                seqs = group.seqs
+                lookahead = 1 if ahead and any(s.seq_id in ahead for s in seqs) else 0
+                if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and ready(seqs[0], lookahead):
+                    continue
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    blocks.copy.extend(append(seq, lookahead))
+            return list(self.running), 0
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
         preempted = 0
@@ -249,7 +273,7 @@ class Scheduler(Preemption):
             return admitted
         if self._by_priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._key))
-        num_running = self._num_running_seqs()  # counted once, kept as groups are admitted
+        num_running = self._num_running_seqs() if self.waiting else 0  # counted once, kept as groups are admitted
         while self.waiting:
             group = self.waiting[0]
             if not self._outranks_swapped(group):
@@ -362,5 +386,6 @@ class Scheduler(Preemption):
             ignored_seq_groups=blocks.ignored,
             seq_ids_joined=joined,
             seq_ids_left=left,
-            token_masks=self.structured.fill_masks(prefills + decodes) if self.structured else None,
+            token_masks=(self.structured.fill_masks(prefills + decodes)
+                         if self.structured and self._num_constrained else None),
         )
