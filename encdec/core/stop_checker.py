@@ -71,7 +71,8 @@ class StopChecker:
         the token just appended ends the sequence. ``new_char_count`` is how many
         characters that token added to ``seq.output_text``."""
         params = sampling_params
-        if seq.get_output_len() >= params.min_tokens:
+        out_len = seq.get_output_len()  # read once: this runs for every token of every row
+        if out_len >= params.min_tokens:
             last = seq.get_last_token_id()
             if not params.ignore_eos and eos_token_id is not None and last == eos_token_id:
                 self._trim_token_text(seq, new_char_count, params)
@@ -82,8 +83,9 @@ class StopChecker:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 seq.stop_reason = last
                 return
-            stop = self.check_stop_strings(seq.output_text, new_char_count, params.stop,
-                                           params.include_stop_str_in_output)
+            stop = (self.check_stop_strings(seq.output_text, new_char_count, params.stop,
+                                            params.include_stop_str_in_output)
+                    if new_char_count and params.stop else None)
             if stop is not None:
                 stop_str, truncate_to = stop
                 if truncate_to != -1:
@@ -94,7 +96,7 @@ class StopChecker:
         if seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             return
-        if params.max_tokens is not None and seq.get_output_len() >= params.max_tokens:
+        if params.max_tokens is not None and out_len >= params.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def _undecodable(self, token_id: int) -> bool:
