@@ -186,6 +186,8 @@ class LLMEngine:
         aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
             aborted.append(group.request_id)
+        if self._ahead is not None and not self.scheduler.has_unfinished_seqs():
+            self._ahead = None  # a planned step of aborted rows only: nothing to run
         return aborted
 
     def has_unfinished_requests(self) -> bool:
