@@ -127,6 +127,39 @@ ALWAYS_INLINE void axpy_kv(float *restrict o, float p, const char *v, int64_t n,
     for (; d < n; d++) o[d] += p * vm_bf16_to_f32(vv[d]);
 }
 
+#if defined(VM_VL)
+/* score_slots for slots t .. t + 3 (head_size a multiple of VM_VL): the four
+ * dot products of a head and query summed across lanes together (VM_HSUM4). */
+ALWAYS_INLINE void score_four_slots(float *scores, int G, const float *const *qs, const void *k_cache,
+                                    const int32_t *table, int32_t t, int32_t t0, int32_t t1, int64_t num_heads,
+                                    int64_t group, int64_t head_size, int64_t slot_stride, int64_t block_size,
+                                    float scale, const float *bias, int64_t bias_stride, int32_t q_pos, int bf16) {
+    const int64_t n = t1 - t0;
+    const char *k[4];
+    for (int j = 0; j < 4; j++) {
+        prefetch_slot(k_cache, table, t + j, t1, block_size, slot_stride, bf16);
+        k[j] = slot_row(k_cache, table, t + j, block_size, slot_stride, bf16);
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const int64_t off = (h / group) * head_size;
+        for (int g = 0; g < G; g++) {
+            const float *q = qs[g] + h * head_size;
+            vm_vec acc[4] = {VM_ZERO(), VM_ZERO(), VM_ZERO(), VM_ZERO()};
+            for (int64_t d = 0; d < head_size; d += VM_VL) {
+                const vm_vec qv = VM_LOAD(q + d);
+                for (int j = 0; j < 4; j++)
+                    acc[j] = VM_FMA(qv, bf16 ? VM_LOAD_BF16((const uint16_t *)k[j] + off + d)
+                                             : VM_LOAD((const float *)k[j] + off + d), acc[j]);
+            }
+            float *out = scores + (g * num_heads + h) * n + t - t0;
+            _mm_storeu_ps(out, _mm_mul_ps(VM_HSUM4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+            if (bias)
+                for (int j = 0; j < 4; j++) out[j] += bias[h * bias_stride + q_pos - t - j];
+        }
+    }
+}
+#endif
+
 /* scores[(g * num_heads + h) * (t1 - t0) + t - t0] = qs[g]_h . k_h(t) * scale
  * for each of the G queries (all heads), every slot t in [t0, t1) and head h:
  * a slot's keys are read once for all G. */
@@ -135,7 +168,14 @@ ALWAYS_INLINE void score_slots(float *scores, int G, const float *const *qs, con
                                int64_t head_size, int64_t slot_stride, int64_t block_size, float scale,
                                const float *bias, int64_t bias_stride, int32_t q_pos, int bf16) {
     const int64_t n = t1 - t0;
-    for (int32_t t = t0; t < t1; t++) {
+    int32_t t = t0;
+#if defined(VM_VL)
+    if (head_size % VM_VL == 0)
+        for (; t + 4 <= t1; t += 4)
+            score_four_slots(scores, G, qs, k_cache, table, t, t0, t1, num_heads, group, head_size, slot_stride,
+                             block_size, scale, bias, bias_stride, q_pos, bf16);
+#endif
+    for (; t < t1; t++) {
         prefetch_slot(k_cache, table, t, t1, block_size, slot_stride, bf16);
         const char *k = slot_row(k_cache, table, t, block_size, slot_stride, bf16);
         for (int64_t h = 0; h < num_heads; h++) {
@@ -190,6 +230,37 @@ static float softmax_numerators(float *row, int32_t len, float *max_out) {
  * joins, decoder_step_cpu.c; mx -inf and sum 0 for no slots). qs[g] and
  * os[g]: (num_heads, head_size); scores: scratch of G * num_heads * (t1 - t0) floats.
  * bias (NULL: none): see the header; the G queries all sit at q_pos. */
+#if defined(VM_VL)
+/* os[g]_h += p(t) v_h(t) for slots t .. t + 3 (head_size a multiple of
+ * VM_VL), in slot order as axpy_kv adds them, each output vector loaded and
+ * stored once for the four (one add per slot went through memory: a chain of
+ * store-to-load latencies at a few heads). */
+ALWAYS_INLINE void add_four_slots(int G, float *const *os, const float *scores, const void *v_cache,
+                                  const int32_t *table, int32_t t, int32_t t0, int32_t t1, int64_t num_heads,
+                                  int64_t group, int64_t head_size, int64_t slot_stride, int64_t block_size,
+                                  int bf16) {
+    const int64_t n = t1 - t0;
+    const char *v[4];
+    for (int j = 0; j < 4; j++) {
+        prefetch_slot(v_cache, table, t + j, t1, block_size, slot_stride, bf16);
+        v[j] = slot_row(v_cache, table, t + j, block_size, slot_stride, bf16);
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const int64_t off = (h / group) * head_size;
+        for (int g = 0; g < G; g++) {
+            const float *p = scores + (g * num_heads + h) * n + t - t0;
+            const vm_vec p0 = VM_SET1(p[0]), p1 = VM_SET1(p[1]), p2 = VM_SET1(p[2]), p3 = VM_SET1(p[3]);
+            float *o = os[g] + h * head_size;
+#define V_AT(j) (bf16 ? VM_LOAD_BF16((const uint16_t *)v[j] + off + d) : VM_LOAD((const float *)v[j] + off + d))
+            for (int64_t d = 0; d < head_size; d += VM_VL)
+                VM_STORE(o + d, VM_FMA(p3, V_AT(3), VM_FMA(p2, V_AT(2), VM_FMA(p1, V_AT(1),
+                                                                             VM_FMA(p0, V_AT(0), VM_LOAD(o + d))))));
+#undef V_AT
+        }
+    }
+}
+#endif
+
 ALWAYS_INLINE void attend_range_biased(int G, float *const *os, const float *const *qs, const void *k_cache,
                                 const void *v_cache, const int32_t *table, int32_t t0, int32_t t1,
                                 int64_t num_heads, int64_t group, int64_t head_size, int64_t slot_stride,
@@ -203,7 +274,14 @@ ALWAYS_INLINE void attend_range_biased(int G, float *const *os, const float *con
             sum[g][h] = softmax_numerators(scores + (g * num_heads + h) * n, (int32_t)n, mx[g] + h);
         memset(os[g], 0, sizeof(float) * num_heads * head_size);
     }
-    for (int32_t t = t0; t < t1; t++) {
+    int32_t t = t0;
+#if defined(VM_VL)
+    if (head_size % VM_VL == 0)
+        for (; t + 4 <= t1; t += 4)
+            add_four_slots(G, os, scores, v_cache, table, t, t0, t1, num_heads, group, head_size, slot_stride,
+                           block_size, bf16);
+#endif
+    for (; t < t1; t++) {
         prefetch_slot(v_cache, table, t, t1, block_size, slot_stride, bf16);
         const char *v = slot_row(v_cache, table, t, block_size, slot_stride, bf16);
         for (int64_t h = 0; h < num_heads; h++) {

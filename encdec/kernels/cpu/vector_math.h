@@ -76,6 +76,22 @@ static inline float vm_hmax(__m256 a) {
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
+/* The lane sums of four vectors at once, [sum a, sum b, sum c, sum d]: about
+ * half the shuffles of four VM_HSUMs (a paged attention's scores at head size
+ * 16 are one FMA and one horizontal sum each). */
+static inline __m128 vm_hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  /* [a b c d | a b c d] halves */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#if VM_VL == 16
+static inline __m256 vm_halves(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+#define VM_HSUM4(a, b, c, d) vm_hsum4_256(vm_halves(a), vm_halves(b), vm_halves(c), vm_halves(d))
+#else
+#define VM_HSUM4(a, b, c, d) vm_hsum4_256(a, b, c, d)
+#endif
+
 /* Float lanes summed in double lanes (vm_dsum; VM_ACC_ADD takes half of v):
  * a softmax's ~35k terms in float lanes drift by 1e-5 relative (measured
  * against float64). */
