@@ -283,6 +283,7 @@ def _count_launches(tiny_bart: str, batch: int, monkeypatch) -> list[tuple[int, 
               max_num_seqs=64)
     per_step = []
     model = llm.llm_engine.worker.model
+    model.fused_decode = False  # count the backend's decode launches, not the fused CPU step's one call
     real_forward = model.forward
 
     def forward(*a, **kw):
