@@ -34,6 +34,7 @@ from encdec.attention.backends.abstract import (
 from encdec.attention.bias_tables import distance_table, offset_table
 from encdec.kernels.cpu import paged_attention_cpu
 from encdec.kernels.cpu.dense_attention_cpu import dense_attention
+from encdec.platform.cpu_threads import single_thread
 
 
 def contiguous_start(table: list[int]) -> int:
@@ -100,6 +101,23 @@ class TorchSDPAMetadata(AttentionMetadata):
 # queries that costs more than it saves (measured: 25-35% faster than torch at
 # 64-512 tokens, 20% slower for 2 queries over 300 keys).
 _DENSE_MIN_QUERIES = 32
+
+
+# Prefill loops whose every call is at most this many multiply-adds (queries x
+# keys x heads x head size) run on one thread: torch's SDPA splits even a
+# 2-query call over the threads, a parallel region that costs more than the
+# work (and, with another process on a core, waits out its time slice).
+_ONE_THREAD_MACS = 1 << 20
+
+
+def _one_thread(bounds: list[tuple[int, int, int, int]], width: int, device: torch.device) -> bool:
+    """Whether a prefill loop over ``bounds`` (``prefill_bounds``) of heads x head
+    size ``width`` runs on one thread (``_ONE_THREAD_MACS``): CPU, every call small."""
+    if device.type != "cpu" or not bounds:
+        return False
+    q = max(qe - qs for qs, qe, _, _ in bounds)
+    k = max(max(ee - es for _, _, es, ee in bounds), q)
+    return q * k * width <= _ONE_THREAD_MACS
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
@@ -195,23 +213,27 @@ class TorchSDPAImpl(AttentionImpl):
         v = value.view(-1, Hk, D) if value is not None else None
         out = torch.empty_like(q)
 
+        small = _one_thread(md.prefill_bounds, H * D, q.device)
         if attn_type == AttentionType.ENCODER:
             # Encoder tokens of the prefill requests, packed by encoder_seq_start_loc
             # (none for a prefill whose cross KV is cached).
-            for _, _, s, e in md.prefill_bounds:
-                if e > s:
-                    out[s:e] = _encoder_sdpa(q[s:e], k[s:e], v[s:e], self.scale, pb)
+            small = small and _one_thread([(s, e, s, e) for _, _, s, e in md.prefill_bounds], H * D, q.device)
+            with single_thread(small):
+                for _, _, s, e in md.prefill_bounds:
+                    if e > s:
+                        out[s:e] = _encoder_sdpa(q[s:e], k[s:e], v[s:e], self.scale, pb)
             return out.view(-1, H * D)
 
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
                 k, v = _write_cache(k, v, kv_cache, md.slot_mapping)
-            for qs, qe, _, _ in md.prefill_bounds:
-                if pb is None:
-                    out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
-                else:
-                    mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
-                    out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
+            with single_thread(small):
+                for qs, qe, _, _ in md.prefill_bounds:
+                    if pb is None:
+                        out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
+                    else:
+                        mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
+                        out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
             dmd = md.decode_metadata
             if dmd is not None and _use_c_kernel(kv_cache, q):
                 table = None if pb is None else distance_table(pb, dmd.max_decode_seq_len)
@@ -240,12 +262,13 @@ class TorchSDPAImpl(AttentionImpl):
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         # int8_dense: Whisper's sequential prefill (the previous text, ~225 queries
         # over 1500 keys) 48 -> 39 ms a window, tiny.en int8 (AVX512-VNNI, 2 threads).
-        for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
-            if cached[i]:
-                kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
-                out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale, int8=self.int8_dense)
-            else:
-                out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale, int8=self.int8_dense)
+        with single_thread(small and not any(cached)):  # a cached one's keys: not in prefill_bounds
+            for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
+                if cached[i]:
+                    kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
+                    out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale, int8=self.int8_dense)
+                else:
+                    out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale, int8=self.int8_dense)
         dmd = md.decode_metadata
         if dmd is not None and _use_c_kernel(kv_cache, q):
             out[md.num_prefill_tokens:] = self._decode_c(
