@@ -49,6 +49,9 @@ def _decode_step(tiny_bart, monkeypatch):
     llm = LLM(tiny_bart, device="cpu", attention_backend="torch_native", kv_cache_memory=8 << 20,
               max_num_seqs=8)
     model = llm.llm_engine.worker.model
+    # Graphs replay the op-by-op step (CUDA's): capture that one, not the fused CPU
+    # decode step, whose hidden states are its own (its LM head takes them as they are).
+    model.fused_decode = False
     real = model.forward
     seen = []
 
@@ -182,6 +185,7 @@ def test_a_step_that_admits_replays_its_decode_rows(tiny_bart, monkeypatch):
 
     want = tokens(engine().generate(prompts, params, use_tqdm=False))
     llm = engine()
+    llm.llm_engine.worker.model.fused_decode = False  # graphs replay CUDA's op-by-op step, never the CPU one
     graphs = _graphs(llm)
     graphs.graphs = {b: _EagerGraph(graphs, b) for b in graphs.sizes}
     runner = llm.llm_engine.worker.model_runner
