@@ -65,12 +65,14 @@ def test_greedy_matches_hf_generate(t5_llm, hf_t5, monkeypatch):
 
     model = t5_llm.llm_engine.model
     impl = model.decoder.layers[0].self_attn.attn.impl
+    # Prefill steps' cross-attention runs in the kernel too (short prompts: paged
+    # queries over the just-written encoder K/V), without a bias.
     if model._fused_weights is not None:  # decode steps ran in the fused C step, the bias in its self-attention
-        assert calls["self"] == calls["cross"]
+        assert calls["self"] == 0
     elif isinstance(impl, TorchSDPAImpl) and paged_attention_cpu.available():
         # Decode ran in the kernel: each layer's self-attention with T5's bias,
-        # its cross-attention without one (the same number of calls).
-        assert calls["self"] > 0 and calls["self"] == calls["cross"]
+        # its cross-attention without one (as many calls, and the prefills' more).
+        assert calls["self"] > 0 and calls["cross"] > calls["self"]
 
 
 def test_beam_search_matches_hf_generate(t5_llm, hf_t5, t5_dir, monkeypatch):

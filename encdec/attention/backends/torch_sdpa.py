@@ -79,6 +79,28 @@ class TorchSDPAMetadata(AttentionMetadata):
         return slots, mask[:, None, None, :]
 
     @cached_property
+    def prefill_token_rows(self) -> torch.Tensor:
+        """(num_prefill_tokens,) int64: each prefill token's sequence (its table row)."""
+        q = self.query_start_loc[: self.num_prefills + 1].to(torch.long)
+        return torch.repeat_interleave(torch.arange(self.num_prefills, device=q.device), q[1:] - q[:-1],
+                                       output_size=self.num_prefill_tokens)
+
+    @cached_property
+    def prefill_self_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prefill token as a paged query over its own prompt, causally:
+        its sequence's self table row and its position + 1 (int32)."""
+        rows = self.prefill_token_rows
+        pos = torch.arange(self.num_prefill_tokens, device=rows.device) - self.query_start_loc.to(torch.long)[rows]
+        return self.block_tables[rows].contiguous(), (pos + 1).to(torch.int32)
+
+    @cached_property
+    def prefill_cross_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prefill token as a paged query over its request's encoder K/V:
+        its cross table row and encoder length (int32)."""
+        rows = self.prefill_token_rows
+        return self.cross_block_tables[rows].contiguous(), self.encoder_seq_lens_tensor[rows].contiguous()
+
+    @cached_property
     def cross_slices(self) -> list[tuple[int, int] | torch.Tensor]:
         """Per sequence of this view (decode, or prefill reading a cached cross
         table): (first_slot, length) of its encoder keys when they are
@@ -108,6 +130,24 @@ _DENSE_MIN_QUERIES = 32
 # 2-query call over the threads, a parallel region that costs more than the
 # work (and, with another process on a core, waits out its time slice).
 _ONE_THREAD_MACS = 1 << 20
+
+
+def _paged_prefill(md: AttentionMetadata, kv_cache: torch.Tensor | None, q: torch.Tensor, *, cross: bool) -> bool:
+    """Whether a step's prefill queries run as paged queries over the cache (one
+    C call, ``TorchSDPAImpl._decode_c``) in place of one SDPA call per sequence:
+    the C kernel runs here, every prompt is short (fewer than
+    ``_DENSE_MIN_QUERIES`` queries) and holds no earlier context (its keys start
+    at slot 0 of its table), and the tables cover the lengths they are read to.
+    The K/V are in the cache already (written before, as SDPA's were)."""
+    if not md.num_prefills or kv_cache is None or not _use_c_kernel(kv_cache, q):
+        return False
+    bounds = md.prefill_bounds
+    if any(qe - qs >= _DENSE_MIN_QUERIES for qs, qe, _, _ in bounds):
+        return False
+    if cross:
+        return md.cross_block_tables.shape[1] * md.block_size >= max(md.encoder_seq_lens[: md.num_prefills])
+    return (all(n == qe - qs for n, (qs, qe, _, _) in zip(md.seq_lens, bounds))
+            and md.block_tables.shape[1] * md.block_size >= max(qe - qs for qs, qe, _, _ in bounds))
 
 
 def _one_thread(bounds: list[tuple[int, int, int, int]], width: int, device: torch.device) -> bool:
@@ -227,8 +267,13 @@ class TorchSDPAImpl(AttentionImpl):
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
                 k, v = _write_cache(k, v, kv_cache, md.slot_mapping)
+            paged = None
+            if pb is None and _paged_prefill(md, kv_cache, q, cross=False):
+                paged = self._decode_c(q[: md.num_prefill_tokens], kv_cache, *md.prefill_self_tables)
+            if paged is not None:
+                out[: md.num_prefill_tokens] = paged
             with single_thread(small):
-                for qs, qe, _, _ in md.prefill_bounds:
+                for qs, qe, _, _ in md.prefill_bounds if paged is None else ():
                     if pb is None:
                         out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
                     else:
@@ -262,8 +307,13 @@ class TorchSDPAImpl(AttentionImpl):
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         # int8_dense: Whisper's sequential prefill (the previous text, ~225 queries
         # over 1500 keys) 48 -> 39 ms a window, tiny.en int8 (AVX512-VNNI, 2 threads).
+        paged = None
+        if _paged_prefill(md, kv_cache, q, cross=True):
+            paged = self._decode_c(q[: md.num_prefill_tokens], kv_cache, *md.prefill_cross_tables)
+        if paged is not None:
+            out[: md.num_prefill_tokens] = paged
         with single_thread(small and not any(cached)):  # a cached one's keys: not in prefill_bounds
-            for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds):
+            for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds if paged is None else ()):
                 if cached[i]:
                     kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
                     out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale, int8=self.int8_dense)
