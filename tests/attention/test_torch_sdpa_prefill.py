@@ -60,3 +60,27 @@ def test_small_prefill_loops_run_on_one_thread():
     assert not torch_sdpa._one_thread([(0, 300, 0, 300)], 12 * 64, cpu)  # bart-base encoder: both threads
     assert not torch_sdpa._one_thread(short, width, torch.device("meta"))
     assert not torch_sdpa._one_thread([], width, cpu)
+
+
+def test_long_cross_attention_prefill_keeps_the_per_sequence_loop():
+    """Cross-attention prefill goes paged only where each sequence's call is small:
+    Whisper's 4-token prompts over 1500 frames (6 heads of 64) keep SDPA, which
+    reads a sequence's keys once for its queries; BART's 2-token prompts go paged."""
+    from types import SimpleNamespace
+
+    if not paged_attention_cpu.available():
+        import pytest
+
+        pytest.skip("no C paged kernel on this machine")
+    cache = torch.zeros(2, 200, 16, 6, 64)
+
+    def md(queries: int, keys: int) -> SimpleNamespace:
+        n = 8
+        bounds = [(i * queries, (i + 1) * queries, i * keys, (i + 1) * keys) for i in range(n)]
+        return SimpleNamespace(num_prefills=n, prefill_bounds=bounds, encoder_seq_lens=[keys] * n,
+                               cross_block_tables=torch.zeros(n, 94, dtype=torch.int32), block_size=16)
+
+    q = torch.zeros(8 * 4, 6, 64)
+    assert not torch_sdpa._paged_prefill(md(4, 1500), cache, q, cross=True)
+    assert torch_sdpa._paged_prefill(md(2, 300), cache, q[:16], cross=True)
+    assert not torch_sdpa._paged_prefill(md(40, 300), cache, torch.zeros(8 * 40, 6, 64), cross=True)  # dense kernel's
