@@ -12,11 +12,13 @@ from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, StepStats
 
 
-@pytest.fixture()
-def engine(tiny_bart):
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+def engine(tiny_bart, request):
+    """Both ways a step may be scheduled: after the step before (CPU's default) and
+    while it runs (CUDA's default, ``async_scheduling``)."""
     stats: list[StepStats] = []
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01),
-                                          on_step=stats.append)
+    args = EngineArgs(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01, async_scheduling=request.param)
+    eng = AsyncLLMEngine.from_engine_args(args, on_step=stats.append)
     eng.stats = stats
     yield eng
     eng.shutdown(30)
