@@ -94,7 +94,7 @@ class SequenceData:
 
     def update_num_computed_tokens(self, n: int) -> None:
         self._num_computed_tokens += n
-        assert self._num_computed_tokens <= self.get_len()
+        assert self._num_computed_tokens <= len(self._prompt_token_ids) + len(self._output_token_ids)
 
     def reset_state_for_recompute(self) -> None:
         self._num_computed_tokens = 0
