@@ -248,6 +248,18 @@ class TorchSDPAImpl(AttentionImpl):
         return paged_attention_cpu.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, self.scale,
                                                           position_bias=bias)
 
+    def _paged_prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor | None,
+                            md: TorchSDPAMetadata, *, cross: bool) -> bool:
+        """The prefill rows of ``out`` as paged queries over the cache
+        (``_paged_prefill``); False, nothing done, where that does not apply."""
+        if not _paged_prefill(md, kv_cache, q, cross=cross):
+            return False
+        n = md.num_prefill_tokens
+        paged = self._decode_c(q[:n], kv_cache, *(md.prefill_cross_tables if cross else md.prefill_self_tables))
+        if paged is not None:
+            out[:n] = paged
+        return paged is not None
+
     def forward(self, query, key, value, kv_cache, attn_metadata, attn_type=None,
                 position_bias: PositionBias | None = None):
         attn_type = attn_type or self.attn_type
@@ -273,13 +285,9 @@ class TorchSDPAImpl(AttentionImpl):
         if attn_type == AttentionType.DECODER:
             if kv_cache is not None:
                 k, v = _write_cache(k, v, kv_cache, md.slot_mapping)
-            paged = None
-            if pb is None and _paged_prefill(md, kv_cache, q, cross=False):
-                paged = self._decode_c(q[: md.num_prefill_tokens], kv_cache, *md.prefill_self_tables)
-            if paged is not None:
-                out[: md.num_prefill_tokens] = paged
+            paged = pb is None and self._paged_prefill_into(out, q, kv_cache, md, cross=False)
             with single_thread(small):
-                for qs, qe, _, _ in md.prefill_bounds if paged is None else ():
+                for qs, qe, _, _ in md.prefill_bounds if not paged else ():
                     if pb is None:
                         out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, causal=True)
                     else:
@@ -313,13 +321,9 @@ class TorchSDPAImpl(AttentionImpl):
         flat = kv_cache.view(2, -1, Hk, D) if any(cached) else None
         # int8_dense: Whisper's sequential prefill (the previous text, ~225 queries
         # over 1500 keys) 48 -> 39 ms a window, tiny.en int8 (AVX512-VNNI, 2 threads).
-        paged = None
-        if _paged_prefill(md, kv_cache, q, cross=True):
-            paged = self._decode_c(q[: md.num_prefill_tokens], kv_cache, *md.prefill_cross_tables)
-        if paged is not None:
-            out[: md.num_prefill_tokens] = paged
+        paged = self._paged_prefill_into(out, q, kv_cache, md, cross=True)
         with single_thread(small and not any(cached)):  # a cached one's keys: not in prefill_bounds
-            for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds if paged is None else ()):
+            for i, (qs, qe, es, ee) in enumerate(md.prefill_bounds if not paged else ()):
                 if cached[i]:
                     kc, vc = _cross_kv(flat, md.prefill_metadata.cross_slices[i], q.dtype)
                     out[qs:qe] = _sdpa(q[qs:qe], kc, vc, self.scale, int8=self.int8_dense)
