@@ -128,6 +128,15 @@ ALWAYS_INLINE void axpy_kv(float *restrict o, float p, const char *v, int64_t n,
 }
 
 #if defined(VM_VL)
+/* The rows of slots t .. t + 3 (prefetching ahead), for the four-slot loops below. */
+ALWAYS_INLINE void four_slot_rows(const char *rows[4], const void *cache, const int32_t *table, int32_t t,
+                                  int32_t t1, int64_t block_size, int64_t slot_stride, int bf16) {
+    for (int j = 0; j < 4; j++) {
+        prefetch_slot(cache, table, t + j, t1, block_size, slot_stride, bf16);
+        rows[j] = slot_row(cache, table, t + j, block_size, slot_stride, bf16);
+    }
+}
+
 /* score_slots for slots t .. t + 3 (head_size a multiple of VM_VL): the four
  * dot products of a head and query summed across lanes together (VM_HSUM4). */
 ALWAYS_INLINE void score_four_slots(float *scores, int G, const float *const *qs, const void *k_cache,
@@ -136,10 +145,7 @@ ALWAYS_INLINE void score_four_slots(float *scores, int G, const float *const *qs
                                     float scale, const float *bias, int64_t bias_stride, int32_t q_pos, int bf16) {
     const int64_t n = t1 - t0;
     const char *k[4];
-    for (int j = 0; j < 4; j++) {
-        prefetch_slot(k_cache, table, t + j, t1, block_size, slot_stride, bf16);
-        k[j] = slot_row(k_cache, table, t + j, block_size, slot_stride, bf16);
-    }
+    four_slot_rows(k, k_cache, table, t, t1, block_size, slot_stride, bf16);
     for (int64_t h = 0; h < num_heads; h++) {
         const int64_t off = (h / group) * head_size;
         for (int g = 0; g < G; g++) {
@@ -241,10 +247,7 @@ ALWAYS_INLINE void add_four_slots(int G, float *const *os, const float *scores, 
                                   int bf16) {
     const int64_t n = t1 - t0;
     const char *v[4];
-    for (int j = 0; j < 4; j++) {
-        prefetch_slot(v_cache, table, t + j, t1, block_size, slot_stride, bf16);
-        v[j] = slot_row(v_cache, table, t + j, block_size, slot_stride, bf16);
-    }
+    four_slot_rows(v, v_cache, table, t, t1, block_size, slot_stride, bf16);
     for (int64_t h = 0; h < num_heads; h++) {
         const int64_t off = (h / group) * head_size;
         for (int g = 0; g < G; g++) {
