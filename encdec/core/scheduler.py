@@ -58,6 +58,12 @@ def _constrained(group: SequenceGroup) -> bool:
     return params is not None and getattr(params, "structured_outputs", None) is not None
 
 
+def _lookahead(group: SequenceGroup, ahead: Collection[int]) -> int:
+    """Slots past its next token a group's rows need: one for a sequence of the
+    step still running (async scheduling), which computes one position further."""
+    return 1 if ahead and any(s.seq_id in ahead for s in group.seqs) else 0
+
+
 # Admissions SchedulerStats.admitted_at_step remembers (oldest dropped first).
 ADMITTED_HISTORY = 4096
 
@@ -226,26 +232,19 @@ class Scheduler(Preemption):
         # slot): with that many free for every row, no one is preempted and the order
         # does not matter. Most steps, where the cache is not nearly full.
         if bm.get_num_free_gpu_blocks() >= 3 * sum(map(len, (g.seqs for g in self.running))):
-            ready, append = bm.slot_is_ready, bm.append_slots
             for group in self.running:
-                seqs = group.seqs
-                lookahead = 1 if ahead and any(s.seq_id in ahead for s in seqs) else 0
-                if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and ready(seqs[0], lookahead):
-                    continue
-                for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    blocks.copy.extend(append(seq, lookahead))
+                lookahead = _lookahead(group, ahead)
+                if not self._slot_ready(group, lookahead):
+                    for seq in group.get_seqs(SequenceStatus.RUNNING):
+                        blocks.copy.extend(bm.append_slots(seq, lookahead))
             return list(self.running), 0
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
         preempted = 0
         while queue:
             group = queue.popleft()
-            seqs = group.seqs
-            # A sequence of the step still running computes one position further.
-            lookahead = 1 if ahead and any(s.seq_id in ahead for s in seqs) else 0
-            # Most rows of most steps: one sequence whose next token lands in a block
-            # it alone holds; the block manager has nothing to do for it.
-            if len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING and bm.slot_is_ready(seqs[0], lookahead):
+            lookahead = _lookahead(group, ahead)
+            if self._slot_ready(group, lookahead):
                 kept.append(group)
                 continue
             while not bm.can_append_slots(group, lookahead):
@@ -260,6 +259,13 @@ class Scheduler(Preemption):
                 kept.append(group)
         self.running = kept
         return list(kept), preempted  # a copy: running grows with resumed and new groups
+
+    def _slot_ready(self, group: SequenceGroup, lookahead: int) -> bool:
+        """Most rows of most steps: one sequence whose next token lands in a block
+        it alone holds; the block manager has nothing to do for it."""
+        seqs = group.seqs
+        return (len(seqs) == 1 and seqs[0].status is SequenceStatus.RUNNING
+                and self.block_manager.slot_is_ready(seqs[0], lookahead))
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)

@@ -6,9 +6,9 @@ sequence data and its self and cross tables are live objects that grow in
 place, and a decode always computes one token, so last step's pair still says
 everything. The pair is dropped when the group is preempted (swap-in and
 recompute give it new tables), prefills again or is freed, and rebuilt when
-the block manager holds another self table than the one it names. Building it afresh for every row of every
-step cost a few microseconds each: at 256 rows, a large share of a small
-model's step. No torch here.
+the block manager holds another self table than the one it names. Building it
+afresh for every row of every step cost a few microseconds each: at 256 rows,
+a large share of a small model's step. No torch here.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class StepMetadata:
         self._decodes: dict[str, Entry] = {}  # request_id -> its decode pair
 
     def forget(self, request_id: str) -> None:
-        """The group is freed (finished, aborted): its pair goes."""
+        """The group is freed (finished, aborted) or preempted: its pair goes."""
         self._decodes.pop(request_id, None)
 
     def build(self, prefills: list[SequenceGroup], decodes: list[SequenceGroup],

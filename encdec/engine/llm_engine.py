@@ -186,8 +186,7 @@ class LLMEngine:
         aborted = []
         for group in self.scheduler.abort_seq_group(request_id):
             aborted.append(group.request_id)
-        if self._ahead is not None and not self.scheduler.has_unfinished_seqs():
-            self._ahead = None  # a planned step of aborted rows only: nothing to run
+        self._drop_idle_plan()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -220,9 +219,13 @@ class LLMEngine:
             self._ahead = (next_sched, self.worker.plan_step(metas, next_sched, ahead))
             self.steps_planned_ahead += 1
         outs = self._update(sched, step.get_output())
-        if self._ahead is not None and not self.scheduler.has_unfinished_seqs():
-            self._ahead = None  # every row of it has finished: nothing to run
+        self._drop_idle_plan()
         return outs
+
+    def _drop_idle_plan(self) -> None:
+        """A planned step whose every row has finished or was aborted: nothing to run."""
+        if self._ahead is not None and not self.scheduler.has_unfinished_seqs():
+            self._ahead = None
 
     def _rows_ahead(self, sched: SchedulerOutputs) -> set[int] | None:
         """The step's decoder sequences, if the next step may be scheduled before
