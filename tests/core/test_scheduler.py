@@ -337,7 +337,7 @@ def test_scheduler_does_not_import_torch():
 
 
 def test_admitted_at_step_keeps_only_recent_admissions(monkeypatch):
-    import encdec.core.scheduler as scheduler_module
+    import encdec.core.admission as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "ADMITTED_HISTORY", 3)
     sched = make_scheduler(num_gpu=64)

@@ -12,7 +12,7 @@ import tracemalloc
 
 import pytest
 
-from encdec.core import scheduler as scheduler_module
+from encdec.core import admission as scheduler_module
 from encdec.core.outputs import BeamCandidates, ModelRunnerOutput, SampledTokens
 from encdec.core.scheduler_outputs import BeamDecision, BeamUpdate
 from encdec.core.stop_checker import StopChecker

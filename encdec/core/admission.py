@@ -1,0 +1,121 @@
+"""How waiting groups are admitted to a step: ``max_num_seqs``, the prefill
+token budget and the block manager decide who goes in, most urgent first;
+``min_admission`` batches admissions while groups decode; each prefill asks
+whether its cross KV is cached. A part of ``Scheduler``, kept apart so each
+file reads as one concern; it works on the scheduler's own queues, block
+manager and stats. No torch here.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from encdec.block_manager import AllocStatus, BlockSpaceManager
+from encdec.config import SchedulerConfig
+from encdec.core.scheduler_outputs import SchedulerStats, StepBlocks
+from encdec.sequence import SequenceGroup, SequenceStatus
+
+# Admissions SchedulerStats.admitted_at_step remembers (oldest dropped first).
+ADMITTED_HISTORY = 4096
+
+
+class Admission:
+    """Mixed into ``Scheduler``: the attributes below are the scheduler's, and so
+    are ``_key``, ``_outranks_swapped``, ``_record_admission``'s history and
+    (from ``Preemption``) ``_fail``, ``_never_fits`` and ``_num_blocks``."""
+
+    scheduler_config: SchedulerConfig
+    block_manager: BlockSpaceManager
+    waiting: deque[SequenceGroup]
+    running: list[SequenceGroup]
+    stats: SchedulerStats
+    num_steps: int
+    _by_priority: bool
+    _running_sorted: bool
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+
+    def _schedule_waiting(self, blocks: StepBlocks) -> list[SequenceGroup]:
+        bm = self.block_manager
+        cfg = self.scheduler_config
+        budget = cfg.max_num_batched_tokens
+        admitted: list[SequenceGroup] = []
+        if not self._admission_due():
+            return admitted
+        if self._by_priority and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._key))
+        num_running = self._num_running_seqs() if self.waiting else 0  # counted once, kept as groups are admitted
+        while self.waiting:
+            group = self.waiting[0]
+            if not self._outranks_swapped(group):
+                break
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if len(seqs) > cfg.max_num_seqs:
+                self.waiting.popleft()
+                self._fail(group, (f"request {group.request_id} has {len(seqs)} sequences (best_of) "
+                                   f"but max_num_seqs is {cfg.max_num_seqs}; raise max_num_seqs"),
+                           SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            status = bm.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                need = self._num_blocks(seqs[0].get_len()) + self._num_blocks(group.encoder_seq.get_len())
+                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            tokens = seqs[0].get_len() + group.encoder_seq.get_len()
+            if admitted and tokens > budget:
+                break
+            if num_running + len(seqs) > cfg.max_num_seqs:
+                break
+            self.waiting.popleft()
+            bm.allocate(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            budget -= tokens
+            num_running += len(seqs)
+            self.running.append(group)
+            self._running_sorted = False
+            admitted.append(group)
+            self._record_admission(group.request_id)
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = time.time()
+        return admitted
+
+    def _admission_due(self) -> bool:
+        """Where a step with prefills costs far more than a decode step (CUDA: a
+        decode step replays a graph, a step with prefills runs eagerly), admitting
+        each request as one finishes makes nearly every step the costly kind. So
+        while groups decode, admission waits until ``min_admission`` sequences
+        fit in ``max_num_seqs`` (fewer if fewer wait). Never under the priority
+        policy: an urgent request goes in at once."""
+        want = self.scheduler_config.min_admission
+        if want <= 1 or self._by_priority or not self.running or not self.waiting:
+            return True
+        waiting = 0
+        for group in self.waiting:
+            waiting += group.num_seqs(SequenceStatus.WAITING)
+            if waiting >= want:
+                break
+        return self.scheduler_config.max_num_seqs - self._num_running_seqs() >= min(want, waiting)
+
+    def _cross_kv_cached(self, group: SequenceGroup) -> bool:
+        """Whether a prefill reuses its cross table's KV (no encoder pass); counts
+        passes, queries and hits; ``metrics.encoder_cache_hit``: False once its encoder ran."""
+        cached, stats = not self.block_manager.claim_cross_write(group), self.stats
+        if group.encoder_cache_key is not None:
+            stats.encoder_cache_queries += 1
+            stats.encoder_cache_hits += cached
+        stats.num_encoder_passes += not cached
+        first = group.metrics.first_token_time is None  # not a prefill after a recompute
+        group.metrics.encoder_cache_hit = cached and (first or group.metrics.encoder_cache_hit)
+        return cached
+
+    def _record_admission(self, request_id: str) -> None:
+        admitted = self.stats.admitted_at_step
+        if request_id not in admitted:  # a recomputed group keeps its first step
+            admitted[request_id] = self.num_steps
+            if len(admitted) > ADMITTED_HISTORY:
+                del admitted[next(iter(admitted))]
