@@ -45,6 +45,8 @@ class AsyncRequest:
     priority: int = 0
     stream: bool = False  # deliver partial outputs after every step, not only the final one
     arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
+    processed: tuple | None = None  # (inputs, params) from process_request already: not processed again
+    encoder_output: Any = None  # the encoder's output, computed elsewhere (LLMEngine.add_processed_request)
 
 
 @dataclass
@@ -278,7 +280,7 @@ class AsyncLLMEngine:
         if kind != "add":
             return
         try:
-            processed = [engine.process_request(r.prompt, r.params) for r in payload]
+            processed = [r.processed or engine.process_request(r.prompt, r.params) for r in payload]
         except Exception as e:  # noqa: BLE001 - a bad request is its caller's error, not the engine's
             self._loop.call_soon_threadsafe(_settle, done, e)
             return
@@ -286,7 +288,7 @@ class AsyncLLMEngine:
         try:
             for r, (inputs, params) in zip(payload, processed):
                 engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
-                                             priority=r.priority)
+                                             priority=r.priority, encoder_output=r.encoder_output)
                 added.append(r.request_id)
         except (ValueError, TypeError) as e:  # e.g. a priority the scheduling policy refuses
             engine.abort_request(added)

@@ -158,12 +158,21 @@ class LLMEngine:
         return self.processor.process_request(prompt, params)
 
     def add_processed_request(self, request_id: str, inputs: dict, params: SamplingParams,
-                              arrival_time: float | None = None, priority: int = 0) -> None:
+                              arrival_time: float | None = None, priority: int = 0, *,
+                              encoder_output: Any = None) -> None:
         """Queue what ``process_requests`` returned, at ``priority`` (the request's
-        own, checked here before anything changes)."""
+        own, checked here before anything changes). ``encoder_output``: the encoder's
+        output for ``inputs`` (a tensor (encoder tokens, d_model)) computed elsewhere,
+        e.g. by an encoder worker; its prefill uses it instead of running the encoder."""
         if self.scheduler.get_seq_group(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.processor.check_priority(priority)
+        if encoder_output is not None:
+            want = (len(inputs["encoder_prompt_token_ids"]), self.hf_config.d_model)
+            if tuple(getattr(encoder_output, "shape", ())) != want:
+                raise ValueError(f"encoder_output must have shape {want}, got "
+                                 f"{tuple(getattr(encoder_output, 'shape', ())) or type(encoder_output).__name__}")
+            self.worker.model_runner.encoder_outputs[request_id] = encoder_output
         block_size = self.cache_config.block_size
         seqs = []
         for i in range(params.best_of):
@@ -171,7 +180,7 @@ class LLMEngine:
             seq.data.sample_index = i
             seqs.append(seq)
         encoder_seq = Sequence(seqs[0].seq_id, inputs, block_size, from_decoder_prompt=False)
-        key = encoder_cache_key(inputs, self._model_identity) if self.cache_config.enable_encoder_cache else None
+        key = self.encoder_key(inputs)
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
         self.scheduler.add_seq_group(group)
@@ -181,9 +190,22 @@ class LLMEngine:
         inputs, params = self.process_request(prompt, params)
         self.add_processed_request(request_id, inputs, params, arrival_time, priority)
 
+    def encoder_key(self, inputs: dict) -> str | None:
+        """The encoder cache's content key of ``inputs`` (None with the cache off)."""
+        return encoder_cache_key(inputs, self._model_identity) if self.cache_config.enable_encoder_cache else None
+
+    def holds_encoder_output(self, key: str | None) -> bool:
+        """Whether a device cross table holds (or a queued prefill will write) the KV
+        of ``key``, so that a request with it now skips its encoder pass; a hint for
+        callers that compute encoder outputs elsewhere (the table may be evicted
+        before the request is admitted: its prefill then runs the encoder here)."""
+        return key is not None and self.scheduler.block_manager.cross.device_blocks_needed(key, -1) >= 0
+
     def abort_request(self, request_id: str | list[str]) -> list[str]:
         """Abort unfinished requests (unknown ids are ignored); returns the ids aborted."""
         aborted = []
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.worker.model_runner.encoder_outputs.pop(rid, None)
         for group in self.scheduler.abort_seq_group(request_id):
             aborted.append(group.request_id)
         self._drop_idle_plan()

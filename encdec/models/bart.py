@@ -207,8 +207,10 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,
-                encoder_positions: torch.Tensor | None = None) -> torch.Tensor:
-        enc = None
+                encoder_positions: torch.Tensor | None = None,
+                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # encoder_hidden: the prefills' encoder output, computed elsewhere (an encoder worker)
+        enc = encoder_hidden
         if encoder_input_ids is not None and encoder_input_ids.numel():
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
         rows = self.position_rows(input_ids, positions, attn_metadata.num_prefill_tokens)

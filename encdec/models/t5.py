@@ -271,8 +271,10 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,
-                encoder_positions: torch.Tensor | None = None) -> torch.Tensor:
-        enc = None
+                encoder_positions: torch.Tensor | None = None,
+                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # encoder_hidden: the prefills' encoder output, computed elsewhere (an encoder worker)
+        enc = encoder_hidden
         if encoder_input_ids is not None and encoder_input_ids.numel():
             enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
         h = self.shared(input_ids)  # (num_tokens, d_model)

@@ -191,9 +191,10 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        enc = None
+                attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None,
+                encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        # encoder_hidden: the prefills' encoder output (B * 1500, d), computed elsewhere (an encoder worker)
+        enc = encoder_hidden
         if encoder_features is not None and encoder_features.numel():
             enc = self.encode(encoder_features).flatten(0, 1)  # (B * 1500, d), packed per request
             assert enc.shape[0] == attn_metadata.num_encoder_tokens, (

@@ -203,6 +203,9 @@ class EncoderDecoderModelRunner:
         self.graphs: Any = None  # DecodeGraphs (worker/cuda_graphs.py) on CUDA: decode steps replayed
         self._last_order: tuple[list[int], list[int]] | None = None  # (rows' seq_ids, batch order) of the last step
         self._self_tables, self._cross_tables = _PaddedTables(), _PaddedTables()
+        # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
+        # worker: LLMEngine.add_processed_request); taken by its prefill, which then skips the encoder
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
@@ -263,7 +266,12 @@ class EncoderDecoderModelRunner:
             prefill_cross_cached=([m.cross_kv_cached for m in prefills]
                                   if len(enc.tokens) < n else None),
         )
-        enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
+        given = [self.encoder_outputs.pop(m.request_id, None) for m in prefills]  # each taken once
+        given = [g for g, m in zip(given, prefills) if not m.cross_kv_cached]
+        if given and all(g is not None for g in given):  # else the encoder runs for all (exact either way)
+            enc_kwargs = {"encoder_hidden": torch.cat(given).to(dev, non_blocking=True)}
+        else:
+            enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
         return ModelInput(input_ids=input_ids, positions=pos,
                           attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows, owed=dec.owed)
 

@@ -316,15 +316,16 @@ def check_server_flags(args: argparse.Namespace) -> tuple:
     return realtime_limits, engine_args_from(args)
 
 
-def app_from_args(args: argparse.Namespace) -> FastAPI:
+def app_from_args(args: argparse.Namespace, *, engine_cls: type[AsyncLLMEngine] = AsyncLLMEngine) -> FastAPI:
     """``encdec serve``'s app from its parsed flags: the engine is built (a bad
     flag or model fails here, before any port opens) but not started; the app's
-    lifespan starts it. ``encdec serve --ray`` builds one per engine replica."""
+    lifespan starts it. ``encdec serve --ray`` builds one per engine replica
+    (``engine_cls``: a decoder engine fed by encoder workers with ``--disaggregate``)."""
     realtime_limits, engine_args = check_server_flags(args)
     configure_cpu_runtime(engine_args.num_threads)  # a server owns its process: full CPU speed
     model_name = args.served_model_name or args.model
     metrics = ServerMetrics(model_name)
-    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
+    engine = engine_cls.from_engine_args(engine_args, on_step=metrics.record_step)
     app = build_app(engine, model_name=model_name, model_path=args.model, api_key=args.api_key,
                     max_audio_mb=args.max_audio_mb, metrics=metrics,
                     body_read_timeout=args.body_read_timeout, body_timeout=args.body_timeout,
