@@ -31,12 +31,19 @@ class SchedulerConfig:
     # While sequences decode, admit waiting ones only once this many fit (or all
     # that wait): fewer, larger prefill steps. 1 admits whenever one fits.
     min_admission: int = 1
+    # Encoder input tokens the waiting requests admitted in one step may run
+    # through the encoder (encoder cache hits count 0), so a burst of arrivals
+    # spreads its encoder passes over steps beside running decodes. A larger
+    # input than this still runs, alone in its step. None: no limit.
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len)
         _positive("min_admission", self.min_admission)
+        if self.max_num_encoder_input_tokens is not None:
+            _positive("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 

@@ -72,6 +72,11 @@ class EngineArgs:
     # larger prefill steps); default: max_num_seqs // 8 where CUDA graphs replay
     # decode steps (a step with prefills runs eagerly), else 1 (whenever one fits).
     min_admission: int | None = None
+    # Encoder input tokens the requests admitted in one step may run through the
+    # encoder (encoder cache hits count 0; vLLM's name): a burst of arrivals has its
+    # encoder passes spread over steps while running requests keep decoding. An input
+    # larger than this still runs, alone in its step. Default None: no limit.
+    max_num_encoder_input_tokens: int | None = None
     # What a preempted request gives up: swap (its KV blocks go to CPU) or recompute; default: swap.
     preemption_mode: str | None = field(default=None, metadata={"choices": ("swap", "recompute")})
     # Admission order: fcfs, or priority (generate(..., priority=[...]), smallest number first).
@@ -121,6 +126,11 @@ class EngineArgs:
         if self.min_admission is not None and (isinstance(self.min_admission, bool)
                                                or not isinstance(self.min_admission, int) or self.min_admission < 1):
             raise ValueError(f"min_admission must be a positive int or None, got {self.min_admission!r}")
+        if self.max_num_encoder_input_tokens is not None and (
+                isinstance(self.max_num_encoder_input_tokens, bool)
+                or not isinstance(self.max_num_encoder_input_tokens, int) or self.max_num_encoder_input_tokens < 1):
+            raise ValueError("max_num_encoder_input_tokens must be a positive int or None, "
+                             f"got {self.max_num_encoder_input_tokens!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.
