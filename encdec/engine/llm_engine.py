@@ -55,7 +55,7 @@ def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: 
         max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
-        policy=args.scheduling_policy)
+        policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens)
 
 
 def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
