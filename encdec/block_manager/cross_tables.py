@@ -79,6 +79,11 @@ class CrossTables:
         table = self._by_key.get(key) if key is not None else None
         return table if table is not None and table.device is Device.GPU else None
 
+    def has_device_table(self, key: str | None) -> bool:
+        """Whether a request with ``key`` would read a device table already there
+        (live, cached-free, or acquired this step): its encoder need not run."""
+        return self._reusable(key) is not None
+
     def device_blocks_needed(self, key: str | None, num_blocks: int) -> int:
         """Device blocks that acquiring ``key`` takes out of the free count: none
         for a live table, its own blocks for a cached-free one, else new ones."""

@@ -276,6 +276,15 @@ class BlockSpaceManager:
         last user, or kept cached-free (see cross_tables.py). No-op without one."""
         self.cross.release(seq_group.request_id)
 
+    def encoder_tokens_to_run(self, seq_group: SequenceGroup) -> int:
+        """Encoder input tokens admitting the group now would run through the
+        encoder: 0 when a device cross table of its input is there to read (the
+        encoder cache) or it has no encoder input; what the encoder budget counts."""
+        encoder_seq = seq_group.get_encoder_seq()
+        if encoder_seq is None or self.cross.has_device_table(seq_group.encoder_cache_key):
+            return 0
+        return encoder_seq.get_len()
+
     def claim_cross_write(self, seq_group: SequenceGroup) -> bool:
         """Whether this prefill must run the encoder and write the cross table
         (True once per table); False: its KV is there or written this step."""

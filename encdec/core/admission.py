@@ -40,6 +40,7 @@ class Admission:
         bm = self.block_manager
         cfg = self.scheduler_config
         budget = cfg.max_num_batched_tokens
+        encoder_budget = cfg.max_num_encoder_input_tokens  # None: no limit
         admitted: list[SequenceGroup] = []
         if not self._admission_due():
             return admitted
@@ -68,6 +69,11 @@ class Admission:
             tokens = seqs[0].get_len() + group.encoder_seq.get_len()
             if admitted and tokens > budget:
                 break
+            # The first admission always goes (an oversize input runs alone: the
+            # budget is then below zero); cache hits cost nothing.
+            encoder_tokens = bm.encoder_tokens_to_run(group) if encoder_budget is not None else 0
+            if admitted and encoder_budget is not None and encoder_tokens > encoder_budget:
+                break
             if num_running + len(seqs) > cfg.max_num_seqs:
                 break
             self.waiting.popleft()
@@ -75,6 +81,8 @@ class Admission:
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             budget -= tokens
+            if encoder_budget is not None:
+                encoder_budget -= encoder_tokens
             num_running += len(seqs)
             self.running.append(group)
             self._running_sorted = False
