@@ -1,8 +1,10 @@
 """The attention backend interface (vLLM V0 shapes) and its metadata.
 
 A step's tokens are packed without padding: the prefill sequences' tokens
-first, then one token per decode sequence. Encoder tokens of the prefill
-requests are packed the same way. ``AttentionMetadata`` says where each
+first, then each decode sequence's query rows: one, or 1 + k where the step
+verifies k draft tokens (speculative decoding; ``decode_query_lens``), which
+attend causally among themselves. Encoder tokens of the prefill requests are
+packed the same way. ``AttentionMetadata`` says where each
 sequence starts and where its keys/values live in the paged cache.
 
 Paged KV cache of one layer (self and cross blocks share the pool; the block
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from encdec.attention.backends.decode_rows import DecodeRows, check_decode_query_lens, decode_rows
 from encdec.platform.device_tensors import to_device
 
 
@@ -37,7 +40,7 @@ class AttentionMetadata:
 
     num_prefills: int  # prefill sequences; they come first in the batch
     num_prefill_tokens: int  # decoder tokens of the prefill sequences
-    num_decode_tokens: int  # one per decode sequence
+    num_decode_tokens: int  # decode query rows: one per decode sequence, or sum(decode_query_lens)
     slot_mapping: torch.Tensor  # (num_prefill_tokens + num_decode_tokens,) int64, decoder token -> cache slot
     seq_lens: list[int]  # per decoder sequence: context length including this step's tokens
     seq_lens_tensor: torch.Tensor  # (num_seqs,) int32, same as seq_lens
@@ -64,6 +67,15 @@ class AttentionMetadata:
     # encoder cache), so it has no encoder tokens this step and its cross-
     # attention reads the cache; None when every prefill brings its encoder.
     prefill_cross_cached: list[bool] | None = None
+    # Per decode sequence: its query rows this step, its newest positions (1 + k
+    # where k draft tokens are verified), causal among themselves; their K/V are
+    # in ``slot_mapping`` and ``seq_lens`` counts them. None: one row each.
+    decode_query_lens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_query_lens is not None:
+            check_decode_query_lens(self.decode_query_lens, self.seq_lens[self.num_prefills:],
+                                    self.num_decode_tokens)
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +102,7 @@ class AttentionMetadata:
             num_decode_tokens=0,
             slot_mapping=self.slot_mapping[: self.num_prefill_tokens],
             max_decode_seq_len=0,
+            decode_query_lens=None,
         )
 
     @cached_property
@@ -104,7 +117,7 @@ class AttentionMetadata:
             num_prefill_tokens=0,
             slot_mapping=self.slot_mapping[self.num_prefill_tokens:],
             max_prefill_seq_len=0,
-            max_query_len=1,
+            max_query_len=max(self.decode_query_lens) if self.decode_query_lens else 1,
             query_start_loc=empty,
             seq_start_loc=empty,
             encoder_seq_start_loc=empty,
@@ -112,6 +125,21 @@ class AttentionMetadata:
             cross_slot_mapping=self.cross_slot_mapping[:0],
             prefill_cross_cached=None,
         )
+
+
+    @cached_property
+    def decode_query_start(self) -> list[int]:
+        """Prefix sum of the decode sequences' query rows (host ints, from 0)."""
+        lens = self.decode_query_lens or [1] * (self.num_seqs - self.num_prefills)
+        out = [0]
+        for n in lens:
+            out.append(out[-1] + n)
+        return out
+
+    @cached_property
+    def decode_rows(self) -> DecodeRows:
+        """The decode sequences' attention inputs per query row (see ``DecodeRows``)."""
+        return decode_rows(self)
 
 
 class PositionBias(ABC):
@@ -181,18 +209,23 @@ class PositionBias(ABC):
             return out
         return self._memo(("packed_prefill", tuple(lens)), make)
 
-    def packed_decode(self, seq_lens: list[int]) -> torch.Tensor:
-        """(H, B, sum(seq_lens)): decode query i over the packed keys, its own
-        sequence's keys at their offset, 0 elsewhere (masked by the caller)."""
+    def packed_decode(self, seq_lens: list[int], query_lens: list[int] | None = None) -> torch.Tensor:
+        """(H, R, sum(seq_lens)): each decode query row over the packed keys, its own
+        sequence's keys at their offset, 0 elsewhere (masked by the caller). One
+        row per sequence, or ``query_lens[i]`` rows for sequence i, its newest
+        positions (``AttentionMetadata.decode_query_lens``; R = their sum)."""
+        q_lens = query_lens or [1] * len(seq_lens)
+
         def make() -> torch.Tensor:
-            rows = self.decode(seq_lens, max(seq_lens))  # (B, H, max_len)
-            out = torch.zeros(self.num_heads, len(seq_lens), sum(seq_lens), device=self.device)
-            start = 0
-            for i, n in enumerate(seq_lens):
-                out[:, i, start:start + n] = rows[i, :, :n]
-                start += n
+            row_lens = [s - q + 1 + j for s, q in zip(seq_lens, q_lens) for j in range(q)]
+            rows = self.decode(row_lens, max(seq_lens))  # (R, H, max_len), row r at position row_lens[r] - 1
+            out = torch.zeros(self.num_heads, len(row_lens), sum(seq_lens), device=self.device)
+            start, r = 0, 0
+            for n, q in zip(seq_lens, q_lens):
+                out[:, r:r + q, start:start + n] = rows[r:r + q, :, :n].transpose(0, 1)
+                start, r = start + n, r + q
             return out
-        return self._memo(("packed_decode", tuple(seq_lens)), make)
+        return self._memo(("packed_decode", tuple(seq_lens), tuple(q_lens)), make)
 
 
 class AttentionImpl(ABC):

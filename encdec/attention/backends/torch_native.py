@@ -9,7 +9,8 @@ One attention call per layer and attention type for the whole batch (STYLE 18)::
                      paged kernel over every prefill's cross table instead
     decode (self     one Triton paged-attention launch reading the cache in place by
       and cross)     block table (encdec/kernels/triton/paged_attention.py); decode rows
-                     sharing a cross table form one group, whose keys are read once
+                     sharing a cross table form one group, whose keys are read once;
+                     a sequence verifying k drafts is one self group of 1 + k causal rows
 
 A mixed step runs its prefill call and its decode launch. Every mask and group
 table is built once per step by ``make_metadata`` from the runner's host lists
@@ -111,18 +112,29 @@ class TorchNativeMetadata(AttentionMetadata):
             else:
                 self.cross_mask = flex_mask(q_lens, self.encoder_seq_lens[:n], causal=False, device=dev)
         if self.num_decode_tokens:
-            num = self.num_decode_tokens
-            self.decode_self = PagedGroups(
-                self.block_tables[n:], torch.arange(num + 1, dtype=torch.int32, device=dev),
-                self.seq_lens_tensor[n:], 1, self.max_decode_seq_len)
-            tables = self.cross_block_tables_list
-            tables = tables[n:] if tables is not None else self.cross_block_tables[n:].tolist()
-            enc = self.encoder_seq_lens[n:]
-            starts = shared_table_groups(tables, enc)
-            first = to_device(starts[:-1], torch.long, dev)
-            self.decode_cross = PagedGroups(
-                self.cross_block_tables[n:][first], _i32(starts, dev), self.encoder_seq_lens_tensor[n:][first],
-                max(b - a for a, b in zip(starts, starts[1:])), max(enc))
+            self._build_decode(n, dev)
+
+    def _build_decode(self, n: int, dev: torch.device) -> None:
+        """Decode groups: self, one group per sequence (its 1 + k rows causal when it
+        verifies drafts); cross, runs of rows sharing a table (a speculating
+        sequence's rows always do)."""
+        q_lens = self.decode_query_lens
+        self.decode_self = PagedGroups(
+            self.block_tables[n:], _i32(self.decode_query_start, dev) if q_lens else
+            torch.arange(self.num_decode_tokens + 1, dtype=torch.int32, device=dev),
+            self.seq_lens_tensor[n:], max(q_lens) if q_lens else 1, self.max_decode_seq_len)
+        tables = self.cross_block_tables_list
+        tables = tables[n:] if tables is not None else self.cross_block_tables[n:].tolist()
+        enc = self.encoder_seq_lens[n:]
+        rows, cross_tables = self.decode_rows, self.cross_block_tables[n:]
+        if rows.seq_of_row is not None:  # per query row
+            tables, enc = [tables[i] for i in rows.seq_of_row], [enc[i] for i in rows.seq_of_row]
+            cross_tables = rows.cross_tables
+        starts = shared_table_groups(tables, enc)
+        first = to_device(starts[:-1], torch.long, dev)
+        self.decode_cross = PagedGroups(
+            cross_tables[first], _i32(starts, dev), rows.cross_lens[first],
+            max(b - a for a, b in zip(starts, starts[1:])), max(enc))
 
 
 def paged_torch(q: torch.Tensor, kv_cache: torch.Tensor, groups: PagedGroups, scale: float, *,
@@ -197,10 +209,12 @@ class TorchNativeImpl(AttentionImpl):
             if md.causal_mask is not None:
                 out[:P] = flex(q[:P], k[:P], v[:P], md.causal_mask, self.scale, pb)
             if md.decode_self is not None:
-                # q_len 1 per group: every cached key is visible, no causal test needed.
-                rows = None if pb is None else pb.decode(md.seq_lens[md.num_prefills:],
-                                                         md.decode_self.max_kv_len).float()  # (B, H, L)
-                self._paged(q[P:], kv_cache, md.decode_self, causal=False, out=out[P:], bias=rows)
+                # q_len 1 per group: every cached key is visible, no causal test needed;
+                # a speculating sequence's 1 + k rows are causal among themselves.
+                rows = None if pb is None else pb.decode(md.decode_rows.self_lens_list,
+                                                         md.decode_self.max_kv_len).float()  # (R, H, L)
+                self._paged(q[P:], kv_cache, md.decode_self, causal=md.decode_self.max_q_len > 1, out=out[P:],
+                            bias=rows)
             return out.view(-1, H * D)
 
         # ENCODER_DECODER: this step's encoder K/V go to the cache once; prefill

@@ -4,11 +4,13 @@ Prefill: each packed sequence attends only to itself (a per-sequence loop over
 SDPA calls is exactly a block-diagonal mask, without materialising it); the
 non-causal ones of 32+ queries (encoder self-attention) run the C dense kernel
 (``encdec/kernels/cpu``) where it is built.
-Decode: self-attention gathers every decode sequence's cached keys into one
-padded tensor with one index op per layer and one masked SDPA call; cross-
-attention reads each request's encoder keys as a zero-copy slice of the cache
-when its cross blocks form one ascending run (the block manager allocates them
-that way), and gathers them otherwise.
+Decode: every query row (one per sequence, or 1 + k for a sequence verifying
+k drafts, causal among themselves: ``AttentionMetadata.decode_rows``) runs the C
+paged kernel as a row of its own; without the kernel, self-attention gathers
+every row's cached keys into one padded tensor with one index op per layer and
+one masked SDPA call; cross-attention reads each request's encoder keys as a
+zero-copy slice of the cache when its cross blocks form one ascending run (the
+block manager allocates them that way), and gathers them otherwise.
 A ``PositionBias`` (T5) enters self-attention as SDPA's additive mask per
 prefill sequence (``bias.prefill(n)``, the C dense kernel not used then); at
 decode the C paged kernel takes one (H, max_len) row of it by distance
@@ -64,16 +66,18 @@ class TorchSDPAMetadata(AttentionMetadata):
 
     @cached_property
     def decode_self_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(num_decodes, max_len) cache slots of each decode sequence, and the
-        (num_decodes, 1, 1, max_len) mask of real (True) vs padding positions."""
-        lens = self.seq_lens_tensor.to(torch.long)
+        """(num_rows, max_len) cache slots of each decode query row's keys, and the
+        (num_rows, 1, 1, max_len) mask of real (True) vs padding positions (or
+        keys after a speculating row's position: ``decode_rows``)."""
+        rows = self.decode_rows
+        lens = rows.self_lens.to(torch.long)
         max_len = self.max_decode_seq_len
         pos = torch.arange(max_len, device=lens.device)
-        blocks = self.block_tables.to(torch.long)  # (num_decodes, max_blocks)
+        blocks = rows.self_tables.to(torch.long)  # (num_rows, max_blocks)
         # Padding positions past a table's end read its last slot; masked below.
         in_table = pos.clamp(max=blocks.shape[1] * self.block_size - 1)
-        rows = torch.arange(blocks.shape[0], device=lens.device)[:, None]
-        slots = cache_slots(blocks, rows, in_table[None, :], self.block_size)  # (num_decodes, max_len)
+        index = torch.arange(blocks.shape[0], device=lens.device)[:, None]
+        slots = cache_slots(blocks, index, in_table[None, :], self.block_size)  # (num_rows, max_len)
         mask = pos[None, :] < lens[:, None]
         slots = torch.where(mask, slots, torch.zeros_like(slots))
         return slots, mask[:, None, None, :]
@@ -294,19 +298,8 @@ class TorchSDPAImpl(AttentionImpl):
                         mask = pb.prefill(qe - qs, causal=True).to(q.dtype)
                         out[qs:qe] = _sdpa(q[qs:qe], k[qs:qe], v[qs:qe], self.scale, mask=mask)
             dmd = md.decode_metadata
-            if dmd is not None and _use_c_kernel(kv_cache, q):
-                table = None if pb is None else distance_table(pb, dmd.max_decode_seq_len)
-                out[md.num_prefill_tokens:] = self._decode_c(
-                    q[md.num_prefill_tokens:], kv_cache, dmd.block_tables, dmd.seq_lens_tensor, table)
-            elif dmd is not None:
-                slots, mask = dmd.decode_self_index
-                flat = kv_cache.view(2, -1, Hk, D)
-                kd, vd = flat[0][slots].to(q.dtype), flat[1][slots].to(q.dtype)  # (B, L, Hk, D)
-                qd = q[md.num_prefill_tokens:, None]  # (B, 1, H, D)
-                if pb is not None:  # (B, H, 1, L): the rows' bias where real, -inf on padding
-                    rows = pb.decode(dmd.seq_lens, kd.shape[1]).to(q.dtype)[:, :, None, :]
-                    mask = torch.where(mask, rows, torch.full_like(rows, float("-inf")))
-                out[md.num_prefill_tokens:] = _sdpa(qd, kd, vd, self.scale, mask=mask)[:, 0]
+            if dmd is not None:
+                self._decode_self(out[md.num_prefill_tokens:], q[md.num_prefill_tokens:], kv_cache, dmd, pb)
             return out.view(-1, H * D)
 
         # ENCODER_DECODER: prefill queries attend to their own request's encoder
@@ -331,15 +324,35 @@ class TorchSDPAImpl(AttentionImpl):
                     out[qs:qe] = _sdpa(q[qs:qe], k[es:ee], v[es:ee], self.scale, int8=self.int8_dense)
         dmd = md.decode_metadata
         if dmd is not None and _use_c_kernel(kv_cache, q):
+            rows = dmd.decode_rows
             out[md.num_prefill_tokens:] = self._decode_c(
-                q[md.num_prefill_tokens:], kv_cache, dmd.cross_block_tables, dmd.encoder_seq_lens_tensor)
+                q[md.num_prefill_tokens:], kv_cache, rows.cross_tables, rows.cross_lens)
         elif dmd is not None:
             flat = kv_cache.view(2, -1, Hk, D)
-            base = md.num_prefill_tokens
-            for i, sl in enumerate(dmd.cross_slices):
+            base, starts = md.num_prefill_tokens, dmd.decode_query_start
+            for i, sl in enumerate(dmd.cross_slices):  # a sequence's rows at once: cross is not causal
                 kc, vc = _cross_kv(flat, sl, q.dtype)
-                out[base + i: base + i + 1] = _sdpa(q[base + i: base + i + 1], kc, vc, self.scale)
+                a, b = base + starts[i], base + starts[i + 1]
+                out[a:b] = _sdpa(q[a:b], kc, vc, self.scale)
         return out.view(-1, H * D)
+
+    def _decode_self(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                     dmd: TorchSDPAMetadata, pb: PositionBias | None) -> None:
+        """Decode self-attention of every query row (``decode_rows``: a speculating
+        sequence's rows are causal by their lengths) into ``out``: the C paged
+        kernel, or one gather and one masked SDPA call."""
+        rows = dmd.decode_rows
+        if _use_c_kernel(kv_cache, q):
+            table = None if pb is None else distance_table(pb, dmd.max_decode_seq_len)
+            out[:] = self._decode_c(q, kv_cache, rows.self_tables, rows.self_lens, table)
+            return
+        slots, mask = dmd.decode_self_index
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        kd, vd = flat[0][slots].to(q.dtype), flat[1][slots].to(q.dtype)  # (R, L, Hk, D)
+        if pb is not None:  # (R, H, 1, L): the rows' bias where real, -inf on padding
+            bias = pb.decode(rows.self_lens_list, kd.shape[1]).to(q.dtype)[:, :, None, :]
+            mask = torch.where(mask, bias, torch.full_like(bias, float("-inf")))
+        out[:] = _sdpa(q[:, None], kd, vd, self.scale, mask=mask)[:, 0]
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -16,7 +16,9 @@ Prefill (the bias objects vLLM's xFormers backend builds; seed 002)::
 Decode: no mask beyond what paging implies. Each decode sequence's keys are
 gathered from the paged cache into one packed tensor (one index op per layer),
 and ``BlockDiagonalMask([1] * num_decodes, kv_lens)`` only says which packed
-keys belong to which query. xFormers' paged biases
+keys belong to which query; a sequence verifying k drafts (1 + k query rows,
+``decode_query_lens``) takes ``BlockDiagonalCausalFromBottomRightMask(q_lens,
+kv_lens)`` in self-attention (its rows are its newest positions). xFormers' paged biases
 (``PagedBlockDiagonalPaddedKeysMask``) were not chosen: in 0.0.35 only
 half-precision kernels take them (flash, flash3, ck, triton split-k, the last
 with pages a multiple of its 64-key tile), while encdec's blocks are 16 tokens
@@ -111,21 +113,30 @@ class XFormersMetadata(AttentionMetadata):
         return BlockDiagonalCausalMask.from_seqlens(self.prefill_q_lens, device=self._device)
 
     @cached_property
-    def decode_self(self) -> tuple[torch.Tensor, BlockDiagonalMask]:
+    def decode_self(self) -> tuple[torch.Tensor, AttentionBias]:
         """Packed cache slots of every decode sequence's keys (this step's included) and
-        the bias that groups them; only meaningful on ``decode_metadata``."""
+        the bias that groups them; only meaningful on ``decode_metadata``. A
+        sequence verifying k drafts has 1 + k query rows over its keys, causal
+        from the bottom right (its rows are its newest positions)."""
         assert self.num_prefills == 0, "use attn_metadata.decode_metadata"
         slots = packed_slots(self.block_tables, self.seq_lens, self.block_size)
+        if self.decode_query_lens is not None:
+            # Imported here: only speculative steps need it (the selector's probe and
+            # its tests know the two masks above).
+            from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+            return slots, BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+                self.decode_query_lens, self.seq_lens, device=self._device)
         return slots, BlockDiagonalMask.from_seqlens(
             [1] * self.num_seqs, self.seq_lens, device=self._device)
 
     @cached_property
     def decode_cross(self) -> tuple[torch.Tensor, BlockDiagonalMask]:
-        """As ``decode_self`` for the encoder keys behind ``cross_block_tables``."""
+        """As ``decode_self`` for the encoder keys behind ``cross_block_tables``
+        (every query row of a sequence sees all of them)."""
         assert self.num_prefills == 0, "use attn_metadata.decode_metadata"
         slots = packed_slots(self.cross_block_tables, self.encoder_seq_lens, self.block_size)
         return slots, BlockDiagonalMask.from_seqlens(
-            [1] * self.num_seqs, self.encoder_seq_lens, device=self._device)
+            self.decode_query_lens or [1] * self.num_seqs, self.encoder_seq_lens, device=self._device)
 
     def materialized(self, bias: AttentionBias, shape: tuple[int, int],
                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -209,7 +220,7 @@ class XFormersImpl(AttentionImpl):
                 extra = None if pb is None else pb.packed_prefill(pmd.prefill_q_lens)
                 out[:P] = self._attend(q[:P], k[:P], v[:P], pmd.causal_prefill_bias, pmd, extra)
             if dmd is not None:
-                extra = None if pb is None else pb.packed_decode(dmd.seq_lens)
+                extra = None if pb is None else pb.packed_decode(dmd.seq_lens, dmd.decode_query_lens)
                 out[P:] = self._decode(q[P:], kv_cache, dmd.decode_self, dmd, extra)
             return out.view(-1, H * D)
 

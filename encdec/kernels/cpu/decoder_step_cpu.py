@@ -149,7 +149,11 @@ def decode_step(h: torch.Tensor, weights: DecoderWeights, kv_caches: list[torch.
     (M, d), in place, for M decode rows: the new K/V go to ``slots`` (int64) of
     each cache (2, blocks, block_size, H, D; float32, or bfloat16: written
     rounded as torch rounds, read widened); self and cross tables (int32,
-    row-major) and lengths (int32) are the attention metadata's; ``position_bias``
+    row-major) and lengths (int32), one per row, are the attention metadata's
+    ``decode_rows``: every row's K/V are written before any row attends, so a
+    sequence's 1 + k rows of a speculative step (its newest positions, self
+    length = position + 1) attend causally, each exactly as a one-row step
+    at its length would; ``position_bias``
     (T5): self-attention's (H, >= longest self length) float32 distance table
     (``bias_tables.distance_table``). Returns ``h``;
     None, having done nothing, where the step does not qualify: no build for
@@ -189,6 +193,10 @@ def _caches_ok(kv_caches: list[torch.Tensor], num_heads: int) -> bool:
 
 
 def _index_ok(num_rows: int, slots: torch.Tensor, *rest: torch.Tensor) -> bool:
-    """Slots int64, one per row; tables and lengths int32; all contiguous on CPU."""
+    """Slots int64; tables and lengths int32, all contiguous on CPU, one entry per
+    row each: a step verifying drafts (several query rows per sequence) passes
+    its tables and lengths per row (``AttentionMetadata.decode_rows``), and
+    per-sequence ones beside more rows are declined, never read past."""
     return (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == num_rows
-            and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() for t in rest))
+            and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous()
+                    and t.shape[0] == num_rows for t in rest))
