@@ -328,6 +328,7 @@ class FusedDecodeStep:
         table = None
         if position_bias is not None:
             table = distance_table(position_bias, md.decode_metadata.max_decode_seq_len)
+        rows = md.decode_rows  # per query row: a sequence verifying drafts has several
         return decoder_step_cpu.decode_step(
-            h, self._fused_weights, kv_caches, md.slot_mapping, md.block_tables, md.seq_lens_tensor,
-            md.cross_block_tables, md.encoder_seq_lens_tensor, position_bias=table) is not None
+            h, self._fused_weights, kv_caches, md.slot_mapping, rows.self_tables, rows.self_lens,
+            rows.cross_tables, rows.cross_lens, position_bias=table) is not None
