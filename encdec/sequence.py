@@ -160,6 +160,14 @@ class Sequence:
         lp = logprobs.get(token_id) if logprobs else None
         self.data.append_token_id(token_id, lp.logprob if lp is not None else 0.0)
 
+    def append_sampled(self, token_id: int) -> int:
+        """``append_token_id`` of a token without logprobs (most rows of most
+        steps: one call, not three); returns the output length now."""
+        self.output_logprobs.append(None)
+        out = self.data._output_token_ids  # SequenceData is this module's own
+        out.append(token_id)
+        return len(out)
+
     def get_len(self) -> int:
         return self.data.get_len()
 

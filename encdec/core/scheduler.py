@@ -45,10 +45,11 @@ from encdec.core.scheduler_outputs import (
     StepBlocks,
     StructuredDecider,
 )
+from encdec.core.slot_room import SlotRoom
 from encdec.core.step_metadata import StepMetadata
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingType
-from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from encdec.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSequenceGroup", "SchedulerOutputs", "SchedulerStats"]
 
@@ -109,6 +110,11 @@ class Scheduler(Admission, Preemption):
         # structured-output manager anything (it would look at every row).
         self._num_constrained = 0
         self._metadata = StepMetadata(self.block_manager)
+        self._room = SlotRoom()
+        # seq_id -> StopChecker.quick_rule of its request; the last update's
+        # running sequences, reused while a step has the same rows.
+        self._stop_rules: dict[int, tuple[int, frozenset[int], int] | None] = {}
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] | None = None
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -156,6 +162,7 @@ class Scheduler(Admission, Preemption):
         """Every block the group holds, self and cross, on either device."""
         for seq in group.get_seqs():
             self.block_manager.free(seq)
+            self._stop_rules.pop(seq.seq_id, None)
         self.block_manager.free_cross(group)
         if self._requests.pop(group.request_id, None) is not None:
             self._num_constrained -= _constrained(group)
@@ -171,9 +178,11 @@ class Scheduler(Admission, Preemption):
         ones ``schedule`` could never run first."""
         sched = scheduler_outputs
         step_update.mark_computed(sched)
+        if not (sched.same_rows and self._seqs is not None):  # else last step's map: the same rows
+            self._seqs = step_update.running_seqs(sched)
         ended, self.num_appended = step_update.append_samples(
-            runner_output.samples, sched, self.block_manager, self.stop_checker,
-            self.structured if self._num_constrained else None)
+            runner_output.samples, self._seqs, self.block_manager, self.stop_checker,
+            self.structured if self._num_constrained else None, self._stop_rules)
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
@@ -227,13 +236,23 @@ class Scheduler(Admission, Preemption):
         # A row needs at most a copy of a shared block and two new ones (one lookahead
         # slot): with that many free for every row, no one is preempted and the order
         # does not matter. Most steps, where the cache is not nearly full.
-        if bm.get_num_free_gpu_blocks() >= 3 * sum(map(len, (g.seqs for g in self.running))):
-            for group in self.running:
-                lookahead = _lookahead(group, ahead)
-                if not self._slot_ready(group, lookahead):
+        running, free = self.running, bm.get_num_free_gpu_blocks()
+        lookahead = 1 if ahead else 0
+        due = self._room.due(running, lookahead) if free >= 3 * len(running) else None
+        if due is not None:  # the same single-sequence rows as the last step: only full blocks
+            for i in due:
+                seq = running[i].seqs[0]
+                blocks.copy.extend(bm.append_slots(seq, lookahead))
+                self._room.set(i, self._room_of(seq, lookahead))
+            return list(running), 0
+        if free >= 3 * sum(map(len, (g.seqs for g in running))):
+            for group in running:
+                if not self._slot_ready(group, _lookahead(group, ahead)):
                     for seq in group.get_seqs(SequenceStatus.RUNNING):
-                        blocks.copy.extend(bm.append_slots(seq, lookahead))
-            return list(self.running), 0
+                        blocks.copy.extend(bm.append_slots(seq, _lookahead(group, ahead)))
+            self._record_room(ahead)
+            return list(running), 0
+        self._room.forget()
         queue = deque(self.running)
         kept: list[SequenceGroup] = []
         preempted = 0
@@ -255,6 +274,23 @@ class Scheduler(Admission, Preemption):
                 kept.append(group)
         self.running = kept
         return list(kept), preempted  # a copy: running grows with resumed and new groups
+
+    def _room_of(self, seq: Sequence, lookahead: int) -> int:
+        return len(self.block_manager.get_block_table(seq)) * self.cache_config.block_size - seq.get_len() - lookahead
+
+    def _record_room(self, ahead: Collection[int]) -> None:
+        """After a full pass: each row's room (``SlotRoom``), where every row is one
+        sequence, not a beam search's, and all share one lookahead."""
+        lookahead = 1 if ahead else 0
+        room = []
+        for group in self.running:
+            seqs = group.seqs
+            if (len(seqs) != 1 or group.sampling_params is None or _lookahead(group, ahead) != lookahead
+                    or group.sampling_params.sampling_type is SamplingType.BEAM):
+                self._room.forget()
+                return
+            room.append(self._room_of(seqs[0], lookahead))
+        self._room.record(self.running, room, lookahead)
 
     def _slot_ready(self, group: SequenceGroup, lookahead: int) -> bool:
         """Most rows of most steps: one sequence whose next token lands in a block
@@ -284,12 +320,16 @@ class Scheduler(Admission, Preemption):
         metas, scheduled = self._metadata.build(prefills, decodes, self._cross_kv_cached)
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
-        num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)])
-        batch = dict.fromkeys(sid for m in metas for sid in m.seq_data)
-        num_tokens += len(batch) - sum(len(m.seq_data) for m in metas[: len(prefills)])  # one per decode row
-        joined = [sid for sid in batch if sid not in self._batch_seq_ids]
-        left = [sid for sid in self._batch_seq_ids if sid not in batch]
-        self._batch_seq_ids = batch
+        same = self._metadata.unchanged and not blocks.swap_out  # idle cross swap-outs move no row's blocks
+        if same:  # last step's rows (single sequences), one token further
+            num_tokens, joined, left = len(metas), [], []
+        else:
+            num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)])
+            batch = dict.fromkeys(sid for m in metas for sid in m.seq_data)
+            num_tokens += len(batch) - sum(len(m.seq_data) for m in metas[: len(prefills)])  # one per decode row
+            joined = [sid for sid in batch if sid not in self._batch_seq_ids]
+            left = [sid for sid in self._batch_seq_ids if sid not in batch]
+            self._batch_seq_ids = batch
         return metas, SchedulerOutputs(
             scheduled_seq_groups=scheduled,
             num_prefill_groups=len(prefills),
@@ -301,6 +341,7 @@ class Scheduler(Admission, Preemption):
             ignored_seq_groups=blocks.ignored,
             seq_ids_joined=joined,
             seq_ids_left=left,
+            same_rows=same,
             token_masks=(self.structured.fill_masks(prefills + decodes)
                          if self.structured and self._num_constrained else None),
         )

@@ -34,6 +34,9 @@ class SchedulerOutputs:
     # the tokens each constrained sequence may sample this step (structured
     # outputs' grammar state); None: no scheduled request is constrained
     token_masks: TokenMasks | None = None
+    # The same decode rows, in the same order, as the step before, which had no
+    # prefill: each row is one token further, nothing joined or left.
+    same_rows: bool = False
 
 
 @dataclass

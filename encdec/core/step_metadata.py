@@ -8,14 +8,21 @@ everything. The pair is dropped when the group is preempted (swap-in and
 recompute give it new tables), prefills again or is freed, and rebuilt when
 the block manager holds another self table than the one it names. Building it
 afresh for every row of every step cost a few microseconds each: at 256 rows,
-a large share of a small model's step. No torch here.
+a large share of a small model's step.
+
+A step whose decodes are last step's decodes, the same groups in the same
+order, with no prefill in either step and nothing forgotten since, is last
+step's lists again (``unchanged``): the scheduler and the model runner then
+skip their per-row work on the batch's shape. No torch here.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from encdec.block_manager import BlockSpaceManager
 from encdec.core.scheduler_outputs import ScheduledSequenceGroup
+from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 Entry = tuple[ScheduledSequenceGroup, SequenceGroupMetadata]
@@ -25,10 +32,16 @@ class StepMetadata:
     def __init__(self, block_manager: BlockSpaceManager):
         self._bm = block_manager
         self._decodes: dict[str, Entry] = {}  # request_id -> its decode pair
+        # The last step: its decode groups, their metadata and scheduled groups, and
+        # whether it had prefills; None once anything was forgotten since.
+        self._last: tuple[list[SequenceGroup], list[SequenceGroupMetadata],
+                          list[ScheduledSequenceGroup], bool] | None = None
+        self.unchanged = False  # the step built last: the same rows as the one before
 
     def forget(self, request_id: str) -> None:
         """The group is freed (finished, aborted) or preempted: its pair goes."""
         self._decodes.pop(request_id, None)
+        self._last = None
 
     def build(self, prefills: list[SequenceGroup], decodes: list[SequenceGroup],
               cross_kv_cached: Callable[[SequenceGroup], bool]) -> tuple[list[SequenceGroupMetadata],
@@ -36,6 +49,13 @@ class StepMetadata:
         """The step's metadata and scheduled groups, prefills first.
         ``cross_kv_cached(group)``: whether a prefill reuses its cross table's KV
         (asked once per prefill: the scheduler counts it)."""
+        last = self._last
+        if (not prefills and last is not None and len(decodes) == len(last[0])
+                and all(map(operator.is_, decodes, last[0]))):
+            self.unchanged = not last[3]
+            self._last = (last[0], last[1], last[2], False)
+            return list(last[1]), list(last[2])
+        self.unchanged = False
         metas, scheduled = [], []
         for group in prefills:
             self._decodes.pop(group.request_id, None)
@@ -51,6 +71,12 @@ class StepMetadata:
                     decoded[group.request_id] = entry
             scheduled.append(entry[0])
             metas.append(entry[1])
+        # A beam search forks and drops its group's sequences between steps: never the same rows.
+        beam = SamplingType.BEAM
+        single = all(len(g.seqs) == 1 and getattr(g.sampling_params, "sampling_type", None) is not beam
+                     for g in decodes)
+        self._last = ((list(decodes), metas[len(prefills):], scheduled[len(prefills):], bool(prefills))
+                      if single else None)
         return metas, scheduled
 
     def _current(self, group: SequenceGroup, meta: SequenceGroupMetadata) -> bool:
@@ -66,8 +92,9 @@ class StepMetadata:
     def _entry(self, group: SequenceGroup, is_prompt: bool, cached: bool) -> Entry:
         bm = self._bm
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        # A prefill (first, or after recompute) computes prompt + outputs so far.
-        chunk = seqs[0].get_len() if is_prompt else 1
+        # A prefill (first, or after recompute) computes prompt + outputs so far,
+        # less the leading tokens whose K/V the prefix cache holds.
+        chunk = seqs[0].get_len() - seqs[0].data.get_num_computed_tokens() if is_prompt else 1
         meta = SequenceGroupMetadata(
             request_id=group.request_id,
             is_prompt=is_prompt,

@@ -40,25 +40,54 @@ def mark_computed(sched: SchedulerOutputs) -> None:
             s.seq_group.metrics.first_token_time = now
 
 
-def append_samples(samples: list[SampledTokens], sched: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   stop_checker: StopChecker,
-                   structured: StructuredDecider | None = None) -> tuple[list[SequenceGroup], int]:
-    """Each sequence's tokens, stop-checked one by one; their text may be left
-    owed (``StopChecker.check(defer_text=True)``) where no stop string needs it.
-    Returns the groups a sequence of which finished (each once) and the number
-    of tokens appended. A sample of a
+def running_seqs(sched: SchedulerOutputs) -> dict[int, tuple[Sequence, SequenceGroup]]:
+    """seq_id -> (sequence, group) of the step's running decoder sequences."""
+    return {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
+            for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
+
+
+def append_samples(samples: list[SampledTokens], seqs: dict[int, tuple[Sequence, SequenceGroup]],
+                   block_manager: BlockSpaceManager, stop_checker: StopChecker,
+                   structured: StructuredDecider | None = None,
+                   rules: dict[int, tuple[int, frozenset[int], int] | None] | None = None,
+                   ) -> tuple[list[SequenceGroup], int]:
+    """Each sequence's tokens (``seqs``: ``running_seqs`` of the step),
+    stop-checked one by one; their text may be left owed
+    (``StopChecker.check(defer_text=True)``) where no stop string needs it.
+    ``rules``: each sequence's ``StopChecker.quick_rule``, filled in as met: a
+    token without logprobs that the rule passes is appended with no further
+    call (most rows of most steps). Returns the groups a sequence of which
+    finished (each once) and the number of tokens appended. A sample of a
     sequence no longer running (it ended in the step before, which ran after
     this one was scheduled: async scheduling) is dropped."""
-    seqs = {s.seq_id: (s, g.seq_group) for g in sched.scheduled_seq_groups
-            for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
     ended: dict[int, SequenceGroup] = {}
     appended = 0
+    running = SequenceStatus.RUNNING
+    quick = rules is not None and structured is None
     for sample in samples:
         entry = seqs.get(sample.seq_id)
         if entry is None:  # finished (or aborted) after this step was scheduled ahead: its row was spare
             continue
         seq, group = entry
-        for i, token_id in enumerate(sample.sampled_token_ids):
+        if seq.status is not running:
+            continue
+        tokens = sample.sampled_token_ids
+        if quick and len(tokens) == 1 and not sample.logprobs:
+            rule = rules.get(seq.seq_id, False)
+            if rule is False:
+                rule = rules[seq.seq_id] = stop_checker.quick_rule(seq, group.sampling_params)
+            if rule is not None:
+                t = tokens[0]
+                n = seq.append_sampled(t)
+                appended += 1
+                if n < rule[0] and t < rule[2] and t not in rule[1]:
+                    continue
+                stop_checker.check(seq, group.sampling_params, defer_text=True)
+                if seq.is_finished():
+                    block_manager.free(seq)
+                    ended[id(group)] = group
+                continue
+        for i, token_id in enumerate(tokens):
             seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
             appended += 1
             stop_checker.check(seq, group.sampling_params, defer_text=True)

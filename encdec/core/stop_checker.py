@@ -53,6 +53,26 @@ class StopChecker:
         added = self.detokenizer.decode_sequence_inplace(seq, params)
         self.maybe_stop_sequence(seq, added, params, self.eos_token_id)
 
+    def quick_rule(self, seq: Any, sampling_params: SamplingParams) -> tuple[int, frozenset[int], int] | None:
+        """What ``check(defer_text=True)`` decides by token ids alone, for a
+        sequence without stop strings: ``(limit, stop_ids, vocab_end)``. A new
+        token ``t`` at output length ``n`` leaves the sequence running, with
+        nothing else for ``check`` to do, when ``n < limit`` (``max_tokens``,
+        ``max_model_len``), ``t not in stop_ids`` (eos unless ignored, the stop
+        ids) and ``t < vocab_end`` (the tokenizer's length); any other token goes
+        to ``check``. None: every token goes to ``check`` (stop strings)."""
+        params = sampling_params
+        if params.stop:
+            return None
+        limit = self.max_model_len - seq.get_prompt_len()
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos and self.eos_token_id is not None:
+            stop_ids.add(self.eos_token_id)
+        vocab_end = self.get_tokenizer_len() if self.get_tokenizer_len is not None else 1 << 62
+        return limit, frozenset(stop_ids), vocab_end
+
     def settle_text(self, seq: Any, sampling_params: SamplingParams, *, trim_last: bool = False) -> None:
         """Decode the text ``check`` left owed. ``trim_last``: the newest token
         ended the sequence as a stop token, so its text is cut as

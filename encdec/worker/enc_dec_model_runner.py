@@ -17,7 +17,6 @@ batch's order, which is what the logits processors index by.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -28,7 +27,7 @@ from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetad
                                                 cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
-from encdec.platform.device_tensors import padded_to_device, split_to_device, to_device
+from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
 from encdec.sample.sampler import Sampler
 from encdec.sampling_params import SamplingType
@@ -36,6 +35,7 @@ from encdec.sequence import SequenceGroupMetadata
 from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
+from encdec.worker.steady_decode import PaddedTables, SteadyDecode
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
 
 
@@ -151,28 +151,6 @@ class _DecoderRows:
                 cross_tables.append(m.cross_block_table)
 
 
-class _PaddedTables:
-    """The last step's padded block tables on the device, reused while a step's
-    rows hold the same table objects at the same lengths and nothing wrote into
-    a table in place (copy-on-write, swap-in): a decode step's tables grow one
-    block per row every ``block_size`` tokens, cross tables never. Building them
-    took ~0.1 ms a step at 256 rows. The tables are held, so their ids are not
-    reused while the cache compares against them."""
-
-    def __init__(self) -> None:
-        self._tables: list[list[int]] = []
-        self._lens: list[int] = []
-        self._tensor: torch.Tensor | None = None
-
-    def get(self, tables: list[list[int]], device: torch.device, moved: bool) -> torch.Tensor:
-        lens = list(map(len, tables))
-        if (moved or self._tensor is None or lens != self._lens
-                or not all(map(operator.is_, tables, self._tables))):
-            self._tensor = padded_to_device(tables, device)
-            self._tables, self._lens = list(tables), lens
-        return self._tensor
-
-
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.int32, device)
 
@@ -202,18 +180,29 @@ class EncoderDecoderModelRunner:
         self.sampler = Sampler(generator)  # generator: the engine's, for unseeded rows
         self.graphs: Any = None  # DecodeGraphs (worker/cuda_graphs.py) on CUDA: decode steps replayed
         self._last_order: tuple[list[int], list[int]] | None = None  # (rows' seq_ids, batch order) of the last step
-        self._self_tables, self._cross_tables = _PaddedTables(), _PaddedTables()
+        self._self_tables, self._cross_tables = PaddedTables(), PaddedTables()
+        self._steady = SteadyDecode(backend, self.block_size, HOST_SLOTS_MAX_TOKENS)
+        # The last step's (rows, batch order, gather index, seq_ids, logprobs wanted, any beam row)
+        self._rows_of_last: tuple | None = None
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
         # worker: LLMEngine.add_processed_request); taken by its prefill, which then skips the encoder
         self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
-                ahead: Collection[int] = ()) -> ModelInput:
+                ahead: Collection[int] = (), same_rows: bool = False) -> ModelInput:
         """Pack the step's prefills and decodes (see the module docstring).
         ``moved``: whether this step copied or swapped blocks (tables changed in
-        place); ``ahead``: see ``_DecoderRows.add_decodes``."""
+        place); ``ahead``: see ``_DecoderRows.add_decodes``; ``same_rows``: the
+        scheduler's word that the step's rows are the last step's, one token
+        further (``SteadyDecode``)."""
         dev = self.device
+        if same_rows and not moved and not ahead:
+            steady = self._steady.advance(metas, dev, self._self_tables)
+            if steady is not None:
+                ids, pos, md, rows = steady
+                return ModelInput(input_ids=ids, positions=pos, attn_metadata=md, encoder_inputs={},
+                                  sampled_rows=rows, owed=[])
         prefills = [m for m in metas if m.is_prompt]
         dec = _DecoderRows()
         for m in prefills:
@@ -239,7 +228,7 @@ class EncoderDecoderModelRunner:
         seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
         seq_lens_t, q_start_t, context_t, enc_lens_t, e_start_t = split_to_device(
             [seq_lens, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start], torch.int32, dev)
-        md = self.backend.make_metadata(
+        kw = dict(
             num_prefills=n,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=len(dec.tokens) - num_prefill_tokens,
@@ -266,6 +255,11 @@ class EncoderDecoderModelRunner:
             prefill_cross_cached=([m.cross_kv_cached for m in prefills]
                                   if len(enc.tokens) < n else None),
         )
+        md = self.backend.make_metadata(**kw)
+        if n == 0 and not ahead:  # a decode-only step: the next one may be this one, one token further
+            self._steady.remember(metas, [r.meta.seq_data[r.seq_id] for r in dec.rows], dec.rows, pos, kw)
+        else:
+            self._steady.forget()
         given = [self.encoder_outputs.pop(m.request_id, None) for m in prefills]  # each taken once
         given = [g for g, m in zip(given, prefills) if not m.cross_kv_cached]
         if given and all(g is not None for g in given):  # else the encoder runs for all (exact either way)
@@ -330,7 +324,7 @@ class EncoderDecoderModelRunner:
             bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
             if bucket is not None:
                 return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small)
-        inp = self.prepare(metas, bool(sched.blocks_to_copy or sched.blocks_to_swap_in), ahead)
+        inp = self.prepare(metas, bool(sched.blocks_to_copy or sched.blocks_to_swap_in), ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
         return StepPlan(metas, sched, [inp], bucket, small)
 
@@ -347,26 +341,32 @@ class EncoderDecoderModelRunner:
         for part in plan.parts:
             part.fill_owed()
         rows, hidden = self._forward(plan)
-        order = self._update_batch(sched, rows)
+        same = sched.same_rows and self._rows_of_last is not None and rows is self._rows_of_last[0]
+        order = self._rows_of_last[1] if same else self._update_batch(sched, rows)
         sampling_md = self.input_batch.refresh_metadata()
         sampling_md.token_bitmask = batch_bitmask(sched.token_masks, self.input_batch.req_ids, self.device)
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = asked_prompt_positions(metas)
-        index = to_device([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked],
-                          torch.long, self.device)
+        if same:  # the last step's rows (SteadyDecode): its gather, ids and wants
+            _, _, index, seq_ids, wanted, any_beam = self._rows_of_last
+        else:
+            index = to_device([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked],
+                              torch.long, self.device)
+            seq_ids = [rows[i].seq_id for i in order]
+            wanted = [rows[i].meta.sampling_params.logprobs for i in order]
+            any_beam = any(m.sampling_params.sampling_type is SamplingType.BEAM for m in metas)
+            self._rows_of_last = (rows, order, index, seq_ids, wanted, any_beam) if not asked else None
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
         token_lps = prompt_token_logprobs(all_logits[len(order):], asked)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = (find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
-                if any(m.sampling_params.sampling_type is SamplingType.BEAM for m in metas) else None)
+                if any_beam else None)
         with single_thread(small):
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))
-        return AsyncModelRunnerOutput(
-            self.model, self.device, metas, [rows[i].seq_id for i in order],
-            [rows[i].meta.sampling_params.logprobs for i in order], out, beam, hidden, token_lps)
+        return AsyncModelRunnerOutput(self.model, self.device, metas, seq_ids, wanted, out, beam, hidden, token_lps)
 
     def _eager(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,
