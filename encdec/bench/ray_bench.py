@@ -112,5 +112,42 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def print_transfers(port: int, model_dir: str, label: str) -> None:
+    """What a disaggregated server's decoder engines received from its encoder
+    workers, read from its ``/metrics`` (the counters since it started, warm-up
+    included): bytes and times per request moved, requests the encoder cache spared."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from encdec.worker.encoder_pass import encoder_transfer_bytes
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    total: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name.startswith(("encdec:encoder_transfer", "encdec:encoder_worker")):
+                total[smp.name] = total.get(smp.name, 0.0) + smp.value
+    moved = total.get("encdec:encoder_transfer_requests_total", 0.0)
+    if not moved:
+        print(f"{label}: no encoder output moved (metrics: {total})")
+        return
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    per = total["encdec:encoder_transfer_bytes_total"] / moved
+    encode = total["encdec:encoder_worker_encode_seconds_total"] / moved
+    trip = total["encdec:encoder_transfer_round_trip_seconds_total"] / moved
+    out_b, kv_b = encoder_transfer_bytes(cfg, 1, 4)  # float32 (the CPU engines' dtype)
+    print(f"{label}: {moved:.0f} requests took an encoder worker's output, "
+          f"{total.get('encdec:encoder_transfer_skipped_total', 0):.0f} the encoder cache's; "
+          f"{per / 1024:.1f} KiB moved per request (encoder output; its cross K/V would be "
+          f"{kv_b / out_b:.0f}x that: {out_b} vs {kv_b} bytes per encoder token); per request: "
+          f"encoder call {1000 * trip:.1f} ms, of which the encoder's batch {1000 * encode:.1f} ms and "
+          f"queueing + transfer {1000 * max(0.0, trip - encode):.1f} ms; "
+          f"{total.get('encdec:encoder_transfer_retries_total', 0):.0f} retries", flush=True)
+
+
 if __name__ == "__main__":
     main()

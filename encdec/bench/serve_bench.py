@@ -11,9 +11,13 @@ request to the first text chunk and to the end of the stream.
 ``--ray --replicas N`` also runs the same clients against ``encdec serve --ray``
 (a local Ray cluster: N engine replicas of one torch thread behind the Ray Serve
 ingress), to measure what the Ray path costs against one ``encdec serve``.
+``--disaggregate encoders=E,decoders=D`` does the same with the encoder passes on
+E encoder workers, and prints what moved from them to the decoder engines: bytes
+per request (against the cross K/V the engine makes of them) and the time a
+transfer took (an encoder call's round trip less the encoder's own time).
 
     python -m benchmarks.serve_bench [--requests 200] [--concurrency 1 16 200] [--model-dir DIR]
-                                     [--ray --replicas 2]
+                                     [--ray --replicas 2] [--disaggregate encoders=1,decoders=1]
 """
 from __future__ import annotations
 
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                     help="a checkpoint (default: a random 4-layer BART, d_model 256, vocab 16384)")
     ap.add_argument("--ray", action="store_true", help="also through encdec serve --ray (the serve-ray extra)")
     ap.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
+    ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
+                    help="also through encdec serve --ray --disaggregate (encoder workers + decoder engines)")
     args = ap.parse_args(argv)
 
     from encdec.testing import make_random_bart
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     if args.ray:
         servers.append((f"encdec serve --ray --replicas {args.replicas}",
                         [*engine, "--ray", "--replicas", str(args.replicas), "--num-threads", "1"]))
+    if args.disaggregate:
+        servers.append((f"encdec serve --ray --disaggregate {args.disaggregate}",
+                        [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", "1"]))
     for label, flags in servers:
         bench_server(label, model_dir, flags, enc, out_lens, ref, offline, args.concurrency)
 
@@ -196,6 +205,10 @@ def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, re
                   f"p99 {1000 * pct(latency, 0.99):.0f} ms; {same}/{len(ref)} token-identical to offline; "
                   f"server CPU {server_cpu:.0f}%, the rest of the machine {mon.mean() - server_cpu:.0f}% "
                   "(100% = one core)", flush=True)
+        if "--disaggregate" in flags:
+            from encdec.bench.ray_bench import print_transfers
+
+            print_transfers(port, model_dir, label)
     finally:
         proc.terminate()
         try:

@@ -54,8 +54,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--replica-gpus", type=float, default=0.0,
                        help="GPUs Ray reserves for each engine replica (with --ray)")
     scale.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
-                       help="encoder passes on E workers, decoding on D engines (with --ray; not built yet: "
-                            "refused with that message)")
+                       help="encoder passes on E encoder workers, decoding on D engine replicas fed their "
+                            "encoder outputs through Ray's object store (with --ray, instead of --replicas; "
+                            "each worker and replica reserves --replica-cpus/--replica-gpus)")
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)
     p.set_defaults(scheduling_policy="priority")

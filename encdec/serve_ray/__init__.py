@@ -19,6 +19,10 @@ error shape (a stream already started ends with an error event); Serve starts a
 new replica, and the other replicas keep serving. A relayed request waits at
 most ``ray_ingress.RELAY_IDLE_TIMEOUT`` seconds for the next piece of its answer.
 
+``--disaggregate encoders=E,decoders=D`` puts the encoder passes on E encoder
+workers and makes the D replicas decoder engines fed by them
+(``encdec.serve_ray.disaggregate``).
+
 Ray Serve is the ``serve-ray`` extra, imported only here and only when used.
 """
 from __future__ import annotations
@@ -48,12 +52,20 @@ class EngineReplica:
     """One engine inside ``encdec serve``'s app; the ingress calls ``http`` and
     ``websocket`` (streaming) through a deployment handle."""
 
-    async def __init__(self, args: argparse.Namespace) -> None:
+    async def __init__(self, args: argparse.Namespace, encoders: Any = None) -> None:
+        """``encoders``: the encoder workers' handle (``--disaggregate``): this
+        replica's engine is then a ``DecoderEngine`` they feed."""
         _, serve = _ray()
         from encdec.entrypoints.openai.api_server import app_from_args
+        from encdec.serve_ray.disaggregate import DecoderEngine, TransferCollector
 
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.app = app_from_args(args)  # loads the model: a bad one fails the deployment
+        # loads the model: a bad one fails the deployment
+        self.app = app_from_args(args, engine_cls=DecoderEngine) if encoders else app_from_args(args)
+        if encoders:
+            server = self.app.state.server
+            server.engine.encoders = encoders
+            server.metrics.registry.register(TransferCollector(server.engine.transfers, server.model_name))
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # starts the engine thread on this event loop
         self._pusher = asyncio.create_task(self._push_metrics())
@@ -98,16 +110,32 @@ class EngineReplica:
             yield messages
 
 
-def _replica_deployment(args: argparse.Namespace) -> Any:
-    _, serve = _ray()
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+def _actor_options(args: argparse.Namespace) -> dict[str, float]:
     options = {"num_cpus": args.replica_cpus}
     if args.replica_gpus:
         options["num_gpus"] = args.replica_gpus
-    return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=args.replicas,
-                            ray_actor_options=options, health_check_period_s=5,
-                            max_ongoing_requests=256).bind(args)
+    return options
+
+
+def _replica_deployment(args: argparse.Namespace) -> Any:
+    """N engine replicas; with ``--disaggregate``, D decoder engines bound to E encoder workers."""
+    _, serve = _ray()
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    encoders, replicas = None, args.replicas
+    if args.disaggregate:
+        from encdec.serve_ray.disaggregate import encoder_worker_class, parse_disaggregate
+
+        num_encoders, replicas = parse_disaggregate(args.disaggregate)
+        if args.replicas != 1:
+            raise ValueError("--replicas and --disaggregate both set the engine count: give it as "
+                             f"--disaggregate encoders=E,decoders=D alone (got --replicas {args.replicas})")
+        encoders = serve.deployment(encoder_worker_class(), name="EncoderWorker", num_replicas=num_encoders,
+                                    ray_actor_options=_actor_options(args), health_check_period_s=5,
+                                    max_ongoing_requests=256).bind(args)
+    return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
+                            ray_actor_options=_actor_options(args), health_check_period_s=5,
+                            max_ongoing_requests=256).bind(args, encoders)
 
 
 def build_application(args: argparse.Namespace) -> Any:
@@ -117,9 +145,6 @@ def build_application(args: argparse.Namespace) -> Any:
     from encdec.entrypoints.openai.ray_ingress import ingress_deployment
 
     check_server_flags(args)  # a bad flag fails here, not in every replica
-    if args.disaggregate:
-        raise ValueError("--disaggregate (encoder and decoder work on separate workers) is not built yet: "
-                         "serve with --ray --replicas N")
     max_body = int(args.max_audio_mb * (1 << 20)) + (64 << 10)
     return ingress_deployment(serve).bind(_replica_deployment(args), max_body, args.body_timeout)
 
@@ -127,13 +152,17 @@ def build_application(args: argparse.Namespace) -> Any:
 def build(config: dict[str, Any]) -> Any:
     """``serve run encdec.serve_ray:build model=MODEL replicas=2 ...``: the keys are
     ``encdec serve``'s flags without the dashes (``num_threads=1``); a flag with
-    no value takes ``true``."""
+    no value takes ``true``. ``disaggregate`` is ``"encoders=E,decoders=D"`` or
+    ``{"encoders": E, "decoders": D}``."""
     from encdec.entrypoints.openai.cli_args import add_server_args
 
     config = dict(config)
     if "model" not in config:
         raise ValueError("the application's args need 'model' (a hub id or checkpoint directory)")
     argv = [str(config.pop("model"))]
+    split = config.get("disaggregate")
+    if isinstance(split, dict):
+        config["disaggregate"] = ",".join(f"{k}={v}" for k, v in split.items())
     for key, value in config.items():
         flag = "--" + key.replace("_", "-")
         if value is True or str(value).lower() == "true":
@@ -163,8 +192,9 @@ def serve_ray(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, _: stopping.append(signum))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application, name=APP_NAME, route_prefix="/")
-    print(f"encdec serve --ray: {args.replicas} replica(s) of {args.model} on http://{args.host}:{args.port}",
-          flush=True)
+    what = (f"{args.replicas} replica(s)" if not args.disaggregate
+            else f"disaggregated ({args.disaggregate}): decoder replica(s)")
+    print(f"encdec serve --ray: {what} of {args.model} on http://{args.host}:{args.port}", flush=True)
     while not stopping:
         time.sleep(0.2)
     serve.delete(APP_NAME)
