@@ -260,14 +260,19 @@ class EncoderDecoderModelRunner:
             self._steady.remember(metas, [r.meta.seq_data[r.seq_id] for r in dec.rows], dec.rows, pos, kw)
         else:
             self._steady.forget()
-        given = [self.encoder_outputs.pop(m.request_id, None) for m in prefills]  # each taken once
-        given = [g for g, m in zip(given, prefills) if not m.cross_kv_cached]
-        if given and all(g is not None for g in given):  # else the encoder runs for all (exact either way)
-            enc_kwargs = {"encoder_hidden": torch.cat(given).to(dev, non_blocking=True)}
-        else:
-            enc_kwargs = self.model.build_encoder_inputs(enc.tokens, enc.features, dev) if enc.tokens else {}
+        enc_kwargs = self._encoder_kwargs(prefills, enc)
         return ModelInput(input_ids=input_ids, positions=pos,
                           attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows, owed=dec.owed)
+
+    def _encoder_kwargs(self, prefills: list[SequenceGroupMetadata], enc: _EncoderRows) -> dict[str, Any]:
+        """The model's encoder arguments for the step's prefills: the outputs they
+        brought (``encoder_outputs``) when every prefill that runs the encoder
+        brought one, else the encoder's inputs for all of them (exact either way)."""
+        given = [self.encoder_outputs.pop(m.request_id, None) for m in prefills]  # each taken once
+        given = [g for g, m in zip(given, prefills) if not m.cross_kv_cached]
+        if given and all(g is not None for g in given):
+            return {"encoder_hidden": torch.cat(given).to(self.device, non_blocking=True)}
+        return self.model.build_encoder_inputs(enc.tokens, enc.features, self.device) if enc.tokens else {}
 
     # -- persistent batch ----------------------------------------------------
     def _update_batch(self, sched: SchedulerOutputs, rows: list[SampledRow]) -> list[int]:
