@@ -55,7 +55,8 @@ def _first_false(ok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     ``ok`` (B, k_max), or n[b] where all of them are True."""
     k_max = ok.shape[1]
     real = torch.arange(k_max, device=ok.device)[None, :] < n[:, None]
-    stop = torch.cat([~ok | ~real, torch.ones_like(ok[:, :1])], dim=1)  # (B, k_max + 1)
+    end = torch.ones(ok.shape[0], 1, dtype=torch.bool, device=ok.device)  # (k_max may be 0: no drafts at all)
+    stop = torch.cat([~ok | ~real, end], dim=1)  # (B, k_max + 1)
     return stop.to(torch.int8).argmax(1)  # the first True
 
 

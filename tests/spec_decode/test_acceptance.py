@@ -35,6 +35,13 @@ def test_greedy_examples():
     assert out.tolist() == [[5, 6, 7, 8], [5, 6, PAD, PAD], [5, PAD, PAD, PAD], [9, PAD, PAD, PAD]]
 
 
+def test_a_step_without_drafts():
+    out, acc = accept_greedy(torch.tensor([[3], [4]]), torch.zeros(2, 0, dtype=torch.long), [0, 0])
+    assert out.tolist() == [[3], [4]] and acc.tolist() == [0, 0]
+    out, acc = rejection_sample(torch.tensor([[[0.0, 1.0]]]), torch.zeros(1, 0, dtype=torch.long), [0])
+    assert out.tolist() == [[1]] and acc.tolist() == [0]
+
+
 def test_greedy_matches_one_by_one_per_request():
     g = torch.Generator().manual_seed(0)
     B, k = 300, 5
