@@ -80,10 +80,10 @@ class Step:
         idx = torch.tensor(self.slots(table, positions), dtype=torch.long)
         flat[0][idx], flat[1][idx] = k, v
 
-    def metadata(self, backend: type[AttentionBackend], query_lens: bool = True):
+    def metadata(self, backend: type[AttentionBackend], query_lens: bool = True, device: str = "cpu"):
         seqs, P = self.seqs, [s for s in self.seqs if s.prefill]
         dec = [s for s in seqs if not s.prefill]
-        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         prefix = lambda xs: i32([sum(xs[:i]) for i in range(len(xs) + 1)])  # noqa: E731
         width = max(len(t) for t in self.tables)
         cwidth = max(len(t) for t in self.cross_tables)
@@ -93,7 +93,7 @@ class Step:
         return backend.make_metadata(
             num_prefills=len(P), num_prefill_tokens=sum(s.q_len for s in P),
             num_decode_tokens=sum(s.q_len for s in dec),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             seq_lens=[s.seq_len for s in seqs], seq_lens_tensor=i32([s.seq_len for s in seqs]),
             max_prefill_seq_len=max((s.seq_len for s in P), default=0),
             max_decode_seq_len=max((s.seq_len for s in dec), default=0),
@@ -103,17 +103,17 @@ class Step:
             block_tables=i32([t + [0] * (width - len(t)) for t in self.tables]),
             encoder_seq_lens=[ENC] * len(seqs), encoder_seq_lens_tensor=i32([ENC] * len(seqs)),
             encoder_seq_start_loc=prefix([ENC] * len(P)), max_encoder_seq_len=ENC, num_encoder_tokens=ENC * len(P),
-            cross_slot_mapping=torch.tensor(cross_slots, dtype=torch.long),
+            cross_slot_mapping=torch.tensor(cross_slots, dtype=torch.long, device=device),
             cross_block_tables=i32([t + [0] * (cwidth - len(t)) for t in self.cross_tables]),
             block_size=self.bs, block_tables_list=[list(t) for t in self.tables],
             cross_block_tables_list=[list(t) for t in self.cross_tables],
             decode_query_lens=[s.q_len for s in dec] if query_lens else None)
 
     def run(self, backend: type[AttentionBackend], attn_type: AttentionType, *, query_lens: bool = True,
-            bias: PositionBias | None = None) -> torch.Tensor:
+            bias: PositionBias | None = None, device: str = "cpu") -> torch.Tensor:
         impl = backend.get_impl_cls()(H, D, D ** -0.5, HK, attn_type)
-        md = self.metadata(backend, query_lens)
-        cache = self.cache["self" if attn_type == AttentionType.DECODER else "cross"].clone()
+        md = self.metadata(backend, query_lens, device)
+        cache = self.cache["self" if attn_type == AttentionType.DECODER else "cross"].to(device, copy=True)
         if attn_type == AttentionType.DECODER:
             k = torch.cat([k[s.seq_len - s.q_len:] for s, k in zip(self.seqs, self.k)])
             v = torch.cat([v[s.seq_len - s.q_len:] for s, v in zip(self.seqs, self.v)])
@@ -122,9 +122,9 @@ class Step:
             k = torch.cat([self.xk[i] for i in pre]) if pre else None
             v = torch.cat([self.xv[i] for i in pre]) if pre else None
         kw = {} if bias is None else {"position_bias": bias}
-        flat = lambda x: None if x is None else x.reshape(x.shape[0], -1)  # noqa: E731
+        flat = lambda x: None if x is None else x.reshape(x.shape[0], -1).to(device)  # noqa: E731
         out = impl.forward(flat(self.q), flat(k), flat(v), cache, md, attn_type, **kw)
-        return out.view(-1, H, D)
+        return out.view(-1, H, D).cpu()
 
     def reference(self, attn_type: AttentionType, bias: PositionBias | None = None) -> torch.Tensor:
         """float64: row j of a sequence at position seq_len - q_len + j over its keys
@@ -279,3 +279,21 @@ def test_bad_decode_query_lens_are_value_errors():
             TorchSDPABackend.make_metadata(**{**fields, "decode_query_lens": lens,
                                               "num_decode_tokens": sum(lens) if match != "add up to 3" else 4})
         assert "decode_query_lens" in str(e.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attn_type", [AttentionType.DECODER, AttentionType.ENCODER_DECODER],
+                         ids=["self", "cross"])
+@pytest.mark.parametrize("name", ["torch_native-triton-cuda", "xformers-cuda"])
+def test_multi_row_decode_on_cuda(name, attn_type):
+    """The real kernels: Triton's paged attention (one causal group per
+    speculating sequence) and xFormers' with the bottom-right causal mask."""
+    backend = _backend(name.split("-")[0])
+    if name.startswith("xformers"):
+        from encdec.attention.selector import xformers_problem
+        if xformers_problem("cuda", torch.float32) is not None:
+            pytest.skip("xFormers without CUDA kernels")
+    step = Step(_mixed(16), block_size=16, seed=6)
+    out = step.run(backend, attn_type, device="cuda")
+    torch.testing.assert_close(out, step.reference(attn_type), atol=5e-5, rtol=1e-5)
