@@ -110,10 +110,10 @@ class EngineReplica:
             yield messages
 
 
-def _actor_options(args: argparse.Namespace) -> dict[str, float]:
-    options = {"num_cpus": args.replica_cpus}
-    if args.replica_gpus:
-        options["num_gpus"] = args.replica_gpus
+def _actor_options(cpus: float, gpus: float) -> dict[str, float]:
+    options = {"num_cpus": cpus}
+    if gpus:
+        options["num_gpus"] = gpus
     return options
 
 
@@ -126,15 +126,19 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
     if args.disaggregate:
         from encdec.serve_ray.disaggregate import encoder_worker_class, parse_disaggregate
 
-        num_encoders, replicas = parse_disaggregate(args.disaggregate)
+        split = parse_disaggregate(args.disaggregate)
         if args.replicas != 1:
             raise ValueError("--replicas and --disaggregate both set the engine count: give it as "
                              f"--disaggregate encoders=E,decoders=D alone (got --replicas {args.replicas})")
-        encoders = serve.deployment(encoder_worker_class(), name="EncoderWorker", num_replicas=num_encoders,
-                                    ray_actor_options=_actor_options(args), health_check_period_s=5,
+        options = _actor_options(args.replica_cpus if split.encoder_cpus is None else split.encoder_cpus,
+                                 args.replica_gpus if split.encoder_gpus is None else split.encoder_gpus)
+        encoders = serve.deployment(encoder_worker_class(), name="EncoderWorker", num_replicas=split.encoders,
+                                    ray_actor_options=options, health_check_period_s=5,
                                     max_ongoing_requests=256).bind(args)
+        replicas = split.decoders
     return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
-                            ray_actor_options=_actor_options(args), health_check_period_s=5,
+                            ray_actor_options=_actor_options(args.replica_cpus, args.replica_gpus),
+                            health_check_period_s=5,
                             max_ongoing_requests=256).bind(args, encoders)
 
 

@@ -38,17 +38,38 @@ class EncoderWorkerLost(EngineDeadError):
     """An encoder worker failed this request twice (the server answers 503)."""
 
 
-def parse_disaggregate(spec: str) -> tuple[int, int]:
-    """``"encoders=E,decoders=D"`` (either order, both >= 1) -> (E, D)."""
-    counts: dict[str, int] = {}
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """``--disaggregate``'s counts, and what each encoder worker reserves when it
+    differs from an engine replica (``--replica-cpus`` / ``--replica-gpus``)."""
+
+    encoders: int  # encoder workers
+    decoders: int  # decoder engine replicas
+    encoder_cpus: float | None = None  # None: --replica-cpus
+    encoder_gpus: float | None = None  # None: --replica-gpus
+
+
+_SPEC = "'encoders=E,decoders=D' (counts >= 1; optional encoder_cpus=C, encoder_gpus=G)"
+
+
+def parse_disaggregate(spec: str) -> Split:
+    """``"encoders=E,decoders=D[,encoder_cpus=C][,encoder_gpus=G]"`` (any order) -> ``Split``."""
+    fields: dict[str, float] = {}
     for part in str(spec).split(","):
         name, _, value = part.strip().partition("=")
-        if name not in ("encoders", "decoders") or name in counts or not value.strip().isdigit():
-            raise ValueError(f"--disaggregate must be 'encoders=E,decoders=D' (counts >= 1), got {spec!r}")
-        counts[name] = int(value)
-    if set(counts) != {"encoders", "decoders"} or min(counts.values()) < 1:
-        raise ValueError(f"--disaggregate must be 'encoders=E,decoders=D' (counts >= 1), got {spec!r}")
-    return counts["encoders"], counts["decoders"]
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        counts = name in ("encoders", "decoders")
+        ok = (name in ("encoders", "decoders", "encoder_cpus", "encoder_gpus") and name not in fields
+              and (number >= 1 and number == int(number) if counts else number >= 0))
+        if not ok:
+            raise ValueError(f"--disaggregate must be {_SPEC}, got {spec!r} (at {part.strip()!r})")
+        fields[name] = int(number) if counts else number
+    if not {"encoders", "decoders"} <= set(fields):
+        raise ValueError(f"--disaggregate must be {_SPEC}, got {spec!r}")
+    return Split(**fields)
 
 
 @dataclasses.dataclass

@@ -230,10 +230,18 @@ def _encoder_actors() -> list:
 
 
 @pytest.mark.parametrize("split", ["encoders=0,decoders=1", "encoders=1", "decoders=1,encoders=x",
-                                   "encoders=1,decoders=1,encoders=2", "workers=2"])
+                                   "encoders=1,decoders=1,encoders=2", "workers=2", "encoders=1.5,decoders=1",
+                                   "encoders=1,decoders=1,encoder_gpus=-1"])
 def test_bad_disaggregate_spec_is_refused_before_deploying(tiny_bart, split):
     with pytest.raises(ValueError, match="--disaggregate must be 'encoders=E,decoders=D'"):
         build({"model": tiny_bart, "disaggregate": split})
+
+
+def test_disaggregate_spec_parses():
+    from encdec.serve_ray.disaggregate import Split, parse_disaggregate
+
+    assert parse_disaggregate("decoders=1, encoders=2") == Split(2, 1)
+    assert parse_disaggregate("encoders=2,decoders=1,encoder_gpus=0.5,encoder_cpus=2") == Split(2, 1, 2.0, 0.5)
 
 
 def test_replicas_and_disaggregate_together_are_refused(tiny_bart):
