@@ -16,6 +16,9 @@ An encoder/decoder request owns two kinds of block tables (vLLM V0 layout):
         "req-3" -> [20, 21, 22, 23]  one contiguous run when one is free: the
                                      backend then reads it as a zero-copy slice
 
+With ``enable_caching`` the prompt's full self blocks are also indexed by
+(encoder input, tokens) and found again by later prompts (prefix_cache.py).
+
 swap_out / swap_in move a group's live self tables and its cross table between
 devices together (a shared cross table moves only with the last sharer to
 leave the device, or the first to come back). The free-block arithmetic of
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from encdec.block_manager.allocator import BlockAllocator, Device
 from encdec.block_manager.cross_tables import CrossTables
+from encdec.block_manager.prefix_cache import PrefixCache, cacheable_tokens
 from encdec.sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -78,10 +82,6 @@ class BlockSpaceManager:
             raise NotImplementedError(
                 "Sliding window attention for encoder/decoder models is not currently supported."
             )
-        if enable_caching:
-            raise NotImplementedError(
-                "Prefix caching for encoder/decoder models is not currently supported."
-            )
         assert watermark >= 0.0
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
@@ -94,6 +94,8 @@ class BlockSpaceManager:
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.cross = CrossTables(self.gpu_allocator, self.cpu_allocator)
+        # Full decoder prompt blocks found again by (encoder input, tokens); None: off.
+        self.prefix = PrefixCache(self.gpu_allocator, block_size) if enable_caching else None
         # Which device each self table's block numbers refer to.
         self._seq_device: dict[int, Device] = {}
 
@@ -121,20 +123,34 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup) -> int:
         """One self table for the WAITING decoder seqs, shared by reference count
         (they hold the same prompt), and the request's cross table, on the GPU:
-        the live or cached-free one of its encoder input when there is one."""
+        the live or cached-free one of its encoder input when there is one.
+        Returns the prompt tokens whose K/V the prefix cache already holds (the
+        prefill skips them; always 0 with the cache off)."""
         gpu = self.gpu_allocator
         encoder_seq = seq_group.get_encoder_seq()
+        key = seq_group.encoder_cache_key if self.prefix is not None else None
+        # Self blocks are reused only beside their cross table, still on the device:
+        # the prefill then reads its cross K/V there too (no encoder pass).
+        reuse = key is not None and self.cross.has_device_table(key)
         if encoder_seq is not None:  # cross first: on an idle cache it takes the lowest run
-            self.cross.acquire(seq_group.request_id, seq_group.encoder_cache_key,
-                               self._num_blocks(encoder_seq.get_len()))
+            num_cross = self._num_blocks(encoder_seq.get_len())
+            if not self.cross.has_device_table(seq_group.encoder_cache_key):
+                self._make_room(num_cross)
+            self.cross.acquire(seq_group.request_id, seq_group.encoder_cache_key, num_cross)
 
         waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
         assert waiting, "allocate needs WAITING sequences"
         table: list[int] = []
+        if key is not None:
+            hashes, table = self.prefix.lookup(key, waiting[0].get_token_ids(),
+                                               cacheable_tokens(seq_group, waiting[0]) if reuse else 0)
+        cached = len(table)
         self._grow(table, self._num_blocks(waiting[0].get_len()))
+        if key is not None:
+            self.prefix.register_all(table, hashes, cached)  # the prompt's other full blocks
         for seq in waiting:
             assert seq.seq_id not in self.block_tables
             self.block_tables[seq.seq_id] = table.copy()
@@ -142,6 +158,7 @@ class BlockSpaceManager:
         for _ in waiting[1:]:
             for block in table:
                 gpu.incr_ref(block)
+        return cached * self.block_size
 
     def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """Whether every RUNNING seq can take its append_slots now. Conservative:
@@ -189,9 +206,9 @@ class BlockSpaceManager:
         for i in range(first, min(end, len(table))):
             src = table[i]
             if gpu.get_ref_count(src) > 1:
-                self.cross.make_room(1)
+                self._make_room(1)
                 dst = gpu.allocate(prefer=table[i - 1] + 1 if i else None)
-                gpu.free(src)
+                self._free_block(gpu, src)
                 table[i] = dst
                 copies.append((src, dst))
         self._grow(table, end)
@@ -243,7 +260,7 @@ class BlockSpaceManager:
         decoder tables' blocks first (first-seen order), then the cross table's
         when it moves (see ``CrossTables.moves_with``)."""
         if dst.device is Device.GPU:
-            self.cross.make_room(len(self._group_blocks(seq_group, status)))
+            self._make_room(len(self._group_blocks(seq_group, status)))
         mapping: dict[int, int] = {}
         for seq in seq_group.get_seqs(status=status):
             assert self._seq_device[seq.seq_id] is src.device
@@ -255,7 +272,7 @@ class BlockSpaceManager:
                     moved = mapping[block] = dst.allocate(prefer=prefer)
                 else:
                     dst.incr_ref(moved)
-                src.free(block)
+                self._free_block(src, block)
                 new_table.append(moved)
             self.block_tables[seq.seq_id] = new_table
             self._seq_device[seq.seq_id] = dst.device
@@ -268,8 +285,14 @@ class BlockSpaceManager:
         if table is None:
             return
         allocator = self._allocator(self._seq_device.pop(seq.seq_id))
-        for block in table:
-            allocator.free(block)
+        if self.prefix is not None and allocator is self.gpu_allocator:
+            # Registered blocks whose K/V no step computed (a planned step dropped
+            # unrun) must not be found again.
+            computed = seq.data.get_num_computed_tokens() // self.block_size
+            for block in table[computed:]:
+                self.prefix.unregister(block)
+        for block in reversed(table):  # a cached prefix's tail blocks are evicted first
+            self._free_block(allocator, block)
 
     def free_cross(self, seq_group: SequenceGroup) -> None:
         """Drop the request's use of its cross table: the table is freed with its
@@ -299,6 +322,8 @@ class BlockSpaceManager:
         """Every table dropped, every block on both devices free."""
         self.block_tables.clear()
         self.cross.reset()
+        if self.prefix is not None:
+            self.prefix.reset()
         self._seq_device.clear()
         self.gpu_allocator.reset()
         self.cpu_allocator.reset()
@@ -317,13 +342,30 @@ class BlockSpaceManager:
     def get_num_free_gpu_blocks(self) -> int:
         """Free device blocks, cached-free cross blocks included: allocation
         evicts those as needed, so they are free to every caller."""
-        return self.gpu_allocator.get_num_free_blocks() + self.cross.num_evictable
+        evictable = self.cross.num_evictable + (self.prefix.num_evictable if self.prefix is not None else 0)
+        return self.gpu_allocator.get_num_free_blocks() + evictable
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
 
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Evict cached-free blocks until ``num_blocks`` can be allocated: the
+        prefix cache's first (their K/V are worth one prefill's share), then
+        whole cross tables (each an encoder pass)."""
+        if self.prefix is not None:
+            self.prefix.make_room(num_blocks)
+        self.cross.make_room(num_blocks)
+
+    def _free_block(self, allocator: BlockAllocator, block: int) -> None:
+        """Drop one table entry's reference; a registered device block left to
+        the prefix cache alone stays cached-free."""
+        if self.prefix is not None and allocator is self.gpu_allocator:
+            self.prefix.release(block)
+        else:
+            allocator.free(block)
 
     def _allocator(self, device: Device) -> BlockAllocator:
         return self.gpu_allocator if device is Device.GPU else self.cpu_allocator
@@ -333,7 +375,7 @@ class BlockSpaceManager:
         if len(table) >= num_blocks:  # most decode steps: the last block has room
             return
         gpu = self.gpu_allocator
-        self.cross.make_room(num_blocks - len(table))
+        self._make_room(num_blocks - len(table))
         while len(table) < num_blocks:
             table.append(gpu.allocate(prefer=table[-1] + 1 if table else None))
 

@@ -77,9 +77,11 @@ class Admission:
             if num_running + len(seqs) > cfg.max_num_seqs:
                 break
             self.waiting.popleft()
-            bm.allocate(group)
+            cached = bm.allocate(group)  # prompt tokens the prefix cache holds: not computed again
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
+                if cached:
+                    seq.data.update_num_computed_tokens(cached)
             budget -= tokens
             if encoder_budget is not None:
                 encoder_budget -= encoder_tokens
@@ -90,7 +92,9 @@ class Admission:
             self._record_admission(group.request_id)
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.time()
-        return admitted
+        # Prefills that skip cached tokens last: the runner packs whole prefills
+        # first and runs those as rows over their cached K/V after them.
+        return sorted(admitted, key=lambda g: g.seqs[0].data.get_num_computed_tokens() > 0)
 
     def _admission_due(self) -> bool:
         """Where a step with prefills costs far more than a decode step (CUDA: a

@@ -88,6 +88,11 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs (no effect on CPU)
     # Requests with the same encoder input share one encoder pass and cross-attention table.
     enable_encoder_cache: bool = True
+    # Decoder prompt blocks are kept and reused by later requests with the same encoder
+    # input and the same leading decoder tokens (n > 1, repeated requests, several
+    # prompts over one document, Whisper's temperature fallback): those tokens' prefill
+    # is skipped. Needs the encoder cache (its content key).
+    enable_prefix_caching: bool = False
     # Schedule and pack step N+1 on the host while step N runs on the device, so
     # the device does not wait for the host between steps; default: on for CUDA
     # (a CPU step is synchronous: nothing to overlap), off on CPU.
@@ -131,6 +136,9 @@ class EngineArgs:
                 or not isinstance(self.max_num_encoder_input_tokens, int) or self.max_num_encoder_input_tokens < 1):
             raise ValueError("max_num_encoder_input_tokens must be a positive int or None, "
                              f"got {self.max_num_encoder_input_tokens!r}")
+        if self.enable_prefix_caching and not self.enable_encoder_cache:
+            raise ValueError("enable_prefix_caching needs enable_encoder_cache: a decoder block is "
+                             "found again by its encoder input's content key")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.
@@ -144,6 +152,7 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             kv_cache_memory=self.kv_cache_memory,
             enable_encoder_cache=self.enable_encoder_cache,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     def load_config(self) -> LoadConfig:

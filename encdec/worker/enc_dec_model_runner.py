@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -35,16 +35,9 @@ from encdec.sequence import SequenceGroupMetadata
 from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
+from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
-
-
-class SampledRow(NamedTuple):
-    """A decoder sequence sampled this step."""
-
-    seq_id: int
-    hidden_index: int  # row of the step's packed hidden states whose logits it samples from
-    meta: SequenceGroupMetadata  # its group's scheduler metadata
 
 
 @dataclass
@@ -79,53 +72,9 @@ class StepPlan:
     small: bool  # a small CPU decode step: one thread
 
 
-class _EncoderRows:
-    """The encoder side of a step: what its prefills' encoder computes."""
-
-    def __init__(self, prefills: list[SequenceGroupMetadata]):
-        self.computed = [0 if m.cross_kv_cached else len(m.encoder_seq_data.prompt_token_ids)
-                         for m in prefills]  # per prefill: encoder tokens computed this step (0: cached)
-        run = [m for m in prefills if not m.cross_kv_cached]
-        self.tokens = [m.encoder_seq_data.prompt_token_ids for m in run]  # of the prefills that run it
-        self.features = [m.encoder_inputs for m in run]
-
-
-class _DecoderRows:
-    """The decoder side of a step, packed token by token: prefills whole, then
-    one token per decoding sequence."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.positions: list[int] = []
-        self.table_rows: list[int] = []  # per token: its sequence's row in the block tables
-        self.seq_lens: list[int] = []
-        self.q_lens: list[int] = []  # per prefill: tokens computed
-        self.enc_lens: list[int] = []
-        self.tables: list[list[int]] = []
-        self.cross_tables: list[list[int]] = []
-        self.rows: list[SampledRow] = []
-        self.owed: list[tuple[int, Any]] = []  # (token index, sequence data) of rows scheduled ahead
-
-    def _add_table(self, m: SequenceGroupMetadata, seq_id: int, seq_len: int) -> None:
-        self.seq_lens.append(seq_len)
-        self.tables.append(m.block_tables[seq_id])
-        self.enc_lens.append(len(m.encoder_seq_data.prompt_token_ids))
-        self.cross_tables.append(m.cross_block_table)
-
-    def add_prefill(self, m: SequenceGroupMetadata) -> None:
-        # A group's sequences share their prompt (n > 1 forks it): compute it
-        # once, through the first sequence, and sample every sequence from that
-        # last hidden state.
-        sid0, sd = next(iter(m.seq_data.items()))
-        ids = sd.get_token_ids()
-        n = len(ids)
-        self.table_rows += [len(self.tables)] * n
-        self.tokens += ids
-        self.positions += range(n)
-        self.q_lens.append(n)
-        self._add_table(m, sid0, n)
-        last = len(self.tokens) - 1
-        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+class _DecoderRows(PrefillRows):
+    """The decoder side of a step, packed token by token: prefills whole (or
+    past their cached tokens), then one token per decoding sequence."""
 
     def add_decodes(self, metas: list[SequenceGroupMetadata], ahead: Collection[int] = ()) -> None:
         """One token per decoding sequence. Every step runs this for every
@@ -197,19 +146,18 @@ class EncoderDecoderModelRunner:
         scheduler's word that the step's rows are the last step's, one token
         further (``SteadyDecode``)."""
         dev = self.device
-        if same_rows and not moved and not ahead:
-            steady = self._steady.advance(metas, dev, self._self_tables)
-            if steady is not None:
-                ids, pos, md, rows = steady
-                return ModelInput(input_ids=ids, positions=pos, attn_metadata=md, encoder_inputs={},
-                                  sampled_rows=rows, owed=[])
-        prefills = [m for m in metas if m.is_prompt]
+        steady = self._steady.advance(metas, dev, self._self_tables) if same_rows and not (moved or ahead) else None
+        if steady is not None:
+            return ModelInput(**steady, encoder_inputs={}, owed=[])
+        prompts, prefills = split_prompts(metas)
         dec = _DecoderRows()
         for m in prefills:
             dec.add_prefill(m)
         num_prefill_tokens = len(dec.tokens)
-        dec.add_decodes(metas[len(prefills):], ahead)
-        enc = _EncoderRows(prefills)
+        for m in prompts[len(prefills):]:
+            dec.add_cached_prefill(m)
+        dec.add_decodes(metas[len(prompts):], ahead)
+        enc = EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
         block_tables = self._self_tables.get(dec.tables, dev, moved)
@@ -226,8 +174,9 @@ class EncoderDecoderModelRunner:
         cross_slot_mapping = (packed_slots(cross_block_tables[: len(prefills)], enc.computed, self.block_size)
                               if e_start[-1] else torch.empty(0, dtype=torch.long, device=dev))
         seq_lens, enc_lens, n = dec.seq_lens, dec.enc_lens, len(prefills)
+        query_lens, contexts = dec.decode_query_lens(n)
         seq_lens_t, q_start_t, context_t, enc_lens_t, e_start_t = split_to_device(
-            [seq_lens, q_start, [0] * n + [k - 1 for k in seq_lens[n:]], enc_lens, e_start], torch.int32, dev)
+            [seq_lens, q_start, contexts, enc_lens, e_start], torch.int32, dev)
         kw = dict(
             num_prefills=n,
             num_prefill_tokens=num_prefill_tokens,
@@ -254,17 +203,18 @@ class EncoderDecoderModelRunner:
             cross_block_tables_list=dec.cross_tables,
             prefill_cross_cached=([m.cross_kv_cached for m in prefills]
                                   if len(enc.tokens) < n else None),
+            decode_query_lens=query_lens,
         )
         md = self.backend.make_metadata(**kw)
-        if n == 0 and not ahead:  # a decode-only step: the next one may be this one, one token further
+        if not prompts and not ahead:  # a decode-only step: the next one may be this one, one token further
             self._steady.remember(metas, [r.meta.seq_data[r.seq_id] for r in dec.rows], dec.rows, pos, kw)
         else:
             self._steady.forget()
-        enc_kwargs = self._encoder_kwargs(prefills, enc)
+        enc_kwargs = self._encoder_kwargs(prompts, enc)
         return ModelInput(input_ids=input_ids, positions=pos,
                           attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows, owed=dec.owed)
 
-    def _encoder_kwargs(self, prefills: list[SequenceGroupMetadata], enc: _EncoderRows) -> dict[str, Any]:
+    def _encoder_kwargs(self, prefills: list[SequenceGroupMetadata], enc: EncoderRows) -> dict[str, Any]:
         """The model's encoder arguments for the step's prefills: the outputs they
         brought (``encoder_outputs``) when every prefill that runs the encoder
         brought one, else the encoder's inputs for all of them (exact either way)."""

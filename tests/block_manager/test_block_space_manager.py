@@ -272,11 +272,9 @@ def test_cross_tables_are_contiguous_runs():
     assert cross == list(range(cross[0], cross[0] + 10))
 
 
-def test_sliding_window_and_prefix_caching_not_implemented():
+def test_sliding_window_not_implemented():
     with pytest.raises(NotImplementedError, match="Sliding window"):
         BlockSpaceManager(BS, 8, 8, sliding_window=16)
-    with pytest.raises(NotImplementedError, match="Prefix caching"):
-        BlockSpaceManager(BS, 8, 8, enable_caching=True)
 
 
 def test_import_does_not_pull_torch():

@@ -1,0 +1,110 @@
+"""The prefill side of packing a step (``EncoderDecoderModelRunner.prepare``):
+each prefill's decoder tokens whole, or, past the leading tokens whose K/V
+the prefix cache holds, as decode query rows over them (the attention's
+``decode_query_lens``: causal among themselves, reading the cache); and the
+encoder inputs of the prefills that run the encoder. Those past cached tokens
+come after the whole prefills (the scheduler admits them so)::
+
+    tokens:  [ whole prefill 0 | whole prefill 1 | cached-prefix prefill rows | decode rows ]
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from encdec.sequence import SequenceGroupMetadata
+
+
+class SampledRow(NamedTuple):
+    """A decoder sequence sampled this step."""
+
+    seq_id: int
+    hidden_index: int  # row of the step's packed hidden states whose logits it samples from
+    meta: SequenceGroupMetadata  # its group's scheduler metadata
+
+
+def split_prompts(metas: list[SequenceGroupMetadata]) -> tuple[list[SequenceGroupMetadata],
+                                                                 list[SequenceGroupMetadata]]:
+    """The step's prefills, and those of them that start at token 0: the others
+    (past prefix-cached tokens) come last (the scheduler admits them so) and run
+    as decode rows (``PrefillRows.add_cached_prefill``)."""
+    prompts = [m for m in metas if m.is_prompt]
+    return prompts, [m for m in prompts if not next(iter(m.seq_data.values())).get_num_computed_tokens()]
+
+
+class EncoderRows:
+    """The encoder side of a step: what its prefills' encoder computes."""
+
+    def __init__(self, prefills: list[SequenceGroupMetadata]):
+        self.computed = [0 if m.cross_kv_cached else len(m.encoder_seq_data.prompt_token_ids)
+                         for m in prefills]  # per prefill: encoder tokens computed this step (0: cached)
+        run = [m for m in prefills if not m.cross_kv_cached]
+        self.tokens = [m.encoder_seq_data.prompt_token_ids for m in run]  # of the prefills that run it
+        self.features = [m.encoder_inputs for m in run]
+
+
+class PrefillRows:
+    """The decoder rows of a step (lists, one entry per token or per sequence)
+    and the prefills' part of packing them; the runner's ``_DecoderRows`` adds
+    the decodes."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.table_rows: list[int] = []  # per token: its sequence's row in the block tables
+        self.seq_lens: list[int] = []
+        self.q_lens: list[int] = []  # per prefill: tokens computed
+        self.enc_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.cross_tables: list[list[int]] = []
+        self.rows: list[SampledRow] = []
+        self.owed: list[tuple[int, Any]] = []  # (token index, sequence data) of rows scheduled ahead
+        self.cached_q_lens: list[int] = []  # per prefill past cached tokens: its query rows
+
+    def _add_table(self, m: SequenceGroupMetadata, seq_id: int, seq_len: int) -> None:
+        self.seq_lens.append(seq_len)
+        self.tables.append(m.block_tables[seq_id])
+        self.enc_lens.append(len(m.encoder_seq_data.prompt_token_ids))
+        self.cross_tables.append(m.cross_block_table)
+
+    def add_prefill(self, m: SequenceGroupMetadata) -> None:
+        # A group's sequences share their prompt (n > 1 forks it): compute it
+        # once, through the first sequence, and sample every sequence from that
+        # last hidden state.
+        sid0, sd = next(iter(m.seq_data.items()))
+        ids = sd.get_token_ids()
+        n = len(ids)
+        self.table_rows += [len(self.tables)] * n
+        self.tokens += ids
+        self.positions += range(n)
+        self.q_lens.append(n)
+        self._add_table(m, sid0, n)
+        last = len(self.tokens) - 1
+        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+
+    def add_cached_prefill(self, m: SequenceGroupMetadata) -> None:
+        """A prefill whose leading tokens' K/V the prefix cache holds: its other
+        tokens as decode query rows over them (causal among themselves: the
+        attention's ``decode_query_lens``), reading its cross K/V from the cache.
+        Packed after the whole prefills, before the decodes."""
+        sid0, sd = next(iter(m.seq_data.items()))
+        ids = sd.get_token_ids()
+        n, c = len(ids), sd.get_num_computed_tokens()
+        if not m.cross_kv_cached or not 0 < c < n:
+            raise RuntimeError(f"request {m.request_id}: a prefill past {c} cached of {n} tokens "
+                               "needs its cross K/V cached and a token left to compute")
+        self.table_rows += [len(self.tables)] * (n - c)
+        self.tokens += ids[c:]
+        self.positions += range(c, n)
+        self.cached_q_lens.append(n - c)
+        self._add_table(m, sid0, n)
+        last = len(self.tokens) - 1
+        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+
+    def decode_query_lens(self, num_prefills: int) -> tuple[list[int] | None, list[int]]:
+        """Per decode sequence its query rows (None: one each) and, per sequence,
+        the keys before its first query row (prefills: none)."""
+        num_decodes = len(self.seq_lens) - num_prefills
+        cached = self.cached_q_lens
+        query_lens = cached + [1] * (num_decodes - len(cached)) if cached else None
+        lens = query_lens or [1] * num_decodes
+        return query_lens, [0] * num_prefills + [k - q for k, q in zip(self.seq_lens[num_prefills:], lens)]

@@ -1,0 +1,106 @@
+"""enable_prefix_caching end to end: requests with the same encoder input and
+the same leading decoder tokens skip those tokens' prefill (run as decode rows
+over the cached K/V) and give token for token what the engine without the
+cache gives: BART, T5, n > 1, beams; hits where expected, none across encoder
+inputs; every block back at the end, under a small cache and preemption too."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from encdec import LLM, SamplingParams, TokensPrompt
+from encdec.engine.arg_utils import EngineArgs
+from encdec.inputs import ExplicitEncoderDecoderPrompt
+from encdec.sampling_params import BeamSearchParams
+
+
+def _prompt(enc: list[int], dec: list[int]) -> ExplicitEncoderDecoderPrompt:
+    return ExplicitEncoderDecoderPrompt(encoder_prompt=TokensPrompt(prompt_token_ids=enc),
+                                        decoder_prompt=TokensPrompt(prompt_token_ids=dec))
+
+
+def documents_x_prompts(num_docs: int, num_prompts: int, prefix_len: int, seed: int = 0,
+                        bos: int = 2) -> list[ExplicitEncoderDecoderPrompt]:
+    """``num_docs`` encoder inputs, each with ``num_prompts`` decoder prompts sharing
+    a ``prefix_len``-token prefix (then 1-6 tokens of their own)."""
+    rng = random.Random(seed)
+    docs = [[0] + [rng.randrange(4, 900) for _ in range(rng.randint(20, 60))] + [2] for _ in range(num_docs)]
+    prefix = [bos] + [rng.randrange(4, 900) for _ in range(prefix_len - 1)]
+    return [_prompt(doc, prefix + [rng.randrange(4, 900) for _ in range(rng.randint(1, 6))])
+            for doc in docs for _ in range(num_prompts)]
+
+
+def run(model: str, prompts, params, *, on: bool, waves: int = 1, **options):
+    """Tokens of every request (``waves`` calls, prompts split evenly), the
+    prefix cache's (queries, hits), and whether every block is back."""
+    llm = LLM(model, device="cpu", kv_cache_memory=options.pop("kv_cache_memory", 64 << 20), swap_space=0.05,
+              enable_prefix_caching=on, **options)
+    size = -(-len(prompts) // waves)
+    outs = []
+    for i in range(0, len(prompts), size):
+        p = params[i:i + size] if isinstance(params, list) else params
+        outs += llm.generate(prompts[i:i + size], p, use_tqdm=False)
+    engine = llm.llm_engine
+    bm = engine.scheduler.block_manager
+    stats = (bm.prefix.num_queries, bm.prefix.num_hits) if bm.prefix is not None else (0, 0)
+    all_free = engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], stats, all_free
+
+
+def test_prefix_caching_needs_the_encoder_cache():
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineArgs(model="m", enable_prefix_caching=True, enable_encoder_cache=False)
+    assert EngineArgs(model="m", enable_prefix_caching=True).cache_config().enable_prefix_caching
+
+
+@pytest.mark.parametrize("waves", [1, 4])
+def test_bart_documents_times_prompts_on_equals_off(tiny_bart, waves):
+    prompts = documents_x_prompts(4, 4, 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    off, _, free_off = run(tiny_bart, prompts, params, on=False, waves=waves)
+    on, (queries, hits), free_on = run(tiny_bart, prompts, params, on=True, waves=waves)
+    assert on == off
+    assert hits >= 16 * 12  # each later prompt of a document: at least its first 16 tokens
+    assert free_on and free_off
+
+
+def test_no_hit_across_encoder_inputs_with_equal_decoder_prompts(tiny_bart):
+    rng = random.Random(3)
+    dec = [2] + [rng.randrange(4, 900) for _ in range(40)]
+    prompts = [_prompt([0, 10 + i, 11, 12, 2], dec) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    off, _, _ = run(tiny_bart, prompts, params, on=False)
+    on, (queries, hits), free = run(tiny_bart, prompts, params, on=True, waves=6)
+    assert on == off and hits == 0 and queries > 0 and free
+
+
+def test_repeated_requests_n_and_beams(tiny_bart):
+    prompts = documents_x_prompts(2, 3, 24, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
+              BeamSearchParams(3, 8, num_return_sequences=2)] * 2
+    off, _, _ = run(tiny_bart, prompts, params, on=False, waves=3)
+    on, (_, hits), free = run(tiny_bart, prompts, params, on=True, waves=3)
+    assert on == off and hits > 0 and free
+
+
+def test_t5_on_equals_off(tmp_path):
+    from encdec.testing import make_random_t5
+
+    model = make_random_t5(str(tmp_path / "t5"), seed=0)
+    prompts = documents_x_prompts(3, 3, 18, seed=2, bos=0)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    off, _, _ = run(model, prompts, params, on=False, waves=3)
+    on, (_, hits), free = run(model, prompts, params, on=True, waves=3)
+    assert on == off and hits > 0 and free
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_small_cache_eviction_and_preemption(tiny_bart, mode):
+    prompts = documents_x_prompts(6, 4, 20, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = dict(kv_cache_memory=1 << 20, max_num_seqs=12, preemption_mode=mode)
+    off, _, _ = run(tiny_bart, prompts, params, on=False, waves=2, **small)
+    on, (_, hits), free = run(tiny_bart, prompts, params, on=True, waves=2, **small)
+    assert on == off and hits > 0 and free
