@@ -47,20 +47,14 @@ def block_hashes(key: str, token_ids: list[int], block_size: int) -> list[bytes]
 
 def cacheable_tokens(seq_group: SequenceGroup, seq: Sequence) -> int:
     """Leading prompt tokens a prefill may skip (their hidden states are not
-    computed): all but the last (its logits are sampled), and none from the
-    first position whose log-prob is asked (``prompt_logprobs``: every one;
-    ``prompt_token_logprobs``: those positions, the first prefill only)."""
-    limit = seq.get_len() - 1
+    computed): all but the last (its logits are sampled); none where prompt
+    log-probs are asked (``prompt_logprobs``; ``prompt_token_logprobs`` on the
+    first prefill: the runner reads them from a whole prefill's rows)."""
     params = seq_group.sampling_params
-    if params is None:
-        return limit
-    if getattr(params, "prompt_logprobs", None) is not None:
+    if params is not None and (getattr(params, "prompt_logprobs", None) is not None
+                               or (getattr(params, "prompt_token_logprobs", None) and seq.get_output_len() == 0)):
         return 0
-    asked = getattr(params, "prompt_token_logprobs", None)
-    if asked and seq.get_output_len() == 0:
-        limit = min(limit, min(asked))
-    return limit
-
+    return seq.get_len() - 1
 
 
 class PrefixCache:

@@ -86,8 +86,9 @@ def test_the_last_token_and_asked_positions_are_always_computed():
     prompt = list(range(12))  # three full blocks
     start(bm, make_group("a", prompt, "doc"))
     assert start(bm, make_group("b", prompt, "doc")) == 8  # not the block of the last token
-    asked = SamplingParams(prompt_token_logprobs={5: [3]})
-    assert start(bm, make_group("c", prompt, "doc", params=asked)) == 4  # position 5 is computed
+    for i, asked in enumerate(({5: [3]}, {-1: [3]})):  # read from a whole prefill's rows
+        params = SamplingParams(prompt_token_logprobs=asked)
+        assert start(bm, make_group(f"c{i}", prompt, "doc", params=params)) == 0
     assert start(bm, make_group("d", prompt, "doc", params=SamplingParams(prompt_logprobs=1))) == 0
 
 

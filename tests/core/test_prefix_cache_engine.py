@@ -104,3 +104,19 @@ def test_small_cache_eviction_and_preemption(tiny_bart, mode):
     off, _, _ = run(tiny_bart, prompts, params, on=False, waves=2, **small)
     on, (_, hits), free = run(tiny_bart, prompts, params, on=True, waves=2, **small)
     assert on == off and hits > 0 and free
+
+
+def test_asked_prompt_log_probs_come_from_a_whole_prefill(tiny_bart):
+    prompts = documents_x_prompts(2, 3, 20, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_token_logprobs={2: [5], -1: [7]})
+    got = {}
+    for on in (False, True):
+        llm = LLM(tiny_bart, device="cpu", kv_cache_memory=64 << 20, enable_prefix_caching=on)
+        outs = [o for i in range(0, 6, 2) for o in llm.generate(prompts[i:i + 2], params, use_tqdm=False)]
+        got[on] = [(list(o.outputs[0].token_ids), o.prompt_token_logprobs) for o in outs]
+        assert llm.llm_engine.scheduler.block_manager.prefix is None or \
+            llm.llm_engine.scheduler.block_manager.prefix.num_hits == 0
+    for (tok_off, lp_off), (tok_on, lp_on) in zip(got[False], got[True]):
+        assert tok_on == tok_off and lp_on.keys() == lp_off.keys()
+        for p in lp_off:
+            assert lp_on[p] == pytest.approx(lp_off[p], abs=1e-5)
