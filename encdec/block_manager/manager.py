@@ -345,6 +345,10 @@ class BlockSpaceManager:
         evictable = self.cross.num_evictable + (self.prefix.num_evictable if self.prefix is not None else 0)
         return self.gpu_allocator.get_num_free_blocks() + evictable
 
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up, of those found cached) since the start; (0, 0) off."""
+        return (self.prefix.num_queries, self.prefix.num_hits) if self.prefix is not None else (0, 0)
+
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
 

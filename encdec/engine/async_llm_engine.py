@@ -67,6 +67,8 @@ class StepStats:
     num_aborted: int = 0  # unfinished requests aborted since the last stats
     encoder_cache_queries: int = 0  # since the engine was built
     encoder_cache_hits: int = 0  # since the engine was built
+    prefix_cache_queries: int = 0  # decoder prompt tokens, since the engine was built
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
 
 class AsyncLLMEngine:
@@ -306,7 +308,8 @@ class AsyncLLMEngine:
                           engine.num_prompt_tokens - prompt0, engine.num_generated_tokens - gen0,
                           finished=finished, num_aborted=self._num_aborted,
                           encoder_cache_queries=es.encoder_cache_queries,
-                          encoder_cache_hits=es.encoder_cache_hits)
+                          encoder_cache_hits=es.encoder_cache_hits,
+                          prefix_cache_queries=es.prefix_cache_queries, prefix_cache_hits=es.prefix_cache_hits)
         self._num_aborted = 0
         progress = engine.get_request_progress()
         counts = {rid: n for rid, (n, _) in progress.items()}

@@ -47,6 +47,8 @@ class EngineStats:
     num_preemptions: int  # since the engine started
     encoder_cache_queries: int  # requests that looked up a shared cross table, since start
     encoder_cache_hits: int  # of those, requests that reused one (no encoder pass)
+    prefix_cache_queries: int = 0  # decoder prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
 
 
 def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
@@ -292,7 +294,8 @@ class LLMEngine:
         st = sched.stats
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped),
                            (total - free) / total if total else 0.0, st.num_preempted,
-                           st.encoder_cache_queries, st.encoder_cache_hits)
+                           st.encoder_cache_queries, st.encoder_cache_hits,
+                           *sched.block_manager.prefix_cache_stats())
 
     def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
         """What the given unfinished requests have produced so far (``step`` returns

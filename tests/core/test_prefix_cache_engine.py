@@ -120,3 +120,22 @@ def test_asked_prompt_log_probs_come_from_a_whole_prefill(tiny_bart):
         assert tok_on == tok_off and lp_on.keys() == lp_off.keys()
         for p in lp_off:
             assert lp_on[p] == pytest.approx(lp_off[p], abs=1e-5)
+
+
+def test_hits_reach_get_stats_and_metrics(tiny_bart):
+    from encdec.engine.async_llm_engine import StepStats
+    from encdec.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(tiny_bart, device="cpu", kv_cache_memory=64 << 20, enable_prefix_caching=True)
+    prompts = documents_x_prompts(1, 3, 20, seed=6)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    es = llm.llm_engine.get_stats()
+    assert es.prefix_cache_queries == sum(len(p["decoder_prompt"]["prompt_token_ids"]) for p in prompts)
+    assert es.prefix_cache_hits == 2 * 16  # two later prompts, one full 16-token block each
+    metrics = ServerMetrics("m")
+    for _ in range(2):  # counters take what is new since the last step
+        metrics.record_step(StepStats(0.0, 0, 0, 0, 0.0, 0, 0, 0, prefix_cache_queries=es.prefix_cache_queries,
+                                      prefix_cache_hits=es.prefix_cache_hits))
+    text = metrics.render().decode()
+    assert f'vllm:prefix_cache_hits_total{{model_name="m"}} {float(es.prefix_cache_hits)}' in text
+    assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(es.prefix_cache_queries)}' in text

@@ -57,8 +57,13 @@ class ServerMetrics:
                                              "Requests that looked up a shared encoder pass.")
         self.encoder_cache_hits = counter("encdec:encoder_cache_hits",
                                           "Requests that reused an encoder pass (no encoder run).")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Decoder prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Decoder prompt tokens found in the prefix cache (prefill skipped).")
         self._num_preemptions = 0
         self._encoder_cache = (0, 0)  # (queries, hits) already counted
+        self._prefix_cache = (0, 0)  # (queries, hits) already counted
 
     def record_step(self, stats: StepStats) -> None:
         """Engine thread, after each step."""
@@ -73,6 +78,10 @@ class ServerMetrics:
         self.encoder_cache_queries.inc(stats.encoder_cache_queries - queries)
         self.encoder_cache_hits.inc(stats.encoder_cache_hits - hits)
         self._encoder_cache = (stats.encoder_cache_queries, stats.encoder_cache_hits)
+        queries, hits = self._prefix_cache
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
+        self._prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         for v in stats.first_token_latencies:
