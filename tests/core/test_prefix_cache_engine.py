@@ -139,3 +139,27 @@ def test_hits_reach_get_stats_and_metrics(tiny_bart):
     text = metrics.render().decode()
     assert f'vllm:prefix_cache_hits_total{{model_name="m"}} {float(es.prefix_cache_hits)}' in text
     assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(es.prefix_cache_queries)}' in text
+
+
+def test_whisper_retry_of_a_window_with_previous_text_matches_off(ct2_dir, speech_clips):
+    """What a temperature fallback does: the same window and prompt (previous
+    text, then the start tokens) decoded again, at a temperature, best of n."""
+    from encdec import TextPrompt
+
+    wav, prev = speech_clips[2][3], " ".join(speech_clips[1][4:8])  # ~50 tokens of previous text
+    prompt = TextPrompt(prompt=f"<|startofprev|> {prev}<|startoftranscript|><|notimestamps|>",
+                        multi_modal_data={"audio": (wav, 16000)})
+    attempts = [SamplingParams(temperature=0.0, max_tokens=24),
+                SamplingParams(temperature=0.6, n=3, seed=1, max_tokens=24),
+                SamplingParams(temperature=1.0, n=3, seed=2, max_tokens=24)]
+    got = {}
+    for on in (False, True):
+        llm = LLM(ct2_dir, kv_cache_memory=256 << 20, swap_space=0.05, num_threads=2, enable_prefix_caching=on)
+        got[on] = [[list(c.token_ids) for c in llm.generate([prompt], p, use_tqdm=False)[0].outputs]
+                   for p in attempts]
+        queries, hits = llm.llm_engine.scheduler.block_manager.prefix_cache_stats()
+        if on:
+            assert hits >= 2 * 16, (queries, hits)  # each retry skips at least a block of the prompt
+        engine = llm.llm_engine
+        assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+    assert got[True] == got[False]
