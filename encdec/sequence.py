@@ -160,11 +160,16 @@ class Sequence:
         lp = logprobs.get(token_id) if logprobs else None
         self.data.append_token_id(token_id, lp.logprob if lp is not None else 0.0)
 
-    def append_sampled(self, token_id: int) -> int:
+    def append_sampled(self, token_id: int, computed: int = 0) -> int:
         """``append_token_id`` of a token without logprobs (most rows of most
-        steps: one call, not three); returns the output length now."""
+        steps: one call, not three), after counting ``computed`` more tokens
+        computed (the step's input token, where the caller counts it here);
+        returns the output length now."""
         self.output_logprobs.append(None)
-        out = self.data._output_token_ids  # SequenceData is this module's own
+        data = self.data  # SequenceData is this module's own
+        out = data._output_token_ids
+        if computed:
+            data._num_computed_tokens += computed  # <= the length: the step computed them
         out.append(token_id)
         return len(out)
 

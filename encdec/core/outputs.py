@@ -4,6 +4,8 @@ typed, torch-free, one owner applies each part.
     samples          per sampled decoder sequence: the tokens it appends this
                      step (one today; several once a drafter's tokens are
                      verified), each with its log-probs when asked
+    single           the rows that append one token without log-probs (most
+                     rows of most steps), column-wise: no object per row
     beam_candidates  per beam group (``SamplingType.BEAM``): the sampler's top-K
                      continuations over its beams; the scheduler's beam search
                      turns them into the group's next beams
@@ -42,9 +44,18 @@ class BeamCandidates:
     token_logprobs: list[float] | None = None
 
 
+@dataclass(slots=True)
+class SingleTokens:
+    """One token per row, no log-probs: ``token_ids[i]`` is sequence ``seq_ids[i]``'s."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+
+
 @dataclass
 class ModelRunnerOutput:
-    samples: list[SampledTokens]  # one per sampled decoder sequence that is not a beam
+    samples: list[SampledTokens]  # one per sampled decoder sequence that is not a beam (and not in single)
+    single: SingleTokens | None = None
     # request_id -> per decoder-prompt position: {token id: Logprob} (None for the first)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)

@@ -177,12 +177,15 @@ class Scheduler(Admission, Preemption):
         and out of ``running``. Returns the groups that finished in this step, the
         ones ``schedule`` could never run first."""
         sched = scheduler_outputs
-        step_update.mark_computed(sched)
-        if not (sched.same_rows and self._seqs is not None):  # else last step's map: the same rows
+        # The same decode rows as the last step: its seq map holds, and each row's
+        # computed token is counted as its sample is appended (one pass, not two).
+        same = sched.same_rows and self._seqs is not None
+        if not same:
+            step_update.mark_computed(sched)
             self._seqs = step_update.running_seqs(sched)
         ended, self.num_appended = step_update.append_samples(
-            runner_output.samples, self._seqs, self.block_manager, self.stop_checker,
-            self.structured if self._num_constrained else None, self._stop_rules)
+            runner_output, self._seqs, self.block_manager, self.stop_checker,
+            self.structured if self._num_constrained else None, self._stop_rules, int(same))
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from encdec.core.outputs import ModelRunnerOutput, SampledTokens
+from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler_outputs import BeamDecision, SchedulerOutputs, StructuredDecider
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -46,39 +46,37 @@ def running_seqs(sched: SchedulerOutputs) -> dict[int, tuple[Sequence, SequenceG
             for s in g.seq_group.get_seqs(SequenceStatus.RUNNING)}
 
 
-def append_samples(samples: list[SampledTokens], seqs: dict[int, tuple[Sequence, SequenceGroup]],
+def append_samples(output: ModelRunnerOutput, seqs: dict[int, tuple[Sequence, SequenceGroup]],
                    block_manager: BlockSpaceManager, stop_checker: StopChecker,
                    structured: StructuredDecider | None = None,
                    rules: dict[int, tuple[int, frozenset[int], int] | None] | None = None,
-                   ) -> tuple[list[SequenceGroup], int]:
-    """Each sequence's tokens (``seqs``: ``running_seqs`` of the step),
-    stop-checked one by one; their text may be left owed
-    (``StopChecker.check(defer_text=True)``) where no stop string needs it.
-    ``rules``: each sequence's ``StopChecker.quick_rule``, filled in as met: a
-    token without logprobs that the rule passes is appended with no further
-    call (most rows of most steps). Returns the groups a sequence of which
-    finished (each once) and the number of tokens appended. A sample of a
-    sequence no longer running (it ended in the step before, which ran after
-    this one was scheduled: async scheduling) is dropped."""
+                   computed: int = 0) -> tuple[list[SequenceGroup], int]:
+    """Each sequence's tokens (``output.samples`` and ``output.single``; ``seqs``:
+    ``running_seqs`` of the step), stop-checked one by one; their text may be
+    left owed (``StopChecker.check(defer_text=True)``) where no stop string
+    needs it. ``rules``: each sequence's ``StopChecker.quick_rule``, filled in
+    as met: a token without logprobs that the rule passes is appended with no
+    further call (most rows of most steps). ``computed``: tokens each row's
+    sequence computed this step that ``mark_computed`` did not count (a step
+    of decode rows only: 1). Returns the groups a sequence of which finished
+    (each once) and the number of tokens appended. A sample of a sequence no
+    longer running (it ended in the step before, which ran after this one was
+    scheduled: async scheduling) is dropped."""
     ended: dict[int, SequenceGroup] = {}
     appended = 0
-    running = SequenceStatus.RUNNING
-    quick = rules is not None and structured is None
-    for sample in samples:
-        entry = seqs.get(sample.seq_id)
-        if entry is None:  # finished (or aborted) after this step was scheduled ahead: its row was spare
-            continue
-        seq, group = entry
-        if seq.status is not running:
-            continue
-        tokens = sample.sampled_token_ids
-        if quick and len(tokens) == 1 and not sample.logprobs:
-            rule = rules.get(seq.seq_id, False)
+    single = output.single
+    if single is not None:
+        quick = rules is not None and structured is None
+        for seq_id, t in zip(single.seq_ids, single.token_ids):
+            entry = seqs.get(seq_id)
+            if entry is None or entry[0].status is not SequenceStatus.RUNNING:
+                continue  # finished (or aborted) after this step was scheduled ahead: its row was spare
+            seq, group = entry
+            rule = rules.get(seq_id, False) if quick else None
             if rule is False:
-                rule = rules[seq.seq_id] = stop_checker.quick_rule(seq, group.sampling_params)
+                rule = rules[seq_id] = stop_checker.quick_rule(seq, group.sampling_params)
             if rule is not None:
-                t = tokens[0]
-                n = seq.append_sampled(t)
+                n = seq.append_sampled(t, computed)
                 appended += 1
                 if n < rule[0] and t < rule[2] and t not in rule[1]:
                     continue
@@ -87,18 +85,32 @@ def append_samples(samples: list[SampledTokens], seqs: dict[int, tuple[Sequence,
                     block_manager.free(seq)
                     ended[id(group)] = group
                 continue
-        for i, token_id in enumerate(tokens):
-            seq.append_token_id(token_id, sample.logprobs[i] if sample.logprobs else None)
-            appended += 1
-            stop_checker.check(seq, group.sampling_params, defer_text=True)
-            if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
-                seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
-                stop_checker.settle_text(seq, group.sampling_params)  # a finished sequence's text is never owed
-            if seq.is_finished():
-                block_manager.free(seq)
-                ended[id(group)] = group
-                break
+            appended += _append(seq, group, [t], [], computed, block_manager, stop_checker, structured, ended)
+    for sample in output.samples:
+        entry = seqs.get(sample.seq_id)
+        if entry is not None and entry[0].status is SequenceStatus.RUNNING:
+            appended += _append(*entry, sample.sampled_token_ids, sample.logprobs, computed,
+                                block_manager, stop_checker, structured, ended)
     return list(ended.values()), appended
+
+
+def _append(seq: Sequence, group: SequenceGroup, tokens: list[int], logprobs: list, computed: int,
+            block_manager: BlockSpaceManager, stop_checker: StopChecker, structured: StructuredDecider | None,
+            ended: dict[int, SequenceGroup]) -> int:
+    """One sequence's tokens, each stop-checked (and grammar-checked); returns how many were appended."""
+    if computed:
+        seq.data.update_num_computed_tokens(computed)
+    for i, token_id in enumerate(tokens):
+        seq.append_token_id(token_id, logprobs[i] if logprobs else None)
+        stop_checker.check(seq, group.sampling_params, defer_text=True)
+        if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
+            stop_checker.settle_text(seq, group.sampling_params)  # a finished sequence's text is never owed
+        if seq.is_finished():
+            block_manager.free(seq)
+            ended[id(group)] = group
+            return i + 1
+    return len(tokens)
 
 
 def keep_prompt_logprobs(runner_output: ModelRunnerOutput, groups: dict[str, SequenceGroup]) -> None:

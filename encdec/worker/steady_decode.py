@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from encdec.attention.backends.abstract import AttentionBackend, AttentionMetadata, cache_slots, cache_slots_list
+from encdec.attention.backends.abstract import AttentionBackend, cache_slots, cache_slots_list
 from encdec.platform.device_tensors import array_to_device, padded_to_device, to_device
 from encdec.sequence import SequenceData, SequenceGroupMetadata
 
@@ -88,10 +88,11 @@ class SteadyDecode:
                            table_rows=None)
 
     def advance(self, metas: list[SequenceGroupMetadata], device: torch.device,
-                tables: Any) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list] | None:
-        """(input ids, positions, attention metadata, sampled rows) of a step
-        whose rows are the remembered step's, one token further; None if they
-        are not. ``tables``: the runner's ``_PaddedTables`` of self tables."""
+                tables: Any) -> dict[str, Any] | None:
+        """``ModelInput``'s input ids, positions, attention metadata and sampled
+        rows, by name, of a step whose rows are the remembered step's, one token
+        further; None if they are not. ``tables``: the runner's ``PaddedTables``
+        of self tables."""
         last = self._metas
         if last is None or len(metas) != len(last) or not all(map(operator.is_, metas, last)):
             return None
@@ -113,4 +114,5 @@ class SteadyDecode:
                  context_lens_tensor=k["seq_lens_tensor"], max_decode_seq_len=k["max_decode_seq_len"] + 1,
                  block_tables=block_tables)
         st["metadata"], st["positions"] = k, pos
-        return tokens, pos, self.backend.make_metadata(**k), st["rows"]
+        return dict(input_ids=tokens, positions=pos, attn_metadata=self.backend.make_metadata(**k),
+                    sampled_rows=st["rows"])

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from encdec.core.outputs import ModelRunnerOutput, SampledTokens
+from encdec.core.outputs import ModelRunnerOutput, SampledTokens, SingleTokens
 from encdec.platform.device_tensors import to_device
 from encdec.sample.beam_candidates import BeamRows, select_candidates
 from encdec.sample.sampler import LogprobsTensors, SamplerOutput, compute_prompt_logprobs
@@ -132,9 +132,13 @@ class AsyncModelRunnerOutput:
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(self.seq_ids), -1)[:, 0].tolist()
         lp = logprob_dicts(out.logprobs_tensors, self.wanted_logprobs)
-        samples = [SampledTokens(seq_id, [tok], [lp[r]] if lp else [])
-                   for r, (seq_id, tok) in enumerate(zip(self.seq_ids, sampled)) if seq_id not in beam_seqs]
-        return ModelRunnerOutput(samples=samples,
+        if lp is None and not beam_seqs:  # the common step: columns, no object per row
+            samples, single = [], SingleTokens(self.seq_ids, sampled)
+        else:
+            samples, single = [SampledTokens(seq_id, [tok], [lp[r]] if lp else [])
+                               for r, (seq_id, tok) in enumerate(zip(self.seq_ids, sampled))
+                               if seq_id not in beam_seqs], None
+        return ModelRunnerOutput(samples=samples, single=single,
                                  prompt_logprobs=prompt_logprobs(self.model, self.device, self.metas, self.hidden),
                                  prompt_token_logprobs=self.prompt_token_logprobs, beam_candidates=candidates)
 
