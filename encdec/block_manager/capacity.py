@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from encdec.block_manager.manager import watermark_blocks
+# Fraction of device blocks admission keeps free so running groups can still grow.
+WATERMARK = 0.01
+
+
+def watermark_blocks(num_gpu_blocks: int, watermark: float = WATERMARK) -> int:
+    """Blocks admission keeps free out of ``num_gpu_blocks``: what the engine's
+    KV sizing and entry checks count on top of a request's own blocks."""
+    return int(watermark * num_gpu_blocks)
 
 
 @dataclass(frozen=True)

@@ -38,22 +38,13 @@ import enum
 from typing import TYPE_CHECKING
 
 from encdec.block_manager.allocator import BlockAllocator, Device
+from encdec.block_manager.capacity import WATERMARK, watermark_blocks  # noqa: F401 (re-exported)
 from encdec.block_manager.cross_tables import CrossTables
 from encdec.block_manager.prefix_cache import PrefixCache, cacheable_tokens
 from encdec.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from encdec.sequence import Sequence, SequenceGroup
-
-
-# Fraction of device blocks admission keeps free so running groups can still grow.
-WATERMARK = 0.01
-
-
-def watermark_blocks(num_gpu_blocks: int, watermark: float = WATERMARK) -> int:
-    """Blocks admission keeps free out of ``num_gpu_blocks``: what the engine's
-    KV sizing and entry checks count on top of a request's own blocks."""
-    return int(watermark * num_gpu_blocks)
 
 
 class AllocStatus(enum.Enum):
@@ -293,6 +284,14 @@ class BlockSpaceManager:
                 self.prefix.unregister(block)
         for block in reversed(table):  # a cached prefix's tail blocks are evicted first
             self._free_block(allocator, block)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the device blocks past ``seq``'s tokens: draft tokens a step
+        verified and rejected had slots there (speculative decoding)."""
+        table = self.block_tables[seq.seq_id]
+        keep = self._num_blocks(seq.get_len())
+        while len(table) > keep:
+            self._free_block(self.gpu_allocator, table.pop())
 
     def free_cross(self, seq_group: SequenceGroup) -> None:
         """Drop the request's use of its cross table: the table is freed with its
