@@ -65,9 +65,10 @@ def bucket_for(num_rows: int, sizes: list[int]) -> int | None:
 
 
 def replayable(md: TorchNativeMetadata, self_width: int, cross_width: int) -> bool:
-    """A decode-only step whose tables fit the captured widths."""
+    """A decode-only step of one query row per sequence (the captured self groups'
+    shape: not a prefill past prefix-cached tokens) whose tables fit the captured widths."""
     return (md.num_prefills == 0 and md.num_encoder_tokens == 0 and md.decode_self is not None
-            and md.decode_self.tables.shape[1] <= self_width
+            and md.decode_self.max_q_len == 1 and md.decode_self.tables.shape[1] <= self_width
             and md.decode_cross.tables.shape[1] <= cross_width
             and md.decode_cross.max_q_len <= MAX_GROUP_ROWS)
 
