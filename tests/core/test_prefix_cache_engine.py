@@ -45,6 +45,7 @@ def run(model: str, prompts, params, *, on: bool, waves: int = 1, **options):
     bm = engine.scheduler.block_manager
     stats = (bm.prefix.num_queries, bm.prefix.num_hits) if bm.prefix is not None else (0, 0)
     all_free = engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+    run.num_preempted = engine.scheduler.stats.num_preempted
     return [[list(c.token_ids) for c in o.outputs] for o in outs], stats, all_free
 
 
@@ -99,11 +100,12 @@ def test_t5_on_equals_off(tmp_path):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_small_cache_eviction_and_preemption(tiny_bart, mode):
     prompts = documents_x_prompts(6, 4, 20, seed=9)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    small = dict(kv_cache_memory=1 << 20, max_num_seqs=12, preemption_mode=mode)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    small = dict(kv_cache_memory=1 << 19, max_num_seqs=12, preemption_mode=mode)
     off, _, _ = run(tiny_bart, prompts, params, on=False, waves=2, **small)
     on, (_, hits), free = run(tiny_bart, prompts, params, on=True, waves=2, **small)
     assert on == off and hits > 0 and free
+    assert run.num_preempted > 0
 
 
 def test_asked_prompt_log_probs_come_from_a_whole_prefill(tiny_bart):
@@ -163,3 +165,30 @@ def test_whisper_retry_of_a_window_with_previous_text_matches_off(ct2_dir, speec
         engine = llm.llm_engine
         assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
     assert got[True] == got[False]
+
+
+def test_many_mixed_requests_with_aborts_leak_no_block(tiny_bart):
+    from encdec.engine.llm_engine import LLMEngine
+
+    rng = random.Random(11)
+    engine = LLMEngine(EngineArgs(model=tiny_bart, device="cpu", kv_cache_memory=2 << 20, swap_space=0.05,
+                                  max_num_seqs=16, enable_prefix_caching=True))
+    prompts = documents_x_prompts(5, 6, 18, seed=12)
+    live: list[str] = []
+    for i in range(300):
+        p = prompts[rng.randrange(len(prompts))]
+        n = rng.choice([1, 1, 2])
+        engine.add_request(f"r{i}", p, SamplingParams(n=n, temperature=0.8 if n > 1 else 0.0, seed=i,
+                                                       max_tokens=rng.randint(1, 12), ignore_eos=True))
+        live.append(f"r{i}")
+        if rng.random() < 0.5:
+            done = {o.request_id for o in engine.step()}
+            live = [r for r in live if r not in done]
+        if live and rng.random() < 0.25:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+    while engine.has_unfinished_requests():
+        engine.step()
+    bm = engine.scheduler.block_manager
+    assert bm.prefix_cache_stats()[1] > 0
+    assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)
+    assert not bm.block_tables and not bm.cross_block_tables
