@@ -192,3 +192,12 @@ def test_many_mixed_requests_with_aborts_leak_no_block(tiny_bart):
     assert bm.prefix_cache_stats()[1] > 0
     assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)
     assert not bm.block_tables and not bm.cross_block_tables
+
+
+def test_bart_with_async_scheduling_on_equals_off(tiny_bart):
+    # The next step is planned while one runs: a prefill may reuse blocks the running step writes.
+    prompts = documents_x_prompts(4, 4, 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    off, _, _ = run(tiny_bart, prompts, params, on=False, waves=4, async_scheduling=True)
+    on, (_, hits), free = run(tiny_bart, prompts, params, on=True, waves=4, async_scheduling=True)
+    assert on == off and hits > 0 and free
