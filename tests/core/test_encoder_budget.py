@@ -131,6 +131,9 @@ def test_cli_option():
     assert engine_kwargs(args)["max_num_encoder_input_tokens"] == 3000
 
 
+OFF = 10**9  # no budget in effect
+
+
 def _engine_steps(llm: LLM) -> list[tuple[int, int]]:
     """Wraps the scheduler: (admitted groups, encoder tokens run) of every step."""
     sched = llm.llm_engine.scheduler
@@ -160,16 +163,16 @@ def test_bart_budget_on_matches_off_token_for_token(tiny_bart, budget):
     prompts += prompts[:4]  # repeats: encoder cache hits
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 20), ignore_eos=True) for _ in prompts]
     got = {}
-    for on in (None, budget):
+    for on in (OFF, budget):
         llm = LLM(tiny_bart, device="cpu", max_num_seqs=8, kv_cache_memory=64 << 20,
                   max_num_encoder_input_tokens=on)
         steps = _engine_steps(llm)
         got[on] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         _assert_all_free(llm)
-        if on is not None:
+        if on != OFF:
             assert all(tokens <= on or n == 1 for n, tokens in steps), steps
             assert max(tokens for _, tokens in steps) > 0
-    assert got[budget] == got[None]
+    assert got[budget] == got[OFF]
 
 
 def test_whisper_budget_of_one_window_matches_off(ct2_dir, speech_clips):
@@ -180,15 +183,15 @@ def test_whisper_budget_of_one_window_matches_off(ct2_dir, speech_clips):
                for w in wavs]
     params = SamplingParams(temperature=0.0, max_tokens=24)
     got = {}
-    for on in (None, 1500):
+    for on in (OFF, 1500):
         llm = LLM(ct2_dir, kv_cache_memory=256 << 20, swap_space=0.05, num_threads=2,
                   max_num_encoder_input_tokens=on)
         steps = _engine_steps(llm)
         got[on] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         _assert_all_free(llm)
         admitting = [(n, t) for n, t in steps if n]
-        if on is None:
+        if on == OFF:
             assert admitting[0][0] == len(wavs)
         else:
             assert admitting == [(1, 1500)] * len(wavs)  # one 30 s window per step
-    assert got[1500] == got[None]
+    assert got[1500] == got[OFF]
