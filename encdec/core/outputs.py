@@ -56,6 +56,9 @@ class SingleTokens:
 class ModelRunnerOutput:
     samples: list[SampledTokens]  # one per sampled decoder sequence that is not a beam (and not in single)
     single: SingleTokens | None = None
+    # speculative decoding: draft tokens this step verified, and how many of them were kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # request_id -> per decoder-prompt position: {token id: Logprob} (None for the first)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)

@@ -46,6 +46,7 @@ from encdec.core.scheduler_outputs import (
     StructuredDecider,
 )
 from encdec.core.slot_room import SlotRoom
+from encdec.core.speculation import Speculation
 from encdec.core.step_metadata import StepMetadata
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingType
@@ -76,7 +77,8 @@ class Scheduler(Admission, Preemption):
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: object | None = None, *, stop_checker: StopChecker | None = None,
-                 beams: BeamDecider | None = None, structured: StructuredDecider | None = None):
+                 beams: BeamDecider | None = None, structured: StructuredDecider | None = None,
+                 speculation: Speculation | None = None):
         if lora_config is not None:
             raise ValueError("lora_config: LoRA adapters are not supported by encdec")
         self.scheduler_config = scheduler_config
@@ -111,6 +113,8 @@ class Scheduler(Admission, Preemption):
         self._num_constrained = 0
         self._metadata = StepMetadata(self.block_manager)
         self._room = SlotRoom()
+        self.speculation = speculation
+        self.spec_rows: dict[int, int] = {}  # this step: seq_id -> the most draft tokens its row may carry
         # seq_id -> StopChecker.quick_rule of its request; the last update's
         # running sequences, reused while a step has the same rows.
         self._stop_rules: dict[int, tuple[int, frozenset[int], int] | None] = {}
@@ -186,6 +190,12 @@ class Scheduler(Admission, Preemption):
         ended, self.num_appended = step_update.append_samples(
             runner_output, self._seqs, self.block_manager, self.stop_checker,
             self.structured if self._num_constrained else None, self._stop_rules, int(same))
+        for seq_id in sched.spec_rows:  # rejected drafts' slots past a block boundary go back
+            seq = self._seqs[seq_id][0]
+            if not seq.is_finished():
+                self.block_manager.trim(seq)
+        self.stats.spec_draft_tokens += runner_output.num_draft_tokens
+        self.stats.spec_accepted_tokens += runner_output.num_accepted_tokens
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}
@@ -241,18 +251,21 @@ class Scheduler(Admission, Preemption):
         # does not matter. Most steps, where the cache is not nearly full.
         running, free = self.running, bm.get_num_free_gpu_blocks()
         lookahead = 1 if ahead else 0
-        due = self._room.due(running, lookahead) if free >= 3 * len(running) else None
+        spec = self.speculation
+        self.spec_rows = {g.seqs[0].seq_id: m for g in running if (m := spec.max_drafts(g))} if spec else {}
+        due = self._room.due(running, lookahead) if free >= 3 * len(running) and not spec else None
         if due is not None:  # the same single-sequence rows as the last step: only full blocks
             for i in due:
                 seq = running[i].seqs[0]
                 blocks.copy.extend(bm.append_slots(seq, lookahead))
                 self._room.set(i, self._room_of(seq, lookahead))
             return list(running), 0
-        if free >= 3 * sum(map(len, (g.seqs for g in running))):
+        per_row = 3 + (spec.k // self.cache_config.block_size if spec else 0)  # + draft slots' blocks
+        if free >= per_row * sum(map(len, (g.seqs for g in running))):
             for group in running:
-                if not self._slot_ready(group, _lookahead(group, ahead)):
+                if not self._slot_ready(group, self._lookahead(group, ahead)):
                     for seq in group.get_seqs(SequenceStatus.RUNNING):
-                        blocks.copy.extend(bm.append_slots(seq, _lookahead(group, ahead)))
+                        blocks.copy.extend(bm.append_slots(seq, self._lookahead(group, ahead)))
             self._record_room(ahead)
             return list(running), 0
         self._room.forget()
@@ -261,7 +274,7 @@ class Scheduler(Admission, Preemption):
         preempted = 0
         while queue:
             group = queue.popleft()
-            lookahead = _lookahead(group, ahead)
+            lookahead = self._lookahead(group, ahead)
             if self._slot_ready(group, lookahead):
                 kept.append(group)
                 continue
@@ -278,6 +291,12 @@ class Scheduler(Admission, Preemption):
         self.running = kept
         return list(kept), preempted  # a copy: running grows with resumed and new groups
 
+    def _lookahead(self, group: SequenceGroup, ahead: Collection[int]) -> int:
+        """Slots past its next token a group's row needs: one if it is ahead
+        (``_lookahead``), plus its draft tokens' (``spec_rows``)."""
+        extra = self.spec_rows.get(group.seqs[0].seq_id, 0) if self.spec_rows else 0
+        return _lookahead(group, ahead) + extra
+
     def _room_of(self, seq: Sequence, lookahead: int) -> int:
         return len(self.block_manager.get_block_table(seq)) * self.cache_config.block_size - seq.get_len() - lookahead
 
@@ -286,6 +305,9 @@ class Scheduler(Admission, Preemption):
         sequence, not a beam search's, and all share one lookahead."""
         lookahead = 1 if ahead else 0
         room = []
+        if self.speculation is not None:  # rows take several tokens a step: room does not count down by one
+            self._room.forget()
+            return
         for group in self.running:
             seqs = group.seqs
             if (len(seqs) != 1 or group.sampling_params is None or _lookahead(group, ahead) != lookahead
@@ -323,7 +345,7 @@ class Scheduler(Admission, Preemption):
         metas, scheduled = self._metadata.build(prefills, decodes, self._cross_kv_cached)
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
-        same = self._metadata.unchanged and not blocks.swap_out  # idle cross swap-outs move no row's blocks
+        same = self._metadata.unchanged and not blocks.swap_out and not self.speculation
         if same:  # last step's rows (single sequences), one token further
             num_tokens, joined, left = len(metas), [], []
         else:
@@ -345,6 +367,7 @@ class Scheduler(Admission, Preemption):
             seq_ids_joined=joined,
             seq_ids_left=left,
             same_rows=same,
+            spec_rows={sid: m for sid, m in self.spec_rows.items() if sid in batch} if self.spec_rows else {},
             token_masks=(self.structured.fill_masks(prefills + decodes)
                          if self.structured and self._num_constrained else None),
         )

@@ -37,6 +37,9 @@ class SchedulerOutputs:
     # The same decode rows, in the same order, as the step before, which had no
     # prefill: each row is one token further, nothing joined or left.
     same_rows: bool = False
+    # Speculative decoding: decoder seq_id -> the most draft tokens its row may
+    # carry this step (slots given); rows not here carry none.
+    spec_rows: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +118,9 @@ class SchedulerStats:
     encoder_cache_hits: int = 0  # of those, prefills that reused a cross table's KV
     num_encoder_passes: int = 0  # prefills that ran the encoder (cache on or off)
     peak_num_gpu_blocks_used: int = 0  # most device KV blocks in use after a schedule()
+    # Speculative decoding: draft tokens verified, and of those the ones kept
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # request id -> step it was first admitted at; the last scheduler.ADMITTED_HISTORY only
     admitted_at_step: dict[str, int] = field(default_factory=dict)
 

@@ -110,6 +110,8 @@ def _append(seq: Sequence, group: SequenceGroup, tokens: list[int], logprobs: li
             block_manager.free(seq)
             ended[id(group)] = group
             return i + 1
+    if len(tokens) > 1:  # verified drafts: their K/V is computed too (all but the newest token's)
+        seq.data.update_num_computed_tokens(len(tokens) - 1)
     return len(tokens)
 
 

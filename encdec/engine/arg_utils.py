@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from encdec.config import QUANTIZATIONS, CacheConfig, LoadConfig, PreemptionMode
+from encdec.spec_decode import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")
 # faster-whisper's / CTranslate2's compute_type -> our engine options (CPU)
@@ -38,6 +39,19 @@ def compute_type_options(compute_type: str, options: dict[str, Any] | None = Non
         if out.get(key) in (None, "auto"):
             out[key] = value
     return out
+
+
+def speculative_config_of(spec: Any, async_scheduling: bool | None) -> SpeculativeConfig:
+    """``EngineArgs.speculative_config`` checked: the methods built so far, and
+    not with async scheduling (a step's drafts need the step before's tokens)."""
+    config = SpeculativeConfig.from_dict(spec)
+    if config.method != "ngram":
+        raise ValueError(f"speculative_config: method {config.method!r} is not built yet in encdec "
+                         "(built: 'ngram')")
+    if async_scheduling:
+        raise ValueError("speculative_config and async_scheduling=True cannot be combined yet: "
+                         "a step's drafts are proposed from the tokens of the step before")
+    return config
 
 
 @dataclass
@@ -75,7 +89,8 @@ class EngineArgs:
     # Encoder input tokens the requests admitted in one step may run through the
     # encoder (encoder cache hits count 0; vLLM's name): a burst of arrivals has its
     # encoder passes spread over steps while running requests keep decoding. An input
-    # larger than this still runs, alone in its step. Default None: no limit.
+    # larger than this still runs, alone in its step. Default: two of the model's longest
+    # encoder inputs where steps run eagerly (CPU), none where CUDA graphs replay decodes.
     max_num_encoder_input_tokens: int | None = None
     # What a preempted request gives up: swap (its KV blocks go to CPU) or recompute; default: swap.
     preemption_mode: str | None = field(default=None, metadata={"choices": ("swap", "recompute")})
@@ -97,6 +112,11 @@ class EngineArgs:
     # the device does not wait for the host between steps; default: on for CUDA
     # (a CPU step is synchronous: nothing to overlap), off on CPU.
     async_scheduling: bool | None = None
+    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+    # (encdec.spec_decode.SpeculativeConfig); checked here, before anything loads.
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = field(default=None,
+                                                                                metadata={"form": "json"})
     # CPU threads for torch, set process-wide by LLM (configure_cpu_runtime; LLMEngine
     # never changes process state); default: leave the process's setting.
     num_threads: int | None = None
@@ -139,6 +159,8 @@ class EngineArgs:
         if self.enable_prefix_caching and not self.enable_encoder_cache:
             raise ValueError("enable_prefix_caching needs enable_encoder_cache: a decoder block is "
                              "found again by its encoder input's content key")
+        if self.speculative_config is not None:
+            self.speculative_config = speculative_config_of(self.speculative_config, self.async_scheduling)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.

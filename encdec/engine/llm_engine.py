@@ -24,6 +24,7 @@ from typing import Any
 from encdec.config import SchedulerConfig
 from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.scheduler import Scheduler, SchedulerOutputs, SchedulerStats
+from encdec.core.speculation import Speculation
 from encdec.engine.arg_utils import EngineArgs
 from encdec.engine.encoder_key import encoder_cache_key
 from encdec.engine.processor import Processor
@@ -32,6 +33,8 @@ from encdec.output_processor import OutputProcessor
 from encdec.outputs import RequestOutput
 from encdec.sampling_params import SamplingParams, SamplingType
 from encdec.sequence import Sequence, SequenceGroup, SequenceStatus
+from encdec.spec_decode import NgramProposer
+from encdec.worker.draft_rows import DraftProposer
 from encdec.worker.enc_dec_model_runner import StepPlan
 from encdec.worker.worker import Worker
 
@@ -49,6 +52,8 @@ class EngineStats:
     encoder_cache_hits: int  # of those, requests that reused one (no encoder pass)
     prefix_cache_queries: int = 0  # decoder prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start (speculative decoding)
+    spec_decode_num_accepted_tokens: int = 0  # of those, drafts kept
 
 
 def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
@@ -57,7 +62,7 @@ def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: 
         max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
-        policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens)
+        policy=args.scheduling_policy)
 
 
 def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
@@ -69,6 +74,18 @@ def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
     if args.min_admission is not None:
         return args.min_admission
     return max(1, args.max_num_seqs // 8) if cuda_graphs else 1
+
+
+def encoder_budget_for(args: EngineArgs, max_encoder_len: int, cuda_graphs: bool) -> int | None:
+    """The user's, else two of the longest encoder inputs per step where every
+    step runs eagerly (CPU): Whisper tiny.en, 4 requests decoding while 16
+    windows arrived (benchmarks/mixed_bench.py, 2 threads): their longest wait
+    for a token 6.6-8.0 s unbudgeted, 0.9-3.1 s at 3000. None (no budget) where
+    CUDA graphs replay decode steps: admissions are batched there on purpose
+    (``min_admission_for``) and a budget was not measured."""
+    if args.max_num_encoder_input_tokens is not None:
+        return args.max_num_encoder_input_tokens
+    return None if cuda_graphs else 2 * max_encoder_len
 
 
 class LLMEngine:
@@ -90,8 +107,10 @@ class LLMEngine:
         self.cache_config = self.worker.init_cache(
             args.cache_config(), args.max_num_seqs,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
+        graphs = self.worker.use_cuda_graphs
         self.scheduler_config = replace(
-            self.scheduler_config, min_admission=min_admission_for(args, self.worker.use_cuda_graphs))
+            self.scheduler_config, min_admission=min_admission_for(args, graphs),
+            max_num_encoder_input_tokens=encoder_budget_for(args, mc.max_encoder_len, graphs))
         self.worker.init_batch(self.scheduler_config, args.logits_processors, args.seed)
         self.processor = Processor(mc, self.scheduler_config, self.cache_config,
                                    vocab_size=self.worker.vocab_size,
@@ -102,16 +121,20 @@ class LLMEngine:
         self.seq_counter = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len=mc.max_model_len,
                                                 eos_token_id=self.eos_token_id, seq_ids=self.seq_counter)
+        spec = args.speculative_config  # a SpeculativeConfig (EngineArgs checked it) or None
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    stop_checker=self.output_processor.stop_checker,
                                    beams=self.output_processor.beams,
-                                   structured=self.processor.structured_outputs)
+                                   structured=self.processor.structured_outputs,
+                                   speculation=Speculation(spec, mc.max_model_len) if spec else None)
+        if spec:
+            self.worker.model_runner.drafter = DraftProposer(NgramProposer.from_config(spec))
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         self._model_identity = f"{mc.architecture}\0{os.path.realpath(mc.model)}\0{mc.dtype}"
         self.async_scheduling = (args.async_scheduling if args.async_scheduling is not None
-                                 else self.worker.device.type == "cuda")
+                                 else self.worker.device.type == "cuda" and not spec)
         self._ahead: tuple[SchedulerOutputs, StepPlan] | None = None  # the next step, planned ahead
         self.steps_planned_ahead = 0  # steps scheduled and packed while the one before ran
 
@@ -295,7 +318,8 @@ class LLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), len(sched.swapped),
                            (total - free) / total if total else 0.0, st.num_preempted,
                            st.encoder_cache_queries, st.encoder_cache_hits,
-                           *sched.block_manager.prefix_cache_stats())
+                           *sched.block_manager.prefix_cache_stats(),
+                           st.spec_draft_tokens, st.spec_accepted_tokens)
 
     def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
         """What the given unfinished requests have produced so far (``step`` returns

@@ -98,6 +98,8 @@ def _flag_kwargs(cls: type, f: Field) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
     if f.metadata.get("unit") == "bytes":
         convert: Callable[[str], Any] = parse_memory_size
+    elif f.metadata.get("form") == "json":  # the field takes the JSON text itself and parses it
+        return {**kwargs, "type": str, "metavar": "JSON"}
     elif base == "bool":
         return {"action": argparse.BooleanOptionalAction}
     elif base.startswith("list["):

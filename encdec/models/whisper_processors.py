@@ -20,6 +20,7 @@ the tests hold both to HF's processors.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,9 @@ class WhisperLogitsProcessor(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False  # suppressing tokens changes the argmax
+
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.rows.keys()
 
     def wants_timestamps(self, prompt_ids: list[int]) -> bool:
         tail = prompt_ids

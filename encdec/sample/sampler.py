@@ -158,6 +158,12 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1) if tok is None else tok
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The tokens a greedy row no processor acts on samples (float32 logits,
+    first maximum): what speculative decoding compares draft tokens with."""
+    return _argmax(logits.float())
+
+
 class Sampler(nn.Module):
     """Samples one token per row. Steps, in order:
 

@@ -18,7 +18,7 @@ batch's order, which is what the logits processors index by.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,13 +29,14 @@ from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
-from encdec.sample.sampler import Sampler
+from encdec.sample.sampler import Sampler, greedy_tokens
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
 from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
+from encdec.worker.draft_rows import DraftProposer, add_draft_decodes
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
 
@@ -52,6 +53,8 @@ class ModelInput:
     # (index in input_ids, its sequence's data) of rows scheduled ahead: their input
     # token is the one the step before samples, written in by ``run`` once appended
     owed: list[tuple[int, Any]]
+    # speculative decoding: (seq_id, index of its first draft row, its drafts) per speculating row
+    drafts: list[tuple[int, int, list[int]]] = field(default_factory=list)
 
     def fill_owed(self) -> None:
         if self.owed:
@@ -74,7 +77,19 @@ class StepPlan:
 
 class _DecoderRows(PrefillRows):
     """The decoder side of a step, packed token by token: prefills whole (or
-    past their cached tokens), then one token per decoding sequence."""
+    past their cached tokens), then one token per decoding sequence (and its
+    drafts: ``draft_rows.add_draft_decodes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_q: list[int] = []  # per decode sequence its query rows, where some carry drafts
+        self.drafts: list[tuple[int, int, list[int]]] = []  # (seq_id, first draft row, drafts)
+
+    def decode_query_lens(self, num_prefills: int) -> tuple[list[int] | None, list[int]]:
+        if not self.decode_q:
+            return super().decode_query_lens(num_prefills)
+        lens = self.cached_q_lens + self.decode_q
+        return lens, [0] * num_prefills + [k - q for k, q in zip(self.seq_lens[num_prefills:], lens)]
 
     def add_decodes(self, metas: list[SequenceGroupMetadata], ahead: Collection[int] = ()) -> None:
         """One token per decoding sequence. Every step runs this for every
@@ -131,6 +146,7 @@ class EncoderDecoderModelRunner:
         self._last_order: tuple[list[int], list[int]] | None = None  # (rows' seq_ids, batch order) of the last step
         self._self_tables, self._cross_tables = PaddedTables(), PaddedTables()
         self._steady = SteadyDecode(backend, self.block_size, HOST_SLOTS_MAX_TOKENS)
+        self.drafter: DraftProposer | None = None  # speculative decoding's (the worker sets it)
         # The last step's (rows, batch order, gather index, seq_ids, logprobs wanted, any beam row)
         self._rows_of_last: tuple | None = None
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
@@ -139,12 +155,13 @@ class EncoderDecoderModelRunner:
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
-                ahead: Collection[int] = (), same_rows: bool = False) -> ModelInput:
+                ahead: Collection[int] = (), same_rows: bool = False,
+                drafts: dict[int, list[int]] | None = None) -> ModelInput:
         """Pack the step's prefills and decodes (see the module docstring).
         ``moved``: whether this step copied or swapped blocks (tables changed in
         place); ``ahead``: see ``_DecoderRows.add_decodes``; ``same_rows``: the
         scheduler's word that the step's rows are the last step's, one token
-        further (``SteadyDecode``)."""
+        further (``SteadyDecode``); ``drafts``: decoding sequences' draft tokens."""
         dev = self.device
         steady = self._steady.advance(metas, dev, self._self_tables) if same_rows and not (moved or ahead) else None
         if steady is not None:
@@ -156,7 +173,10 @@ class EncoderDecoderModelRunner:
         num_prefill_tokens = len(dec.tokens)
         for m in prompts[len(prefills):]:
             dec.add_cached_prefill(m)
-        dec.add_decodes(metas[len(prompts):], ahead)
+        if drafts:
+            add_draft_decodes(dec, metas[len(prompts):], drafts, ahead)
+        else:
+            dec.add_decodes(metas[len(prompts):], ahead)
         enc = EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
@@ -211,8 +231,8 @@ class EncoderDecoderModelRunner:
         else:
             self._steady.forget()
         enc_kwargs = self._encoder_kwargs(prompts, enc)
-        return ModelInput(input_ids=input_ids, positions=pos,
-                          attn_metadata=md, encoder_inputs=enc_kwargs, sampled_rows=dec.rows, owed=dec.owed)
+        return ModelInput(input_ids=input_ids, positions=pos, attn_metadata=md, encoder_inputs=enc_kwargs,
+                          sampled_rows=dec.rows, owed=dec.owed, drafts=dec.drafts)
 
     def _encoder_kwargs(self, prefills: list[SequenceGroupMetadata], enc: EncoderRows) -> dict[str, Any]:
         """The model's encoder arguments for the step's prefills: the outputs they
@@ -274,12 +294,17 @@ class EncoderDecoderModelRunner:
         graphs = self.graphs
         if not metas:
             return StepPlan(metas, sched, [], None, small)
+        drafts = self.drafter.propose(metas, sched.spec_rows, self.input_batch) if self.drafter else None
+        if drafts:  # several query rows per sequence: eager, on all threads (graphs hold one row each)
+            return StepPlan(metas, sched, [self.prepare(metas, True, ahead, False, drafts)], None, False)
         if graphs is not None and 0 < n < len(metas):
             dec = self.prepare(metas[n:], ahead=ahead)
             bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
             if bucket is not None:
                 return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small)
-        inp = self.prepare(metas, bool(sched.blocks_to_copy or sched.blocks_to_swap_in), ahead, sched.same_rows)
+        # Tables changed in place: blocks copied or swapped in, or (speculation) trimmed back and regrown.
+        moved = bool(sched.blocks_to_copy or sched.blocks_to_swap_in or self.drafter)
+        inp = self.prepare(metas, moved, ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
         return StepPlan(metas, sched, [inp], bucket, small)
 
@@ -303,25 +328,31 @@ class EncoderDecoderModelRunner:
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = asked_prompt_positions(metas)
+        drafts = plan.parts[0].drafts  # a step with drafts is one part
         if same:  # the last step's rows (SteadyDecode): its gather, ids and wants
             _, _, index, seq_ids, wanted, any_beam = self._rows_of_last
         else:
-            index = to_device([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked],
+            index = to_device([rows[i].hidden_index for i in order] + [a.hidden_index for a in asked]
+                              + [i for _, first, d in drafts for i in range(first, first + len(d))],
                               torch.long, self.device)
             seq_ids = [rows[i].seq_id for i in order]
             wanted = [rows[i].meta.sampling_params.logprobs for i in order]
             any_beam = any(m.sampling_params.sampling_type is SamplingType.BEAM for m in metas)
-            self._rows_of_last = (rows, order, index, seq_ids, wanted, any_beam) if not asked else None
+            self._rows_of_last = (rows, order, index, seq_ids, wanted, any_beam) if not (asked or drafts) else None
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
-        token_lps = prompt_token_logprobs(all_logits[len(order):], asked)
+        token_lps = prompt_token_logprobs(all_logits[len(order):len(order) + len(asked)], asked)
+        # Draft rows: the target's greedy token at each (draft_rows.accept keeps the drafts that agree).
+        targets = (greedy_tokens(self.input_batch.logitsprocs.apply_static(all_logits[len(order) + len(asked):]
+                                                                           .float())) if drafts else None)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = (find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
                 if any_beam else None)
         with single_thread(small):
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))
-        return AsyncModelRunnerOutput(self.model, self.device, metas, seq_ids, wanted, out, beam, hidden, token_lps)
+        return AsyncModelRunnerOutput(self.model, self.device, metas, seq_ids, wanted, out, beam, hidden, token_lps,
+                                      [(sid, d) for sid, _, d in drafts], targets)
 
     def _eager(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,

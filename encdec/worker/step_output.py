@@ -12,7 +12,7 @@ states (``prefill_spans``: where each prefill's rows are).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +22,7 @@ from encdec.platform.device_tensors import to_device
 from encdec.sample.beam_candidates import BeamRows, select_candidates
 from encdec.sample.sampler import LogprobsTensors, SamplerOutput, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
+from encdec.worker.draft_rows import accept
 
 
 class AskedPosition(NamedTuple):
@@ -121,6 +122,10 @@ class AsyncModelRunnerOutput:
     beam_rows: BeamRows | None  # where the beam groups' rows are; None: no beam group
     hidden: torch.Tensor | None  # (num_tokens, hidden) the step's hidden states
     prompt_token_logprobs: dict[str, dict[int, dict[int, float]]]  # already on the host
+    # speculative decoding: (seq_id, its drafts) per speculating row, and the
+    # target's greedy token at each draft row (in that order)
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)
+    draft_targets: torch.Tensor | None = None
 
     @torch.inference_mode()
     def get_output(self) -> ModelRunnerOutput:
@@ -132,6 +137,8 @@ class AsyncModelRunnerOutput:
         beam_seqs = beam.seq_ids if beam else ()
         sampled = out.sampled_token_ids.view(len(self.seq_ids), -1)[:, 0].tolist()
         lp = logprob_dicts(out.logprobs_tensors, self.wanted_logprobs)
+        if self.drafts:
+            return self._verified(sampled, lp, candidates)
         if lp is None and not beam_seqs:  # the common step: columns, no object per row
             samples, single = [], SingleTokens(self.seq_ids, sampled)
         else:
@@ -141,6 +148,20 @@ class AsyncModelRunnerOutput:
         return ModelRunnerOutput(samples=samples, single=single,
                                  prompt_logprobs=prompt_logprobs(self.model, self.device, self.metas, self.hidden),
                                  prompt_token_logprobs=self.prompt_token_logprobs, beam_candidates=candidates)
+
+    def _verified(self, sampled: list[int], lp: list | None, candidates: dict) -> ModelRunnerOutput:
+        """A step with drafts: each speculating row appends the tokens it keeps
+        (``draft_rows.accept``), the others their sampled token."""
+        first = dict(zip(self.seq_ids, sampled))
+        kept, num_kept = accept(self.drafts, first, self.draft_targets.tolist())
+        beam_seqs = self.beam_rows.seq_ids if self.beam_rows else ()
+        samples = [SampledTokens(seq_id, kept[seq_id], []) if seq_id in kept  # asked no log-probs
+                   else SampledTokens(seq_id, [tok], [lp[r]] if lp else [])
+                   for r, (seq_id, tok) in enumerate(zip(self.seq_ids, sampled)) if seq_id not in beam_seqs]
+        return ModelRunnerOutput(samples=samples, prompt_logprobs=prompt_logprobs(self.model, self.device, self.metas,
+                                                                                  self.hidden),
+                                 prompt_token_logprobs=self.prompt_token_logprobs, beam_candidates=candidates,
+                                 num_draft_tokens=sum(len(d) for _, d in self.drafts), num_accepted_tokens=num_kept)
 
     @classmethod
     def empty(cls) -> AsyncModelRunnerOutput:

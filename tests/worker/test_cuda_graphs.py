@@ -4,6 +4,8 @@ its inputs to the bucket, checked on CPU by running the padded inputs eagerly
 needs CUDA (``cuda``-marked tests)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,9 +113,10 @@ def test_when_a_step_replays(tiny_bart, monkeypatch):
     graphs.graphs = {s: "captured" for s in graphs.sizes}  # stand-ins: only the decision is under test
     assert graphs.bucket(md, 3) == 4
     assert graphs.bucket(md, 9) is None  # past the largest bucket
-    prefill = TorchNativeMetadata(**{**md.__dict__, "num_prefills": 1})
+    init = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}  # not cached properties
+    prefill = TorchNativeMetadata(**{**init, "num_prefills": 1})
     assert graphs.bucket(prefill, 3) is None
-    wide = TorchNativeMetadata(**md.__dict__)
+    wide = TorchNativeMetadata(**init)
     wide.decode_self = wide.decode_self._replace(tables=torch.zeros(3, graphs.self_width + 1, dtype=torch.int32))
     assert graphs.bucket(wide, 3) is None  # a table wider than captured
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import TYPE_CHECKING, Any, Union
 
@@ -51,6 +51,9 @@ class AdapterLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         # Unknown callables may change anything; subclasses that know better override.
         return False
+
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.req_info.keys()  # requests it returned no callable for are left alone
 
     def _new_state(self, params: SamplingParams, prompt_ids: list[int],
                    output_ids: list[int]) -> Callable[[torch.Tensor], torch.Tensor] | None:

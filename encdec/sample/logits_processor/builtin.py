@@ -6,6 +6,7 @@ when no request in the batch uses it, so an unused built-in costs a dict check.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +65,9 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.bias_by_slot.keys()
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         changed = process_dict_updates(
             self.bias_by_slot, batch_update, lambda params, _p, _o: params.logit_bias or None
@@ -98,6 +102,9 @@ class MinTokensLogitsProcessor(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.by_slot.keys()
 
     @staticmethod
     def _new_state(params: SamplingParams, _prompt: list[int], output: list[int]):

@@ -12,6 +12,7 @@ as HF's ``generate`` applies its generation config's (OPUS-MT forbids <pad>).
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +65,9 @@ class NoRepeatNGramLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.by_slot.keys()
+
     @staticmethod
     def _new_state(params: SamplingParams, prompt: list[int], output: list[int]) -> _NGramState | None:
         n = getattr(params, "no_repeat_ngram_size", 0)
@@ -92,6 +96,15 @@ class ForcedBOSEOSLogitsProcessor(LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        """Only rows whose forced BOS or EOS falls in the next ``1 + lookahead`` positions."""
+        out = []
+        for slot, (prompt_len, output, bos, _, eos_at) in self.by_slot.items():
+            cur_len = prompt_len + len(output)
+            if (bos is not None and cur_len <= 1) or (eos_at is not None and cur_len <= eos_at <= cur_len + lookahead):
+                out.append(slot)
+        return out
 
     @staticmethod
     def _new_state(params: SamplingParams, prompt: list[int], output: list[int]):
@@ -154,6 +167,13 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return self.single.numel() == 0 and not self.multi
 
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.by_slot.keys()  # the multi-token words' rows; one-token bans: apply_static
+
+    def apply_static(self, logits: torch.Tensor) -> None:
+        if self.single.numel():
+            logits[:, self.single] = float("-inf")
+
     def _new_state(self, params: SamplingParams, prompt: list[int], output: list[int]):
         return (prompt, output) if self.multi else None
 
@@ -161,8 +181,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         process_dict_updates(self.by_slot, batch_update, self._new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.single.numel():
-            logits[:, self.single] = float("-inf")
+        self.apply_static(logits)
         if self.multi and self.by_slot:
             banned = {}
             for slot, (prompt, output) in self.by_slot.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,22 @@ class LogitsProcessor(ABC):
         """True if ``apply`` never changes a row's argmax: such processors are
         skipped when the whole batch is greedy. Read once, at startup."""
         raise NotImplementedError
+
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int] | None:
+        """The batch slots ``apply`` may change by their own state (after the
+        last ``update_state``) at the row's next ``1 + lookahead`` positions
+        (processors that act at known lengths only may look); None: any slot. Speculative decoding verifies
+        drafts only for greedy rows no processor that is not argmax-invariant
+        acts on this way, so processors that keep per-slot state say which
+        slots they hold. What a processor does alike to every row whatever its
+        tokens goes in ``apply_static``."""
+        return None
+
+    def apply_static(self, logits: torch.Tensor) -> None:
+        """Edit, in place, rows of any request the way ``apply`` edits every
+        row regardless of its tokens (a fixed ban); speculative decoding runs
+        it on draft rows. Default: nothing (``slots_acted_on`` covers all)."""
+        return None
 
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:

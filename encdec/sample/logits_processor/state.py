@@ -26,6 +26,8 @@ from encdec.sample.logits_processor.interface import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from encdec.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -135,6 +137,23 @@ class LogitsProcessors:
         """Every processor's ``validate_params``; the engine calls it at request entry."""
         for proc in self.all:
             type(proc).validate_params(params)
+
+    def slots_changing_argmax(self, lookahead: int = 0) -> set[int] | None:
+        """Batch slots whose argmax some processor may change at their next
+        ``1 + lookahead`` positions; None: any."""
+        out: set[int] = set()
+        for proc in self.non_argmax_invariant:
+            slots = proc.slots_acted_on(lookahead)
+            if slots is None:
+                return None
+            out.update(slots)
+        return out
+
+    def apply_static(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every processor's row-independent part (``LogitsProcessor.apply_static``) on ``logits``."""
+        for proc in self.non_argmax_invariant:
+            proc.apply_static(logits)
+        return logits
 
     def get(self, cls: type[T]) -> T | None:
         return next((p for p in self.all if isinstance(p, cls)), None)

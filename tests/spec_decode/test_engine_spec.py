@@ -1,0 +1,157 @@
+"""Speculative decoding inside the engine's step (``speculative_config``, the
+``ngram`` method): greedy requests give exactly the tokens they give without
+it, beside requests that do not speculate (sampled, beams, a logits processor,
+log-probs) in the same batches; rejected drafts' blocks go back; preemption
+and aborts while speculating leave every block free; bad configs are refused
+before anything loads."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from encdec import LLM, SamplingParams, TokensPrompt
+from encdec.sampling_params import BeamSearchParams
+from encdec.testing import make_random_bart, make_random_m2m100, make_random_marian, make_random_mbart, make_random_t5
+
+# make_random_bart's defaults: 2 decoder layers, d_model 64, float32; 16 slots a block, K and V
+BLOCK_BYTES = 2 * 2 * 16 * 64 * 4
+FAMILIES = {"bart": make_random_bart, "marian": make_random_marian, "m2m100": make_random_m2m100,
+            "mbart": make_random_mbart,
+            "t5": lambda path, seed: make_random_t5(path, seed=seed, d_kv=16, init_factor=1.5)}
+
+
+def _spec(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _prompts(n: int, seed: int = 0) -> list[TokensPrompt]:
+    """Encoder inputs that repeat phrases (drafts copied from them get tried)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(10, 900) for _ in range(rng.randint(2, 5))]
+        ids = []
+        while len(ids) < rng.randint(8, 40):
+            ids += phrase if rng.random() < 0.5 else [rng.randrange(10, 900)]
+        out.append(TokensPrompt(prompt_token_ids=ids))
+    return out
+
+
+def _mixed_params(n: int) -> list:
+    """Mostly plain greedy requests, and beside them one of each kind that does
+    not speculate (or only past min_tokens)."""
+    params = [SamplingParams(temperature=0, max_tokens=30 + i % 7) for i in range(n)]
+    params[1] = SamplingParams(temperature=0, max_tokens=25, min_tokens=10)  # speculates after 10 tokens
+    params[2] = SamplingParams(temperature=0, max_tokens=25, logit_bias={50: 2.0})  # a processor acts on it
+    params[3] = SamplingParams(temperature=0.9, seed=3, max_tokens=25)  # sampled
+    params[4] = SamplingParams(temperature=0, max_tokens=25, logprobs=1)
+    params[5] = BeamSearchParams(beam_width=2, max_tokens=12)
+    params[6] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[77, 78])
+    return params
+
+
+def _tokens(outs) -> list:
+    return [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def _all_free(llm: LLM) -> bool:
+    free, _ = llm.llm_engine.num_free_blocks()
+    return free == llm.llm_engine.cache_config.num_gpu_blocks
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = FAMILIES[request.param](str(tmp_path_factory.mktemp(request.param)), seed=1)
+    base = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False)
+    prompts, params = _prompts(10), _mixed_params(10)
+    return path, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_ngram_is_token_identical_in_mixed_batches(family, k):
+    path, prompts, params, want = family
+    llm = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False, speculative_config=_spec(k))
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert 0 <= stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert _all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory):
+    return make_random_bart(str(tmp_path_factory.mktemp("bart")), seed=1)
+
+
+def test_copying_model_accepts_drafts_and_rolls_back_across_blocks(bart_dir, monkeypatch):
+    """Random weights rarely agree with a draft; a request whose output repeats
+    itself does (its own tokens are drafts). Every rollback that crosses a
+    block boundary frees the block (``BlockSpaceManager.trim``): counted here."""
+    llm = LLM(bart_dir, kv_cache_memory=16 << 20, speculative_config=_spec(5))
+    base = LLM(bart_dir, kv_cache_memory=16 << 20)
+    prompts, params = _prompts(16, seed=5), SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    bm = llm.llm_engine.scheduler.block_manager
+    real, freed = bm.trim, []
+
+    def trim(seq):
+        before = len(bm.get_block_table(seq))
+        real(seq)
+        freed.append(before - len(bm.get_block_table(seq)))
+
+    monkeypatch.setattr(bm, "trim", trim)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(
+        base.generate(prompts, params, use_tqdm=False))
+    assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert sum(freed) > 0  # rejected drafts past a block boundary gave their block back
+    assert _all_free(llm)
+
+
+def test_preemption_while_speculating(bart_dir):
+    """A cache that holds a few requests at a time: rows are swapped and
+    recomputed mid-speculation; tokens as without speculation, nothing leaks."""
+    prompts = _prompts(12, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = _tokens(LLM(bart_dir, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    for mode in ("swap", "recompute"):
+        llm = LLM(bart_dir, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
+                  preemption_mode=mode, speculative_config=_spec(3), max_num_seqs=12)
+        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert got == want, mode
+        assert llm.llm_engine.stats.num_preempted > 0, mode
+        assert _all_free(llm), mode
+
+
+def test_aborts_while_speculating_free_every_block(bart_dir):
+    llm = LLM(bart_dir, kv_cache_memory=16 << 20, speculative_config=_spec(4))
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, p in enumerate(_prompts(6, seed=9)):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(15):
+        engine.step()
+    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    engine.abort_request([f"r{i}" for i in range(0, 6, 2)])
+    for _ in range(5):
+        engine.step()
+    engine.abort_request([f"r{i}" for i in range(1, 6, 2)])
+    assert not engine.has_unfinished_requests()
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup"),
+    ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}, "not built yet"),
+])
+def test_bad_configs_refused_before_loading(spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("/nonexistent/model/dir", speculative_config=spec)
+
+
+def test_async_scheduling_with_speculation_refused():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM("/nonexistent/model/dir", speculative_config=_spec(2), async_scheduling=True)
