@@ -222,6 +222,12 @@ class RequestMetrics:
     # True when no prefill of the request ran the encoder: it read a cross
     # table another request (or its own earlier admission) had written.
     encoder_cache_hit: bool = False
+    # Speculative decoding (an engine with speculative_config): why the request
+    # never speculates (None: it may; see core/speculation.py), and the draft
+    # tokens it kept (each a step saved). A step where a logits processor acts
+    # on its row carries no drafts; its tokens are the same either way.
+    spec_decode_off: str | None = None
+    spec_decode_accepted_tokens: int = 0
 
 
 class SequenceGroup:

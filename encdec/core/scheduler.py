@@ -46,7 +46,7 @@ from encdec.core.scheduler_outputs import (
     StructuredDecider,
 )
 from encdec.core.slot_room import SlotRoom
-from encdec.core.speculation import Speculation
+from encdec.core.speculation import Speculation, reason
 from encdec.core.step_metadata import StepMetadata
 from encdec.core.stop_checker import StopChecker
 from encdec.sampling_params import SamplingType
@@ -129,6 +129,8 @@ class Scheduler(Admission, Preemption):
             self.beams.start(seq_group)
         self._requests[seq_group.request_id] = (next(self._counter), seq_group)
         self._num_constrained += _constrained(seq_group)
+        if self.speculation is not None:
+            seq_group.metrics.spec_decode_off = reason(seq_group.sampling_params)
         self.waiting.append(seq_group)
 
     def get_seq_group(self, request_id: str) -> SequenceGroup | None:
@@ -190,6 +192,9 @@ class Scheduler(Admission, Preemption):
         ended, self.num_appended = step_update.append_samples(
             runner_output, self._seqs, self.block_manager, self.stop_checker,
             self.structured if self._num_constrained else None, self._stop_rules, int(same))
+        for sample in runner_output.samples if sched.spec_rows else ():  # kept drafts, per request
+            if len(sample.sampled_token_ids) > 1:
+                self._seqs[sample.seq_id][1].metrics.spec_decode_accepted_tokens += len(sample.sampled_token_ids) - 1
         for seq_id in sched.spec_rows:  # rejected drafts' slots past a block boundary go back
             seq = self._seqs[seq_id][0]
             if not seq.is_finished():

@@ -69,6 +69,8 @@ class StepStats:
     encoder_cache_hits: int = 0  # since the engine was built
     prefix_cache_queries: int = 0  # decoder prompt tokens, since the engine was built
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
+    spec_decode_num_draft_tokens: int = 0  # speculative decoding, since the engine was built
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class AsyncLLMEngine:
@@ -309,7 +311,9 @@ class AsyncLLMEngine:
                           finished=finished, num_aborted=self._num_aborted,
                           encoder_cache_queries=es.encoder_cache_queries,
                           encoder_cache_hits=es.encoder_cache_hits,
-                          prefix_cache_queries=es.prefix_cache_queries, prefix_cache_hits=es.prefix_cache_hits)
+                          prefix_cache_queries=es.prefix_cache_queries, prefix_cache_hits=es.prefix_cache_hits,
+                          spec_decode_num_draft_tokens=es.spec_decode_num_draft_tokens,
+                          spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens)
         self._num_aborted = 0
         progress = engine.get_request_progress()
         counts = {rid: n for rid, (n, _) in progress.items()}

@@ -155,3 +155,26 @@ def test_bad_configs_refused_before_loading(spec, match):
 def test_async_scheduling_with_speculation_refused():
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM("/nonexistent/model/dir", speculative_config=_spec(2), async_scheduling=True)
+
+
+def test_counts_reach_outputs_stats_and_metrics(bart_dir):
+    from encdec.engine.async_llm_engine import StepStats
+    from encdec.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(bart_dir, kv_cache_memory=16 << 20, speculative_config=_spec(3))
+    prompts = _prompts(6, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(temperature=0.7, seed=1, max_tokens=20)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    es = llm.llm_engine.get_stats()
+    assert outs[0].metrics.spec_decode_off.startswith("sampled") and outs[0].metrics.spec_decode_accepted_tokens == 0
+    assert all(o.metrics.spec_decode_off is None for o in outs[1:])
+    assert sum(o.metrics.spec_decode_accepted_tokens for o in outs) == es.spec_decode_num_accepted_tokens > 0
+    metrics = ServerMetrics("m")
+    metrics.record_step(StepStats(0.0, 0, 0, 0, 0.0, 0, 0, 0,
+                                  spec_decode_num_draft_tokens=es.spec_decode_num_draft_tokens,
+                                  spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens))
+    text = metrics.render().decode()
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(es.spec_decode_num_draft_tokens)}' in text
+    assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
+            f'{float(es.spec_decode_num_accepted_tokens)}') in text

@@ -61,7 +61,12 @@ class ServerMetrics:
                                             "Decoder prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Decoder prompt tokens found in the prefix cache (prefill skipped).")
+        self.spec_drafts = counter("vllm:spec_decode_num_draft_tokens",
+                                   "Draft tokens verified (speculative decoding).")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Draft tokens verified and kept (speculative decoding).")
         self._num_preemptions = 0
+        self._spec = (0, 0)  # (drafts, accepted) already counted
         self._encoder_cache = (0, 0)  # (queries, hits) already counted
         self._prefix_cache = (0, 0)  # (queries, hits) already counted
 
@@ -82,6 +87,10 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
         self._prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        drafts, accepted = self._spec
+        self.spec_drafts.inc(stats.spec_decode_num_draft_tokens - drafts)
+        self.spec_accepted.inc(stats.spec_decode_num_accepted_tokens - accepted)
+        self._spec = (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         for v in stats.first_token_latencies:
