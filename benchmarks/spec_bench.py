@@ -1,0 +1,234 @@
+"""Speculative decoding: our engine with and without ``speculative_config``, same
+weights, one process.
+
+The copy workload: the BART trained by ``benchmarks.train_copy_model`` (extractive
+summaries that copy marked sentences of a ~200-token synthetic document; random
+weights never copy, so they would prove exactness, not speed). Held-out documents
+are decoded greedily at each concurrency level (``--requests``: that many requests
+per ``generate`` call, the same ``--docs`` documents every level), once without
+speculation and once per ``ngram`` setting (``--k``, ``--lookup-max``,
+``--lookup-min``). Each side has its own engine (built once, encoder cache off so
+every request runs its encoder); the sides alternate within each of ``--repeats``
+rounds and the best round counts. Outputs must be token-identical to the side
+without speculation.
+
+    python -m benchmarks.spec_bench [--requests 1 8 64] [--k 3 5] [--repeats 3]
+                                    [--model-dir DIR] [--threads N] [--no-spec]
+
+Prints the host ISA header, then per level and side: tok/s (generated tokens over
+wall time), the ratio to no speculation, the acceptance rate (accepted over proposed
+draft tokens, from ``LLMEngine.get_stats()``), the held-out exact match, and the CPU
+other processes used meanwhile (the machine is shared). ``--no-spec`` times the side
+without speculation alone (a smoke run of the harness).
+
+A workload is a ``Workload`` (prompts, sampling parameters, engine options, a label);
+the timing loop knows nothing else about it, so another model family adds a workload
+and its command-line group beside ``copy_workload``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from encdec.bench.common import OtherCPUMonitor, allocator_for_both_sides, isa_header
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "encdec", "copy_bart")
+# LLMEngine.get_stats() fields read for acceptance (vLLM's spec_decode metric names).
+DRAFT_FIELD = "spec_decode_num_draft_tokens"
+ACCEPTED_FIELD = "spec_decode_num_accepted_tokens"
+
+
+@dataclass
+class Workload:
+    """What a side decodes: ``batches`` of prompts (one ``generate`` call each, so
+    a batch's size is the concurrency), their parameters, and engine options."""
+
+    label: str
+    batches: list[list[Any]]
+    params: Any
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    references: list[list[int]] | None = None  # expected outputs (token ids) per prompt, if known
+
+
+@dataclass
+class Side:
+    """One engine configuration: ``spec`` is the ``speculative_config`` (None: off)."""
+
+    name: str
+    spec: dict[str, Any] | None
+
+
+@dataclass
+class Result:
+    seconds: float
+    tokens: int
+    outputs: list[list[int]]
+    drafted: int | None  # draft tokens proposed meanwhile (None: the engine does not say)
+    accepted: int | None
+    other_cpu: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool) -> list[Side]:
+    """No speculation first, then one ``ngram`` side per k (none with ``no_spec``)."""
+    sides = [Side("off", None)]
+    if not no_spec:
+        sides += [Side(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
+                                        "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min})
+                  for k in ks]
+    return sides
+
+
+def copy_workload(model_dir: str, docs: int, concurrency: int, max_tokens: int | None = None) -> Workload:
+    """Held-out documents of the copy model's task (its manifest says which task and
+    seed), greedy, in ``generate`` calls of ``concurrency`` requests."""
+    from encdec import SamplingParams, TokensPrompt
+    from encdec.bench.copy_model import held_out, read_manifest, source_ids, task_from_manifest
+
+    manifest = read_manifest(model_dir)
+    if manifest is None:
+        raise ValueError(f"--model-dir {model_dir} holds no copy model (no manifest); "
+                         f"make one with: python -m benchmarks.train_copy_model --out {model_dir}")
+    task = task_from_manifest(manifest)
+    examples = held_out(task, docs, manifest["options"]["seed"])
+    prompts = [TokensPrompt(prompt_token_ids=source_ids(d)) for d, _ in examples]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens or task.max_summary_len())
+    batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+    return Workload(f"copy BART, {docs} held-out documents, {concurrency} concurrent", batches, params,
+                    dict(max_num_seqs=max(concurrency, 1), enable_encoder_cache=False),
+                    references=[s + [2] for _, s in examples])
+
+
+def _spec_counts(llm) -> tuple[int | None, int | None]:
+    stats = llm.llm_engine.get_stats()
+    return getattr(stats, DRAFT_FIELD, None), getattr(stats, ACCEPTED_FIELD, None)
+
+
+def _diff(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
+def run_side(llm, work: Workload) -> Result:
+    """Decodes every batch of ``work`` on ``llm``, timed as a whole."""
+    d0, a0 = _spec_counts(llm)
+    outputs: list[list[int]] = []
+    with OtherCPUMonitor() as mon:
+        t0 = time.perf_counter()
+        for batch in work.batches:
+            outs = llm.generate(batch, work.params, use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in outs]
+        seconds = time.perf_counter() - t0
+    d1, a1 = _spec_counts(llm)
+    return Result(seconds, sum(map(len, outputs)), outputs, _diff(d1, d0), _diff(a1, a0), mon.mean())
+
+
+def build_engine(model_dir: str, side: Side, work: Workload, threads: int | None):
+    from encdec import LLM
+
+    options = dict(work.engine_options, num_threads=threads, kv_cache_memory=256 << 20, swap_space=0.25)
+    if side.spec is not None:
+        options["speculative_config"] = side.spec
+    return LLM(model_dir, **options)
+
+
+def compare(model_dir: str, work: Workload, sides: list[Side], repeats: int,
+            threads: int | None) -> dict[str, Result]:
+    """Best of ``repeats`` rounds per side (sides alternate within a round, after one
+    untimed warm-up batch each); raises SystemExit if any side's outputs differ from
+    the first side's."""
+    engines = {s.name: build_engine(model_dir, s, work, threads) for s in sides}
+    for s in sides:
+        engines[s.name].generate(work.batches[0], work.params, use_tqdm=False)
+    best: dict[str, Result] = {}
+    for r in range(repeats):
+        for s in sides:
+            res = run_side(engines[s.name], work)
+            print(f"  round {r + 1} {s.name:>10}: {res.tok_s:8.1f} tok/s ({res.tokens} tokens in "
+                  f"{res.seconds:.2f} s){_acceptance(res) if s.spec else ''}; other processes' CPU {res.other_cpu:.0f}%", flush=True)
+            if s.name not in best or res.seconds < best[s.name].seconds:
+                best[s.name] = res
+    base = best[sides[0].name]
+    for s in sides[1:]:
+        if best[s.name].outputs != base.outputs:
+            raise SystemExit(f"{work.label}: outputs with {s.name} differ from {sides[0].name}")
+    return best
+
+
+def _acceptance(res: Result) -> str:
+    if res.drafted is None or res.accepted is None:
+        return ""
+    rate = res.accepted / res.drafted if res.drafted else 0.0
+    return f", acceptance {rate:.1%} ({res.accepted}/{res.drafted} drafts)"
+
+
+def report(work: Workload, sides: list[Side], best: dict[str, Result]) -> list[str]:
+    """Summary lines: tok/s per side, ratio to the first side, acceptance, and the
+    held-out exact match of the first side's outputs (the outputs are identical)."""
+    base = best[sides[0].name]
+    lines = [work.label + ":"]
+    for s in sides:
+        res = best[s.name]
+        acc = _acceptance(res) if s.spec is not None else ""
+        if s.spec is not None and res.drafted is None:
+            acc = f", acceptance not reported (get_stats has no {DRAFT_FIELD})"
+        lines.append(f"  {s.name:>10}: {res.tok_s:8.1f} tok/s, {base.seconds / res.seconds:5.2f}x{acc}")
+    if work.references is not None:
+        hits = sum(o == ref for o, ref in zip(base.outputs, work.references))
+        lines.append(f"  held-out exact match: {hits}/{len(work.references)}; outputs identical across sides: yes")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.spec_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
+                    help="the copy model (benchmarks.train_copy_model's --out; default %(default)s)")
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64], help="concurrency levels")
+    ap.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens per side")
+    ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
+    ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
+    ap.add_argument("--docs", type=int, default=64, help="held-out documents decoded per side and round")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the best per side is reported")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as configured)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the task's longest summary")
+    ap.add_argument("--no-spec", action="store_true", help="time the side without speculation only")
+    args = ap.parse_args(argv)
+    for name in ("requests", "k"):
+        if any(v < 1 for v in getattr(args, name)):
+            ap.error(f"--{name} values must be >= 1, got {getattr(args, name)}")
+    for name in ("docs", "repeats", "lookup_max", "lookup_min"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lookup_min > args.lookup_max:
+        ap.error(f"--lookup-min ({args.lookup_min}) must be <= --lookup-max ({args.lookup_max})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[str, Result]]:
+    args = parse_args(argv)
+    import torch
+
+    print(isa_header())
+    print(f"threads {args.threads or torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"{allocator_for_both_sides()}", flush=True)
+    sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec)
+    results: dict[int, dict[str, Result]] = {}
+    lines: list[str] = []
+    for c in args.requests:
+        work = copy_workload(args.model_dir, args.docs, c, args.max_tokens)
+        print(work.label, flush=True)
+        results[c] = compare(args.model_dir, work, sides, args.repeats, args.threads)
+        lines += report(work, sides, results[c])
+    print(f"\nbest of {args.repeats} rounds per side:")
+    print("\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()
