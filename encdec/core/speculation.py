@@ -1,13 +1,14 @@
 """The scheduler's side of speculative decoding: which running rows may carry
 draft tokens this step, and at most how many (the slots it gives them).
 
-A row speculates when its request is greedy, one sequence, not a beam search
-and asks nothing that reads a verified position's own state: no log-probs, no
-penalties, no grammar (structured outputs). Logits processors are the model
-runner's to check (it knows which batch rows they act on; a row they act on
-gets no drafts: ``runner.spec``). Sampled requests run without speculation for
-now; ``reason`` says why a request does not speculate, and its output says so
-(``RequestOutput.metrics.spec_decode``). No torch here.
+A row speculates when its request is one sequence, not a beam search, and asks
+nothing that reads a verified position's own state: no log-probs, no
+penalties, no grammar (structured outputs). Greedy rows keep drafts equal to
+the target's tokens; rows that sample keep them by rejection sampling (the
+target's distribution). Logits processors are the model runner's to check (it
+knows which batch rows they act on; a row they act on gets no drafts:
+``worker/draft_rows.py``). ``reason`` says why a request never speculates, and
+its output says so (``RequestOutput.metrics.spec_decode_off``). No torch here.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from encdec.spec_decode import SpeculativeConfig
 
 def reason(params: Any) -> str | None:
     """Why a request with these params never speculates; None if it may."""
-    if params is None or params.sampling_type is not SamplingType.GREEDY:
-        return "sampled requests run without speculation"  # rejection sampling is not wired in yet
+    if params is None or params.sampling_type is SamplingType.BEAM:
+        return "beam search"
     if params.n != 1 or (params.best_of or 1) != 1:
         return "n > 1"
     if params.logprobs is not None:

@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+import torch
+
+from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
 from encdec.spec_decode import NgramProposer
 from encdec.worker.prefill_rows import SampledRow
@@ -37,7 +40,9 @@ class DraftProposer:
         rows no processor acts on; rows with no match are left out."""
         if not spec_rows:
             return {}
-        blocked = input_batch.logitsprocs.slots_changing_argmax(max(spec_rows.values()))
+        procs, lookahead = input_batch.logitsprocs, max(spec_rows.values())
+        blocked = procs.slots_changing_argmax(lookahead)  # greedy rows
+        blocked_sampled = procs.slots_changing_probs(lookahead)  # and sampled ones
         if blocked is None:
             return {}
         slots = input_batch.req_id_to_index
@@ -45,9 +50,10 @@ class DraftProposer:
         for m in metas:
             if m.is_prompt:
                 continue
+            greedy = m.sampling_params.sampling_type is SamplingType.GREEDY
             for sid, sd in m.seq_data.items():
-                k = spec_rows.get(sid)
-                if not k or slots.get(str(sid)) in blocked:
+                k, slot = spec_rows.get(sid), slots.get(str(sid))
+                if not k or slot in blocked or (not greedy and (blocked_sampled is None or slot in blocked_sampled)):
                     continue
                 drafts = self.proposer.propose(m.encoder_seq_data.prompt_token_ids, sd.get_token_ids(), k)
                 if drafts:
@@ -82,22 +88,75 @@ def add_draft_decodes(dec: Any, metas: list[SequenceGroupMetadata], drafts: dict
                 dec.drafts.append((sid, first + 1, list(d)))
 
 
-def accept(drafts: list[tuple[int, list[int]]], first: dict[int, int],
-           targets: list[int]) -> tuple[dict[int, list[int]], int]:
+def accept(drafts: list[tuple[int, list[int]]], first: dict[int, int], targets: list[int],
+           skip: Collection[int] = ()) -> tuple[dict[int, list[int]], int]:
     """Per speculating sequence the tokens it keeps: its drafts up to the first
     that differs from the target's token before it, then the target's token
     there (``first``: the sampled token of its first row; ``targets``: the
     greedy token of each draft row, in ``drafts`` order). Returns them and
     the number of drafts kept (as ``encdec.spec_decode.accept_greedy``, on
-    host lists: a handful of rows)."""
+    host lists: a handful of rows). ``skip``: rows verified otherwise (sampled:
+    ``verify_sampled``)."""
     out: dict[int, list[int]] = {}
     kept = pos = 0
     for sid, d in drafts:
         target = [first[sid], *targets[pos:pos + len(d)]]
         pos += len(d)
+        if sid in skip:
+            continue
         a = 0
         while a < len(d) and d[a] == target[a]:
             a += 1
         out[sid] = target[:a + 1]
         kept += a
     return out, kept
+
+
+def verify_sampled(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int, int], logits: torch.Tensor,
+                   draft_logits: torch.Tensor, md: Any, generator: torch.Generator | None
+                   ) -> tuple[dict[int, list[int]], int]:
+    """The tokens each speculating row that samples randomly keeps: rejection
+    sampling (``encdec.spec_decode.rejection_sample``, point-mass drafts) on
+    the target's distributions at its first row and its draft rows, made as
+    the sampler makes them (the processors' row-independent part, temperature,
+    top-k, top-p; no processor acts on these rows), so the output keeps the
+    target's distribution. ``batch_row``: seq_id -> its row of ``logits`` and
+    of the sampling metadata ``md``; ``draft_logits``: the draft rows, in
+    ``drafts`` order. Call before the sampler edits ``logits`` in place.
+    Greedy rows are left out (``accept``). Returns the kept tokens and the
+    number of drafts kept."""
+    from encdec.sample.sampler import apply_top_k_top_p
+    from encdec.spec_decode import rejection_sample
+
+    if md.temperature is None:
+        return {}, 0
+    temps = md.temperature.tolist()
+    picked, offset = [], 0
+    for sid, _, d in drafts:
+        r = batch_row[sid]
+        if temps[r] >= 1e-5:  # the sampler's greedy threshold (_SAMPLING_EPS)
+            picked.append((sid, r, d, offset))
+        offset += len(d)
+    if not picked:
+        return {}, 0
+    k_max, vocab = max(len(d) for _, _, d, _ in picked), logits.shape[-1]
+    rows = torch.full((len(picked), k_max + 1, vocab), float("-inf"), dtype=torch.float32, device=logits.device)
+    ids = torch.full((len(picked), k_max), -1, dtype=torch.long, device=logits.device)
+    for b, (sid, r, d, off) in enumerate(picked):
+        rows[b, 0] = logits[r]
+        rows[b, 1:1 + len(d)] = draft_logits[off:off + len(d)]
+        rows[b, 1 + len(d):, 0] = 0.0  # padding rows: any finite distribution (never read)
+        ids[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+    index = torch.tensor([r for _, r, _, _ in picked], device=logits.device).repeat_interleave(k_max + 1)
+    flat = md.logitsprocs.apply_static(rows.view(-1, vocab))
+    flat = flat / md.temperature[index].unsqueeze(1)
+    flat = apply_top_k_top_p(flat, None if md.top_k is None else md.top_k[index],
+                             None if md.top_p is None else md.top_p[index])
+    probs = flat.softmax(dim=-1).view(len(picked), k_max + 1, vocab)
+    gens = [md.generators.get(r, generator) for _, r, _, _ in picked]
+    out, accepted = rejection_sample(probs, ids, [len(d) for _, _, d, _ in picked], generators=gens)
+    kept = {}
+    for b, (sid, _, _, _) in enumerate(picked):
+        a = int(accepted[b])
+        kept[sid] = out[b, :a + 1].tolist()
+    return kept, int(accepted.sum())

@@ -36,7 +36,7 @@ from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
-from encdec.worker.draft_rows import DraftProposer, add_draft_decodes
+from encdec.worker.draft_rows import DraftProposer, add_draft_decodes, verify_sampled
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
 
@@ -342,9 +342,7 @@ class EncoderDecoderModelRunner:
         all_logits = self.model.compute_logits(hidden.index_select(0, index))
         logits = all_logits[: len(order)]  # (num_rows, vocab), the sampled rows
         token_lps = prompt_token_logprobs(all_logits[len(order):len(order) + len(asked)], asked)
-        # Draft rows: the target's greedy token at each (draft_rows.accept keeps the drafts that agree).
-        targets = (greedy_tokens(self.input_batch.logitsprocs.apply_static(all_logits[len(order) + len(asked):]
-                                                                           .float())) if drafts else None)
+        spec = self._verify(drafts, seq_ids, logits, all_logits[len(order) + len(asked):], sampling_md)
         # Beam search: its groups' rows go to candidate selection, not sampling.
         beam = (find_beam_rows(metas, {rows[i].seq_id: r for r, i in enumerate(order)}, self.device)
                 if any_beam else None)
@@ -352,7 +350,21 @@ class EncoderDecoderModelRunner:
             out = (self.sampler(logits, sampling_md, logprob_rows=beam.row_index) if beam
                    else self.sampler(logits, sampling_md))
         return AsyncModelRunnerOutput(self.model, self.device, metas, seq_ids, wanted, out, beam, hidden, token_lps,
-                                      [(sid, d) for sid, _, d in drafts], targets)
+                                      [(sid, d) for sid, _, d in drafts], *spec)
+
+    def _verify(self, drafts: list, seq_ids: list[int], logits: torch.Tensor, draft_logits: torch.Tensor,
+                md: Any) -> tuple:
+        """Draft rows of a step (before the sampler edits ``logits``): the rows
+        that sample randomly verified now (``verify_sampled``: their kept
+        tokens, drafts kept), and the greedy token of every draft row, for the
+        greedy rows to keep theirs once the step's tokens are read
+        (``draft_rows.accept``)."""
+        if not drafts:
+            return None, {}, 0
+        kept, num_kept = verify_sampled(drafts, {sid: r for r, sid in enumerate(seq_ids)}, logits, draft_logits,
+                                        md, self.sampler.generator)
+        targets = greedy_tokens(self.input_batch.logitsprocs.apply_static(draft_logits.float()))
+        return targets, kept, num_kept
 
     def _eager(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,

@@ -126,6 +126,8 @@ class AsyncModelRunnerOutput:
     # target's greedy token at each draft row (in that order)
     drafts: list[tuple[int, list[int]]] = field(default_factory=list)
     draft_targets: torch.Tensor | None = None
+    sampled_kept: dict[int, list[int]] = field(default_factory=dict)  # rows that sample: verified already
+    num_sampled_kept: int = 0
 
     @torch.inference_mode()
     def get_output(self) -> ModelRunnerOutput:
@@ -153,7 +155,9 @@ class AsyncModelRunnerOutput:
         """A step with drafts: each speculating row appends the tokens it keeps
         (``draft_rows.accept``), the others their sampled token."""
         first = dict(zip(self.seq_ids, sampled))
-        kept, num_kept = accept(self.drafts, first, self.draft_targets.tolist())
+        kept, num_kept = accept(self.drafts, first, self.draft_targets.tolist(), self.sampled_kept)
+        kept.update(self.sampled_kept)
+        num_kept += self.num_sampled_kept
         beam_seqs = self.beam_rows.seq_ids if self.beam_rows else ()
         samples = [SampledTokens(seq_id, kept[seq_id], []) if seq_id in kept  # asked no log-probs
                    else SampledTokens(seq_id, [tok], [lp[r]] if lp else [])

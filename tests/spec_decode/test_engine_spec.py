@@ -7,6 +7,7 @@ before anything loads."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -39,20 +40,24 @@ def _prompts(n: int, seed: int = 0) -> list[TokensPrompt]:
 
 
 def _mixed_params(n: int) -> list:
-    """Mostly plain greedy requests, and beside them one of each kind that does
-    not speculate (or only past min_tokens)."""
+    """Mostly plain greedy requests, and beside them a sampled one and one of
+    each kind that does not speculate (or only past min_tokens)."""
     params = [SamplingParams(temperature=0, max_tokens=30 + i % 7) for i in range(n)]
     params[1] = SamplingParams(temperature=0, max_tokens=25, min_tokens=10)  # speculates after 10 tokens
     params[2] = SamplingParams(temperature=0, max_tokens=25, logit_bias={50: 2.0})  # a processor acts on it
-    params[3] = SamplingParams(temperature=0.9, seed=3, max_tokens=25)  # sampled
+    params[3] = SamplingParams(temperature=0.9, seed=3, max_tokens=25)  # sampled: rejection sampling
     params[4] = SamplingParams(temperature=0, max_tokens=25, logprobs=1)
     params[5] = BeamSearchParams(beam_width=2, max_tokens=12)
     params[6] = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[77, 78])
     return params
 
 
-def _tokens(outs) -> list:
-    return [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outs]
+def _tokens(outs, params=None) -> list:
+    """Each request's outputs, but a request that samples randomly: its draws
+    differ with speculation (its distribution does not: the chi-square test)."""
+    return [[(list(c.token_ids), c.finish_reason) for c in o.outputs]
+            if params is None or getattr(params[i], "temperature", 0) == 0 else "sampled"
+            for i, o in enumerate(outs)]
 
 
 def _all_free(llm: LLM) -> bool:
@@ -65,14 +70,14 @@ def family(request, tmp_path_factory):
     path = FAMILIES[request.param](str(tmp_path_factory.mktemp(request.param)), seed=1)
     base = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False)
     prompts, params = _prompts(10), _mixed_params(10)
-    return path, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False))
+    return path, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False), params)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_ngram_is_token_identical_in_mixed_batches(family, k):
     path, prompts, params, want = family
     llm = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False, speculative_config=_spec(k))
-    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False), params)
     assert got == want
     stats = llm.llm_engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
@@ -164,10 +169,10 @@ def test_counts_reach_outputs_stats_and_metrics(bart_dir):
     llm = LLM(bart_dir, kv_cache_memory=16 << 20, speculative_config=_spec(3))
     prompts = _prompts(6, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True) for _ in prompts]
-    params[0] = SamplingParams(temperature=0.7, seed=1, max_tokens=20)
+    params[0] = SamplingParams(temperature=0, max_tokens=20, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     es = llm.llm_engine.get_stats()
-    assert outs[0].metrics.spec_decode_off.startswith("sampled") and outs[0].metrics.spec_decode_accepted_tokens == 0
+    assert outs[0].metrics.spec_decode_off == "logprobs" and outs[0].metrics.spec_decode_accepted_tokens == 0
     assert all(o.metrics.spec_decode_off is None for o in outs[1:])
     assert sum(o.metrics.spec_decode_accepted_tokens for o in outs) == es.spec_decode_num_accepted_tokens > 0
     metrics = ServerMetrics("m")
@@ -178,3 +183,28 @@ def test_counts_reach_outputs_stats_and_metrics(bart_dir):
     assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(es.spec_decode_num_draft_tokens)}' in text
     assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
             f'{float(es.spec_decode_num_accepted_tokens)}') in text
+
+
+def test_sampled_requests_keep_the_target_distribution(tmp_path):
+    """2000 draws of a random model whose samples at a low temperature repeat
+    themselves (drafts copied from them are kept often), with and without
+    speculation: the same distribution of the token at each position
+    (chi-square on two samples; tokens drawn under 20 times pooled)."""
+    from scipy.stats import chi2_contingency
+
+    path = make_random_bart(str(tmp_path), seed=3, d_model=32, layers=1, heads=2, ffn=64, init_std=1.0)
+    prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 5, 6, 7, 8, 5, 6])
+    params = SamplingParams(temperature=0.3, max_tokens=10, ignore_eos=True)
+    draws = {}
+    for name, spec in (("off", None), ("on", _spec(3))):
+        llm = LLM(path, kv_cache_memory=32 << 20, max_num_seqs=256, speculative_config=spec, seed=11)
+        draws[name] = [list(o.outputs[0].token_ids) for o in llm.generate([prompt] * 2000, params, use_tqdm=False)]
+        if spec:
+            assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 500
+            assert _all_free(llm)
+    for pos in range(1, 10):
+        counts = [Counter(d[pos] for d in draws[name]) for name in ("off", "on")]
+        common = [t for t in set(counts[0]) | set(counts[1]) if counts[0][t] + counts[1][t] >= 20]
+        table = [[c[t] for t in common] + [2000 - sum(c[t] for t in common)] for c in counts]
+        table = [col for col in zip(*table) if sum(col)]
+        assert chi2_contingency(list(zip(*table))).pvalue > 1e-3, (pos, table)

@@ -31,6 +31,9 @@ class MinPLogitsProcessor(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return True
 
+    def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
+        return self.min_p_by_slot.keys()
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return

@@ -149,6 +149,17 @@ class LogitsProcessors:
             out.update(slots)
         return out
 
+    def slots_changing_probs(self, lookahead: int = 0) -> set[int] | None:
+        """``slots_changing_argmax`` counting the argmax-invariant processors too
+        (min-p): the slots whose sampling distribution some processor may change."""
+        out = self.slots_changing_argmax(lookahead)
+        for proc in self.argmax_invariant:
+            slots = proc.slots_acted_on(lookahead)
+            if slots is None or out is None:
+                return None
+            out.update(slots)
+        return out
+
     def apply_static(self, logits: torch.Tensor) -> torch.Tensor:
         """Every processor's row-independent part (``LogitsProcessor.apply_static``) on ``logits``."""
         for proc in self.non_argmax_invariant:
