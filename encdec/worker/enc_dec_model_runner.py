@@ -295,8 +295,10 @@ class EncoderDecoderModelRunner:
         if not metas:
             return StepPlan(metas, sched, [], None, small)
         drafts = self.drafter.propose(metas, sched.spec_rows, self.input_batch) if self.drafter else None
-        if drafts:  # several query rows per sequence: eager, on all threads (graphs hold one row each)
-            return StepPlan(metas, sched, [self.prepare(metas, True, ahead, False, drafts)], None, False)
+        if drafts:  # several query rows per sequence: eager (graphs hold one row each)
+            inp = self.prepare(metas, True, ahead, False, drafts)
+            small = self.device.type == "cpu" and n == 0 and len(inp.input_ids) <= SMALL_STEP_ROWS
+            return StepPlan(metas, sched, [inp], None, small)
         if graphs is not None and 0 < n < len(metas):
             dec = self.prepare(metas[n:], ahead=ahead)
             bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
