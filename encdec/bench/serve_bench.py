@@ -135,6 +135,17 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def ensure_model() -> str:
+    """The benchmark's random 4-layer BART (d_model 256, vocab 16384), made once in the temp dir."""
+    from encdec.testing import make_random_bart
+
+    model_dir = os.path.join(tempfile.gettempdir(), "encdec_serve_bench_bart")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        make_random_bart(model_dir, vocab_size=16384, d_model=256, layers=4, heads=4, ffn=1024,
+                         max_positions=512, init_std=0.02, position_std=0.02)
+    return model_dir
+
+
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,12 +160,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                     help="also through encdec serve --ray --disaggregate (encoder workers + decoder engines)")
     args = ap.parse_args(argv)
 
-    from encdec.testing import make_random_bart
-
-    model_dir = args.model_dir or os.path.join(tempfile.gettempdir(), "encdec_serve_bench_bart")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        make_random_bart(model_dir, vocab_size=16384, d_model=256, layers=4, heads=4, ffn=1024,
-                         max_positions=512, init_std=0.02, position_std=0.02)
+    model_dir = args.model_dir or ensure_model()
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     enc, out_lens = make_workload(args.requests, vocab, args.seed)

@@ -125,6 +125,7 @@ def test_bart_one_encoder_one_decoder_equal_offline_and_repeats_move_nothing(clu
     assert _counter(base, "encdec:encoder_transfer_requests_total") == moved
 
 
+@pytest.mark.slow  # BART's covers the Ray path; tests/engine/test_encoder_output covers T5's encoder output
 def test_t5_one_encoder_one_decoder_equal_offline(cluster, tmp_path_factory):
     from encdec.testing import make_random_t5
 

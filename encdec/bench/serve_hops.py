@@ -1,0 +1,150 @@
+"""Where ``encdec serve --ray``'s time goes, hop by hop, for one streaming client.
+
+The same streamed completion (token-id prompt, greedy, ``--max-tokens`` tokens
+with ``ignore_eos``) is timed, one request at a time, through:
+
+    app       encdec serve's app called in this process (``run_asgi``): no HTTP, no Ray
+    http      one ``encdec serve`` process over HTTP on 127.0.0.1
+    handle    an engine replica through a Ray Serve deployment handle (one Ray
+              streaming call; what the ingress does for each request)
+    ray http  the whole Ray path: Serve's HTTP proxy -> the ingress -> the replica
+
+A hop's cost is the difference of medians; per chunk, divided by the lists of
+messages the replica sent (``run_asgi`` sends what is queued as one list).
+
+    python -m benchmarks.serve_hops [--requests 30] [--max-tokens 32] [--disaggregate encoders=1,decoders=1]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+         "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "extensions": {}}
+
+
+def _body(prompt: list[int], max_tokens: int) -> bytes:
+    return json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}).encode()
+
+
+def _scope(body: bytes) -> dict:
+    return dict(SCOPE, headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])
+
+
+def _server_args(model_dir: str, extra: list[str]) -> argparse.Namespace:
+    from encdec.entrypoints.openai.cli_args import add_server_args
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    return p.parse_args([model_dir, "--num-threads", "1", "--kv-cache-memory", str(256 << 20),
+                         "--swap-space", "0.1", *extra])
+
+
+async def _time_app(model_dir: str, bodies: list[bytes]) -> tuple[list[float], list[int]]:
+    """(seconds, message lists) per request through the app in this process."""
+    from encdec.entrypoints.openai.api_server import app_from_args
+    from encdec.entrypoints.openai.asgi_relay import body_receive, run_asgi
+
+    app = app_from_args(_server_args(model_dir, []))
+    async with app.router.lifespan_context(app):
+        out = [await _one_relay(lambda b: run_asgi(app, _scope(b), body_receive(b), "local"), b) for b in bodies]
+    return [t for t, _ in out], [n for _, n in out]
+
+
+async def _one_relay(call, body: bytes) -> tuple[float, int]:
+    t0, lists = time.perf_counter(), 0
+    async for _ in call(body):
+        lists += 1
+    return time.perf_counter() - t0, lists
+
+
+def _time_http(port: int, bodies: list[bytes]) -> list[float]:
+    from encdec.bench.serve_bench import stream_one
+
+    async def run() -> list[float]:
+        return [(await stream_one(port, json.loads(b)))[2] for b in bodies]
+
+    return asyncio.run(run())
+
+
+def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> tuple[list, list, list]:
+    """(handle seconds, handle message lists, HTTP seconds) on a local 2-CPU cluster."""
+    import ray
+    from ray import serve
+
+    from encdec.serve_ray import APP_NAME, build
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=False,
+             _temp_dir=tempfile.mkdtemp(prefix="encdec-hops-"))
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = {"model": model_dir, "num_threads": 1, "kv_cache_memory": 256 << 20, "swap_space": 0.1}
+        config.update({"disaggregate": disaggregate, "replica_cpus": 0.5} if disaggregate else {"replicas": 1})
+        serve.run(build(config), name=APP_NAME, route_prefix="/")
+        handle = serve.get_deployment_handle("EngineReplica", APP_NAME).options(method_name="http", stream=True)
+
+        async def via_handle() -> list[tuple[float, int]]:
+            return [await _one_relay(lambda b: handle.remote(_scope(b), b), b) for b in bodies]
+
+        timed = asyncio.run(via_handle())
+        return [t for t, _ in timed], [n for _, n in timed], _time_http(port, bodies)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import random
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model-dir", default=None, help="default: serve_bench's random BART")
+    ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D")
+    args = ap.parse_args(argv)
+    from encdec.bench.serve_bench import ensure_model, start_server
+
+    model_dir = args.model_dir or ensure_model()
+    rng = random.Random(0)
+    bodies = [_body([rng.randrange(4, 1000) for _ in range(rng.randint(16, 128))], args.max_tokens)
+              for _ in range(args.requests + 2)]
+    app_s, app_lists = asyncio.run(_time_app(model_dir, bodies))
+    proc, port = start_server(model_dir, ["--num-threads", "1", "--kv-cache-memory", str(256 << 20)])
+    try:
+        http_s = _time_http(port, bodies)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    handle_s, lists, ray_s = _time_ray(model_dir, bodies, args.disaggregate)
+    med = lambda xs: 1000 * statistics.median(xs[2:])  # noqa: E731 - the first two warm up
+    chunks = statistics.median(lists[2:])
+    print(f"{args.requests} requests of {args.max_tokens} streamed tokens, one at a time; "
+          f"medians (ms): app {med(app_s):.1f} ({statistics.median(app_lists[2:]):.0f} message lists), "
+          f"http {med(http_s):.1f}, handle {med(handle_s):.1f} ({chunks:.0f} lists), "
+          f"ray http {med(ray_s):.1f}{' (' + args.disaggregate + ')' if args.disaggregate else ''}")
+    print(f"per request: HTTP server {med(http_s) - med(app_s):+.1f}; one Ray streaming hop "
+          f"(handle - app) {med(handle_s) - med(app_s):+.1f} = {(med(handle_s) - med(app_s)) / chunks:.2f} per list; "
+          f"proxy + ingress (ray http - handle) {med(ray_s) - med(handle_s):+.1f}; "
+          f"Ray path vs encdec serve {100 * (med(ray_s) / med(http_s) - 1):+.0f}%; "
+          f"host load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
