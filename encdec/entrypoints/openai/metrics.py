@@ -53,22 +53,23 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
         self.audio_seconds = counter("encdec:audio_seconds_transcribed",
                                      "Seconds of audio transcribed or translated.")
-        self.encoder_cache_queries = counter("encdec:encoder_cache_queries",
-                                             "Requests that looked up a shared encoder pass.")
-        self.encoder_cache_hits = counter("encdec:encoder_cache_hits",
-                                          "Requests that reused an encoder pass (no encoder run).")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Decoder prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Decoder prompt tokens found in the prefix cache (prefill skipped).")
-        self.spec_drafts = counter("vllm:spec_decode_num_draft_tokens",
-                                   "Draft tokens verified (speculative decoding).")
-        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
-                                     "Draft tokens verified and kept (speculative decoding).")
+        # Counters the engine keeps as running totals (StepStats field -> counter): each
+        # step adds what its total grew by since the last.
+        self.totals = {name: counter(metric, text) for name, metric, text in (
+            ("encoder_cache_queries", "encdec:encoder_cache_queries",
+             "Requests that looked up a shared encoder pass."),
+            ("encoder_cache_hits", "encdec:encoder_cache_hits",
+             "Requests that reused an encoder pass (no encoder run)."),
+            ("prefix_cache_queries", "vllm:prefix_cache_queries",
+             "Decoder prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "vllm:prefix_cache_hits",
+             "Decoder prompt tokens found in the prefix cache (prefill skipped)."),
+            ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
+             "Draft tokens verified (speculative decoding)."),
+            ("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+             "Draft tokens verified and kept (speculative decoding)."))}
+        self._counted = dict.fromkeys(self.totals, 0)  # each total already counted
         self._num_preemptions = 0
-        self._spec = (0, 0)  # (drafts, accepted) already counted
-        self._encoder_cache = (0, 0)  # (queries, hits) already counted
-        self._prefix_cache = (0, 0)  # (queries, hits) already counted
 
     def record_step(self, stats: StepStats) -> None:
         """Engine thread, after each step."""
@@ -79,18 +80,10 @@ class ServerMetrics:
         if stats.num_preemptions > self._num_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
             self._num_preemptions = stats.num_preemptions
-        queries, hits = self._encoder_cache
-        self.encoder_cache_queries.inc(stats.encoder_cache_queries - queries)
-        self.encoder_cache_hits.inc(stats.encoder_cache_hits - hits)
-        self._encoder_cache = (stats.encoder_cache_queries, stats.encoder_cache_hits)
-        queries, hits = self._prefix_cache
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
-        self._prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
-        drafts, accepted = self._spec
-        self.spec_drafts.inc(stats.spec_decode_num_draft_tokens - drafts)
-        self.spec_accepted.inc(stats.spec_decode_num_accepted_tokens - accepted)
-        self._spec = (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens)
+        for name, total in self.totals.items():
+            value = getattr(stats, name)
+            total.inc(value - self._counted[name])
+            self._counted[name] = value
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens)
         for v in stats.first_token_latencies:
