@@ -208,3 +208,19 @@ def test_sampled_requests_keep_the_target_distribution(tmp_path):
         table = [[c[t] for t in common] + [2000 - sum(c[t] for t in common)] for c in counts]
         table = [col for col in zip(*table) if sum(col)]
         assert chi2_contingency(list(zip(*table))).pvalue > 1e-3, (pos, table)
+
+
+def test_whisper_accepts_the_option_and_transcribes_the_same(ct2_dir, speech_clips):
+    """Whisper tiny.en (real weights) on shipped clips, with timestamps: its
+    timestamp rules act on every row, so no row carries drafts, and the text
+    and tokens are those of the engine without speculation."""
+    _, _, audio = speech_clips
+    kw = dict(num_threads=1, kv_cache_memory=128 * 2**20, swap_space=0.1)
+    clips = audio[:4]
+    want = LLM(str(ct2_dir), **kw).transcribe(clips, word_timestamps=False, use_tqdm=False)
+    llm = LLM(str(ct2_dir), **kw, speculative_config=_spec(3))
+    got = llm.transcribe(clips, word_timestamps=False, use_tqdm=False)
+    assert [[(s.text, s.tokens, s.start, s.end) for s in t.segments] for t in got] == \
+        [[(s.text, s.tokens, s.start, s.end) for s in t.segments] for t in want]
+    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens == 0
+    assert _all_free(llm)
