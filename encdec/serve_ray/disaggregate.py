@@ -23,6 +23,7 @@ before the request reaches the engine, so the engine and its other requests go o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, EngineD
 ENCODER_TIMEOUT = 120.0  # seconds one encoder call may take, queueing and a restart included
 ENCODER_BATCH = 8  # requests an encoder worker encodes in one pass, at most
 ENCODER_BATCH_WAIT = 0.002  # seconds an encoder worker waits to fill a batch
+WAITER_THREADS = 64  # add_requests calls in flight at once (each waits on the engine thread)
 
 
 class EncoderWorkerLost(EngineDeadError):
@@ -94,6 +96,7 @@ class DecoderEngine(AsyncLLMEngine):
         super().__init__(engine, **kwargs)
         self.transfers = TransferStats()
         self._pending: dict[str, asyncio.Future] = {}  # key -> its encoder output, being fetched
+        self._waiters = concurrent.futures.ThreadPoolExecutor(WAITER_THREADS, thread_name_prefix="encdec-prepare")
 
     async def add_requests(self, requests: list[AsyncRequest]) -> list[Any]:
         """Process every request on the engine thread (a bad one raises here, none
@@ -111,7 +114,9 @@ class DecoderEngine(AsyncLLMEngine):
                 out.append((inputs, params, key, engine.holds_encoder_output(key)))
             return out
 
-        prepared = await asyncio.to_thread(self.call_model, prepare)
+        # call_model blocks a thread until a step ends; a pool of its own, so that many
+        # requests arriving at once wait for one step, not for the default pool's few threads
+        prepared = await asyncio.get_running_loop().run_in_executor(self._waiters, self.call_model, prepare)
         outputs = await asyncio.gather(*(self._encoder_output(inputs, key) if not held else _none()
                                          for inputs, _, key, held in prepared))
         self.transfers.skipped += sum(held for *_, held in prepared)
