@@ -86,7 +86,14 @@ class WhisperLogitsProcessor(LogitsProcessor):
         return False  # suppressing tokens changes the argmax
 
     def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
-        return self.rows.keys()
+        """Rows with timestamp rules (they read the row's own tokens), rows at
+        their first token (begin-suppress) and rows that keep suppressed ids
+        (``apply_static`` bans those on every row)."""
+        return [i for i, r in self.rows.items() if r.timestamps or not r.output or not r.suppress]
+
+    def apply_static(self, logits: torch.Tensor) -> None:
+        if self.suppress_ids is not None:
+            logits.index_fill_(1, self.suppress_ids, _NEG_INF)
 
     def wants_timestamps(self, prompt_ids: list[int]) -> bool:
         tail = prompt_ids

@@ -224,3 +224,23 @@ def test_whisper_accepts_the_option_and_transcribes_the_same(ct2_dir, speech_cli
         [[(s.text, s.tokens, s.start, s.end) for s in t.segments] for t in want]
     assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens == 0
     assert _all_free(llm)
+
+
+
+def test_whisper_processor_blocks_only_rows_its_rules_read():
+    """Whisper's rules per row: timestamp rules and begin-suppress read the row's
+    own tokens (no drafts there); the suppressed ids are the same on every row,
+    so ``apply_static`` bans them on draft rows instead."""
+
+    import torch
+
+    from encdec.models.whisper_processors import WhisperLogitsProcessor, _Row
+
+    proc = WhisperLogitsProcessor.__new__(WhisperLogitsProcessor)
+    proc.suppress_ids = torch.tensor([3, 5])
+    proc.rows = {0: _Row([7, 8], timestamps=True, suppress=True), 1: _Row([], timestamps=False, suppress=True),
+                 2: _Row([7], timestamps=False, suppress=True), 3: _Row([7], timestamps=False, suppress=False)}
+    assert sorted(proc.slots_acted_on(3)) == [0, 1, 3]
+    logits = torch.zeros(2, 8)
+    proc.apply_static(logits)
+    assert torch.isinf(logits[:, [3, 5]]).all() and not torch.isinf(logits[:, [0, 1, 2, 4, 6, 7]]).any()
