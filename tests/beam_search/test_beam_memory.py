@@ -69,8 +69,10 @@ def reference(beam_barts):
 
     def step():
         outs = orig_step()
-        # one cross table per live request, however many beams it runs
-        cross_tables_seen.append((len(bm.cross_block_tables), engine.get_num_unfinished_requests()))
+        # one cross table per admitted request, however many beams it runs (the
+        # encoder budget may keep some waiting: they have none yet)
+        sched = engine.scheduler
+        cross_tables_seen.append((len(bm.cross_block_tables), len(sched.running) + len(sched.swapped)))
         return outs
 
     engine.step = step
