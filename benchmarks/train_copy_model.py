@@ -23,7 +23,10 @@ def options_from(args: argparse.Namespace, base: TrainOptions | None = None) -> 
     """``base`` (default: ``TrainOptions()``) with the options given on the command line."""
     base = base or TrainOptions()
     fields = {f.name for f in dataclasses.fields(TrainOptions)} - {"task"}
-    return dataclasses.replace(base, **{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    opts = dataclasses.replace(base, **{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    if args.num_words is not None:
+        opts = dataclasses.replace(opts, task=dataclasses.replace(opts.task, num_words=args.num_words))
+    return opts
 
 
 def check_against_hf(out_dir: str, count: int, threads: int) -> tuple[float, bool]:
@@ -57,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
     ap.add_argument("--steps", type=int, default=None, help=f"AdamW steps (default {d.steps})")
     ap.add_argument("--batch", type=int, default=None, help=f"examples per step (default {d.batch})")
+    ap.add_argument("--num-words", type=int, default=None,
+                    help=f"content words in the vocabulary (default {d.task.num_words})")
     ap.add_argument("--threads", type=int, default=None, help=f"torch threads while training (default {d.threads})")
     ap.add_argument("--eval", type=int, default=200, help="held-out documents scored after training")
     ap.add_argument("--verify", action="store_true", help="also compare our engine with HF on the held-out set")

@@ -26,9 +26,9 @@ _VOWELS = ("a", "e", "i", "o", "u")
 class CopyTask:
     """How documents are drawn (counts are inclusive ranges)."""
 
-    num_words: int = 1000            # content words in the vocabulary
-    sentences: tuple[int, int] = (16, 28)   # per document
-    words: tuple[int, int] = (6, 11)        # per sentence, before its period
+    num_words: int = 128                    # content words in the vocabulary
+    sentences: tuple[int, int] = (12, 20)   # per document
+    words: tuple[int, int] = (6, 10)        # per sentence, before its period
     marked: tuple[int, int] = (2, 3)        # sentences starting with the marker, copied to the summary
 
     def __post_init__(self) -> None:
