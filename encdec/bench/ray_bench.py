@@ -133,9 +133,9 @@ def print_transfers(port: int, model_dir: str, label: str) -> None:
     if not moved:
         print(f"{label}: no encoder output moved (metrics: {total})")
         return
-    from transformers import AutoConfig
+    from encdec.models.loader import open_checkpoint
 
-    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg = open_checkpoint(model_dir).hf_config  # HF or CTranslate2 directories
     per = total["encdec:encoder_transfer_bytes_total"] / moved
     encode = total["encdec:encoder_worker_encode_seconds_total"] / moved
     trip = total["encdec:encoder_transfer_round_trip_seconds_total"] / moved
