@@ -62,7 +62,7 @@ def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: 
         max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
-        policy=args.scheduling_policy)
+        policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens)
 
 
 def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
@@ -74,18 +74,6 @@ def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
     if args.min_admission is not None:
         return args.min_admission
     return max(1, args.max_num_seqs // 8) if cuda_graphs else 1
-
-
-def encoder_budget_for(args: EngineArgs, max_encoder_len: int, cuda_graphs: bool) -> int | None:
-    """The user's, else two of the longest encoder inputs per step where every
-    step runs eagerly (CPU): Whisper tiny.en, 4 requests decoding while 16
-    windows arrived (benchmarks/mixed_bench.py, 2 threads): their longest wait
-    for a token 6.6-8.0 s unbudgeted, 0.9-3.1 s at 3000. None (no budget) where
-    CUDA graphs replay decode steps: admissions are batched there on purpose
-    (``min_admission_for``) and a budget was not measured."""
-    if args.max_num_encoder_input_tokens is not None:
-        return args.max_num_encoder_input_tokens
-    return None if cuda_graphs else 2 * max_encoder_len
 
 
 class LLMEngine:
@@ -109,8 +97,7 @@ class LLMEngine:
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
         graphs = self.worker.use_cuda_graphs
         self.scheduler_config = replace(
-            self.scheduler_config, min_admission=min_admission_for(args, graphs),
-            max_num_encoder_input_tokens=encoder_budget_for(args, mc.max_encoder_len, graphs))
+            self.scheduler_config, min_admission=min_admission_for(args, graphs))
         self.worker.init_batch(self.scheduler_config, args.logits_processors, args.seed)
         self.processor = Processor(mc, self.scheduler_config, self.cache_config,
                                    vocab_size=self.worker.vocab_size,
