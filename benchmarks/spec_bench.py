@@ -193,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens per side")
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
-    ap.add_argument("--docs", type=int, default=64, help="held-out documents decoded per side and round")
+    ap.add_argument("--docs", type=int, default=128, help="held-out documents decoded per side and round")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the best per side is reported")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as configured)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the task's longest summary")
