@@ -61,22 +61,31 @@ def test_a_no_spec_run_times_the_side_without_speculation_only(tiny_copy_model, 
     results = spec_bench.main(["--model-dir", tiny_copy_model, "--no-spec", "--requests", "1", "3",
                                "--docs", "3", "--repeats", "1", "--threads", "1"])
     assert sorted(results) == [1, 3] and all(list(r) == ["off"] for r in results.values())
-    assert results[1]["off"].outputs == results[3]["off"].outputs  # concurrency changes no token
-    assert all(r["off"].tokens > 0 for r in results.values())
+    assert results[1]["off"][0].outputs == results[3]["off"][0].outputs  # concurrency changes no token
+    assert all(r["off"][0].tokens > 0 and len(r["off"]) == 1 for r in results.values())
     out = capsys.readouterr().out
     assert "host ISA:" in out and "held-out exact match" in out and "ngram" not in out
 
 
 def test_a_spec_run_reports_acceptance_and_identical_outputs(tiny_copy_model, capsys):
     results = spec_bench.main(["--model-dir", tiny_copy_model, "--requests", "2", "--k", "1", "3",
-                               "--docs", "4", "--repeats", "1", "--threads", "1"])
-    sides = results[2]
+                               "--docs", "4", "--repeats", "2", "--threads", "1"])
+    sides = {name: spec_bench.best_of(rounds) for name, rounds in results[2].items()}
     assert list(sides) == ["off", "ngram k=1", "ngram k=3"]
     for name in ("ngram k=1", "ngram k=3"):
         assert sides[name].outputs == sides["off"].outputs
         assert sides[name].drafted is not None and 0 <= sides[name].accepted <= sides[name].drafted
     assert sides["ngram k=3"].drafted > 0  # the tiny model repeats itself, so drafts are proposed
-    assert "acceptance" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "acceptance" in out and "median per round" in out
+
+
+def test_round_ratios_pair_each_round():
+    def r(seconds):
+        return spec_bench.Result(seconds, 10, [], None, None, 0.0)
+
+    assert spec_bench.round_ratios([r(2.0), r(4.0)], [r(1.0), r(1.0)]) == [2.0, 4.0]
+    assert spec_bench.best_of([r(3.0), r(1.5), r(2.0)]).seconds == 1.5
 
 
 def test_different_outputs_stop_the_benchmark(tiny_copy_model, monkeypatch):
