@@ -32,10 +32,11 @@ class TrainOptions:
 
     task: CopyTask = field(default_factory=CopyTask)
     seed: int = 0
-    steps: int = 1500
+    steps: int = 3000
     batch: int = 32
     lr: float = 3e-3
     warmup: int = 50
+    decay_steps: int | None = 1500  # lr decays linearly to a tenth over these, then stays (None: all steps)
     curriculum: float = 0.0  # share of the steps with shortened documents (task_at); 0: none
     d_model: int = 128
     layers: int = 2
@@ -52,6 +53,8 @@ class TrainOptions:
             raise ValueError(f"TrainOptions.d_model ({self.d_model}) must be a multiple of heads ({self.heads})")
         if not 0.0 <= self.curriculum <= 1.0:
             raise ValueError(f"TrainOptions.curriculum must be in [0, 1], got {self.curriculum}")
+        if self.decay_steps is not None and (not isinstance(self.decay_steps, int) or self.decay_steps <= self.warmup):
+            raise ValueError(f"TrainOptions.decay_steps must be None or an int > warmup, got {self.decay_steps!r}")
         if not self.lr > 0 or self.warmup < 0:
             raise ValueError(f"TrainOptions.lr must be > 0 and warmup >= 0, got {self.lr}, {self.warmup}")
 
@@ -121,10 +124,14 @@ def _batch(examples: list[tuple[list[int], list[int]]]):
 
 
 def _lr_at(opts: TrainOptions, step: int) -> float:
-    """Linear warm-up, then linear decay to a tenth."""
+    """Linear warm-up, then linear decay to a tenth over ``decay_steps``, then a tenth.
+    A longer run with the same ``decay_steps`` repeats a shorter one's steps exactly
+    and then goes on at the low rate (copying emerges at a point that depends on the
+    schedule, so lengthening the schedule itself can lose it)."""
     if step < opts.warmup:
         return opts.lr * (step + 1) / opts.warmup
-    frac = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    decay = opts.decay_steps or opts.steps
+    frac = min(1.0, (step - opts.warmup) / max(1, decay - opts.warmup))
     return opts.lr * (1.0 - 0.9 * frac)
 
 

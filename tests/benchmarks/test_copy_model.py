@@ -61,6 +61,16 @@ def test_documents_grow_to_full_length_over_the_curriculum():
     assert all(task_at(opts, s).sentences[0] >= opts.task.marked[1] for s in range(100))
 
 
+def test_a_longer_run_with_the_same_decay_repeats_the_shorter_run_s_rates():
+    from encdec.bench.copy_model import _lr_at
+
+    short, long = TrainOptions(steps=300, decay_steps=None), TrainOptions(steps=600, decay_steps=300)
+    assert [_lr_at(short, s) for s in range(300)] == [_lr_at(long, s) for s in range(300)]
+    assert _lr_at(long, 599) == pytest.approx(short.lr / 10) and _lr_at(short, 0) < _lr_at(short, 60)
+    with pytest.raises(ValueError, match="TrainOptions.decay_steps"):
+        TrainOptions(decay_steps=10)
+
+
 def test_training_is_deterministic_and_a_matching_manifest_is_reused(tmp_path, monkeypatch):
     first = train_and_save(str(tmp_path / "a"), TINY, eval_count=4, log=None)
     second = train_and_save(str(tmp_path / "b"), TINY, eval_count=4, log=None)
