@@ -313,3 +313,14 @@ def whisper_base_ct2_dir(cache_dir: str | None = None) -> str:
                     shutil.copyfileobj(src, f, 1 << 22)
         os.replace(tmp, model_bin)
     return cache_dir
+
+
+def jitter_layer_norms(layers, std: float = 0.1) -> None:
+    """Decoder layers' three LayerNorms away from (1, 0), as trained ones are,
+    so a kernel test would see a norm applied wrongly (torch's global RNG)."""
+    import torch
+
+    for layer in layers:
+        for norm in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm):
+            torch.nn.init.normal_(norm.weight, 1.0, std)
+            torch.nn.init.normal_(norm.bias, 0.0, std)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from encdec.testing import jitter_layer_norms
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend
 from encdec.kernels.cpu import build, decoder_step_cpu
 
@@ -30,10 +31,7 @@ def _layers(family: str, n: int = 2):
     else:
         from encdec.models.whisper import WhisperDecoderLayer
         layers = [WhisperDecoderLayer(cfg, TorchSDPABackend) for _ in range(n)]
-    for layer in layers:
-        for norm in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm):
-            torch.nn.init.normal_(norm.weight, 1.0, 0.1)
-            torch.nn.init.normal_(norm.bias, 0.0, 0.1)
+    jitter_layer_norms(layers)
     return layers
 
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from encdec.testing import jitter_layer_norms
 from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu
 from encdec.platform.cpu_threads import available_cores
 
@@ -51,10 +52,7 @@ def whisper_tiny_layers(num_layers: int = 2):
     torch.manual_seed(0)
     cfg = SimpleNamespace(d_model=384, decoder_attention_heads=6, decoder_ffn_dim=1536)
     layers = [WhisperDecoderLayer(cfg, TorchSDPABackend) for _ in range(num_layers)]
-    for layer in layers:
-        for norm in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm):
-            torch.nn.init.normal_(norm.weight, 1.0, 0.1)
-            torch.nn.init.normal_(norm.bias, 0.0, 0.1)
+    jitter_layer_norms(layers)
     return layers
 
 

@@ -7,6 +7,13 @@ import os
 import shutil
 import signal
 import tempfile
+from pathlib import Path
+
+# Shared by the Ray Serve tests: the shipped clips, the engines' cache sizes, a step's time bound.
+SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
+BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
+WHISPER_KW = dict(kv_cache_memory=256 << 20, swap_space=0.1)
+STEP_SECONDS = 300  # generous: other test suites share these 2 cores
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ import contextlib
 import io
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,14 +25,10 @@ httpx = pytest.importorskip("httpx")
 from encdec import LLM, SamplingParams  # noqa: E402
 from encdec.serve_ray import APP_NAME, build  # noqa: E402
 from tests.ray import local_cluster  # noqa: E402
-from tests.ray.local_cluster import deadline  # noqa: E402
+from tests.ray.local_cluster import BART_KW, SPEECH, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
-SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
-BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
-WHISPER_KW = dict(kv_cache_memory=256 << 20, swap_space=0.1)
-STEP_SECONDS = 300  # generous: other test suites share these 2 cores
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
@@ -103,7 +98,8 @@ async def _complete_all(base: str, model: str, prompts: list[str]) -> list:
                                     return_exceptions=True)
 
 
-def _check_completions(base: str, path: str, name: str, n: int) -> None:
+def _check_completions(base: str, path: str, name: str, n: int) -> list[str]:
+    """``n`` completions through the app equal offline; returns their texts."""
     prompts = _prompts(n)
     want = [o.outputs[0].text for o in LLM(path, num_threads=1, **BART_KW).generate(prompts, GREEDY,
                                                                                       use_tqdm=False)]
@@ -112,6 +108,7 @@ def _check_completions(base: str, path: str, name: str, n: int) -> None:
     errors = [g for g in got if isinstance(g, BaseException)]
     assert not errors, errors[:3]
     assert [g.choices[0].text for g in got] == want
+    return want
 
 
 def test_bart_one_encoder_one_decoder_equal_offline_and_repeats_move_nothing(cluster, tiny_bart):
@@ -131,7 +128,8 @@ def test_t5_one_encoder_one_decoder_equal_offline(cluster, tmp_path_factory):
 
     path = make_random_t5(str(tmp_path_factory.mktemp("t5")))
     base = _deploy(cluster, path, "tiny-t5", BART_KW, 1, 1)
-    _check_completions(base, path, "tiny-t5", 8)
+    assert len(_check_completions(base, path, "tiny-t5", 8)) == 8
+    assert _wait_counter(base, "encdec:encoder_transfer_requests_total", 8) == 8  # the encoder worker ran them
 
 
 def _wav_bytes(wav: np.ndarray) -> bytes:

@@ -30,14 +30,10 @@ httpx = pytest.importorskip("httpx")
 from encdec import LLM, SamplingParams  # noqa: E402
 from encdec.serve_ray import APP_NAME, build  # noqa: E402
 from tests.ray import local_cluster  # noqa: E402
-from tests.ray.local_cluster import deadline  # noqa: E402
+from tests.ray.local_cluster import BART_KW, SPEECH, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
 
 pytestmark = [pytest.mark.ray]
 
-SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
-BART_KW = dict(kv_cache_memory=64 << 20, swap_space=0.05)
-WHISPER_KW = dict(kv_cache_memory=256 << 20, swap_space=0.1)
-STEP_SECONDS = 300  # generous: other test suites share these 2 cores
 MODEL = "tiny-bart"  # the served name of the BART app
 
 

@@ -84,9 +84,10 @@ def models(tmp_path_factory):
 
 
 def test_a_draft_of_the_same_tokenizer_fits_without_weights(models):
-    check_draft_compatible(models["target"], models["draft"])
-    check_draft_compatible(models["target"], models["target"])  # the self-draft (int8)
-    SpeculativeConfig.from_dict({"model": models["draft"], "num_speculative_tokens": 3}).check_draft(models["target"])
+    assert check_draft_compatible(models["target"], models["draft"]) is None  # raises when they differ
+    assert check_draft_compatible(models["target"], models["target"]) is None  # the self-draft (int8)
+    config = SpeculativeConfig.from_dict({"model": models["draft"], "num_speculative_tokens": 3})
+    assert config.method == "draft_model" and config.check_draft(models["target"]) is None
 
 
 @pytest.mark.parametrize("draft, message", [
