@@ -24,15 +24,18 @@ import torch
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
 from encdec.spec_decode import NgramProposer
+from encdec.worker.draft_model import DraftModel, DraftRow
 from encdec.worker.prefill_rows import SampledRow
 
 
 class DraftProposer:
-    """Proposes each step's drafts (the ``ngram`` method: copied from the
-    encoder input and the decoder's own tokens)."""
+    """Proposes each step's drafts: ``ngram`` (copied from the encoder input
+    and the decoder's own tokens) or ``draft_model`` (a second model's greedy
+    tokens: ``worker/draft_model.py``), for the rows no processor acts on."""
 
-    def __init__(self, proposer: NgramProposer):
+    def __init__(self, proposer: NgramProposer | DraftModel):
         self.proposer = proposer
+        self.model = proposer if isinstance(proposer, DraftModel) else None
 
     def propose(self, metas: list[SequenceGroupMetadata], spec_rows: dict[int, int],
                 input_batch: Any) -> dict[int, list[int]]:
@@ -46,7 +49,7 @@ class DraftProposer:
         if blocked is None:
             return {}
         slots = input_batch.req_id_to_index
-        out: dict[int, list[int]] = {}
+        rows: list[DraftRow] = []
         for m in metas:
             if m.is_prompt:
                 continue
@@ -55,10 +58,26 @@ class DraftProposer:
                 k, slot = spec_rows.get(sid), slots.get(str(sid))
                 if not k or slot in blocked or (not greedy and (blocked_sampled is None or slot in blocked_sampled)):
                     continue
-                drafts = self.proposer.propose(m.encoder_seq_data.prompt_token_ids, sd.get_token_ids(), k)
-                if drafts:
-                    out[sid] = list(drafts)
+                rows.append(DraftRow(sid, m, sd.get_token_ids(), k))
+        if self.model is not None:
+            return self.model.propose_rows(rows, procs.apply_static) if rows else {}
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            drafts = self.proposer.propose(r.meta.encoder_seq_data.prompt_token_ids, r.token_ids, r.k)
+            if drafts:
+                out[r.seq_id] = list(drafts)
         return out
+
+    def before_step(self, sched: Any) -> None:
+        """A draft model's own pool follows the step's block moves and leaves."""
+        if self.model is not None:
+            self.model.move_blocks(sched)
+            self.model.forget(sched.seq_ids_left)
+
+    def after_forward(self, parts: list[Any], metas: list[SequenceGroupMetadata]) -> None:
+        """A step with prefills: a draft model with its own pool runs them too."""
+        if self.model is not None and metas and metas[0].is_prompt:
+            self.model.mirror(parts, metas)
 
 
 def add_draft_decodes(dec: Any, metas: list[SequenceGroupMetadata], drafts: dict[int, list[int]],

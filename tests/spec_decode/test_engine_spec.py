@@ -150,7 +150,7 @@ def test_aborts_while_speculating_free_every_block(bart_dir):
     ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup"),
-    ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}, "not built yet"),
+    ({"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}, "speculative_config.model"),
 ])
 def test_bad_configs_refused_before_loading(spec, match):
     with pytest.raises(ValueError, match=match):
