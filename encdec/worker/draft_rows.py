@@ -137,7 +137,7 @@ def verify_sampled(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int
     """The tokens each speculating row that samples randomly keeps: rejection
     sampling (``encdec.spec_decode.rejection_sample``, point-mass drafts) on
     the target's distributions at its first row and its draft rows, made as
-    the sampler makes them (the processors' row-independent part, temperature,
+    the sampler makes them (the processors as at each position: ``apply_at``, temperature,
     top-k, top-p; no processor acts on these rows), so the output keeps the
     target's distribution. ``batch_row``: seq_id -> its row of ``logits`` and
     of the sampling metadata ``md``; ``draft_logits``: the draft rows, in
@@ -167,7 +167,8 @@ def verify_sampled(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int
         rows[b, 1 + len(d):, 0] = 0.0  # padding rows: any finite distribution (never read)
         ids[b, :len(d)] = torch.tensor(d, dtype=torch.long)
     index = torch.tensor([r for _, r, _, _ in picked], device=logits.device).repeat_interleave(k_max + 1)
-    flat = md.logitsprocs.apply_static(rows.view(-1, vocab))
+    at = [(r, d[:j]) if j <= len(d) else (-1, ()) for _, r, d, _ in picked for j in range(k_max + 1)]  # -1: padding
+    flat = md.logitsprocs.apply_at(rows.view(-1, vocab), [s for s, _ in at], [a for _, a in at])
     flat = flat / md.temperature[index].unsqueeze(1)
     flat = apply_top_k_top_p(flat, None if md.top_k is None else md.top_k[index],
                              None if md.top_p is None else md.top_p[index])

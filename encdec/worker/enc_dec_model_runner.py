@@ -28,6 +28,7 @@ from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
+from encdec.sample.draft_logprobs import draft_logprobs
 from encdec.sample.sampler import Sampler, greedy_tokens
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
@@ -328,15 +329,21 @@ class EncoderDecoderModelRunner:
                 md: Any) -> tuple:
         """Draft rows of a step (before the sampler edits ``logits``): the rows
         that sample randomly verified now (``verify_sampled``: their kept
-        tokens, drafts kept), and the greedy token of every draft row, for the
+        tokens, drafts kept), the greedy token of every draft row, for the
         greedy rows to keep theirs once the step's tokens are read
-        (``draft_rows.accept``)."""
+        (``draft_rows.accept``), and the log-probs of every speculating row's
+        positions when some row asks them (``encdec.sample.draft_logprobs``).
+        A draft row is scored through every processor as at its own position
+        (``LogitsProcessors.apply_at``)."""
         if not drafts:
-            return None, {}, 0
-        kept, num_kept = verify_sampled(drafts, {sid: r for r, sid in enumerate(seq_ids)}, logits, draft_logits,
-                                        md, self.sampler.generator)
-        targets = greedy_tokens(self.input_batch.logitsprocs.apply_static(draft_logits.float()))
-        return targets, kept, num_kept
+            return None, {}, 0, None
+        batch_row = {sid: r for r, sid in enumerate(seq_ids)}
+        lps = draft_logprobs(drafts, batch_row, logits, draft_logits, md)
+        kept, num_kept = verify_sampled(drafts, batch_row, logits, draft_logits, md, self.sampler.generator)
+        slots = [batch_row[sid] for sid, _, d in drafts for _ in d]
+        ahead = [d[:j + 1] for _, _, d in drafts for j in range(len(d))]
+        targets = greedy_tokens(self.input_batch.logitsprocs.apply_at(draft_logits.float(), slots, ahead))
+        return targets, kept, num_kept, lps
 
     def _move_blocks(self, sched: SchedulerOutputs) -> None:
         self.cache.swap_out(sched.blocks_to_swap_out)
