@@ -22,7 +22,9 @@ def _positive(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int  # decoder + encoder tokens of one step's prefills
+    # Tokens of one step: decoder + encoder tokens of its prefills; with chunked
+    # prefill, decoder tokens of its prefill chunks and decodes (one per row).
+    max_num_batched_tokens: int
     max_num_seqs: int  # decoder sequences running at once
     max_model_len: int  # longest decoder sequence (prompt + output)
     max_encoder_len: int | None = None  # longest encoder prompt; None = max_model_len
@@ -36,6 +38,8 @@ class SchedulerConfig:
     # spreads its encoder passes over steps beside running decodes. A larger
     # input than this still runs, alone in its step. None: no limit.
     max_num_encoder_input_tokens: int | None = None
+    # Decoder prompts are split under max_num_batched_tokens across steps.
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

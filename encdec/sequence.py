@@ -56,6 +56,10 @@ class SequenceData:
         self.cumulative_logprob = 0.0
         # Tokens whose KV is in the cache; the rest are computed next step.
         self._num_computed_tokens = 0
+        # Whether its prefill (since admission or the last recompute) reached its
+        # last token: a chunked prefill stays False through its earlier chunks,
+        # which sample nothing.
+        self._prefill_done = False
         # Which of its request's n / best_of samples this is: the output index and
         # the seed offset of a seeded request (vLLM's seed + index).
         self.sample_index = 0
@@ -95,14 +99,23 @@ class SequenceData:
     def update_num_computed_tokens(self, n: int) -> None:
         self._num_computed_tokens += n
         assert self._num_computed_tokens <= len(self._prompt_token_ids) + len(self._output_token_ids)
+        if self._num_computed_tokens == len(self._prompt_token_ids) + len(self._output_token_ids):
+            self._prefill_done = True
+
+    def is_prefilling(self) -> bool:
+        """Its prefill has tokens left to compute (a chunked prefill between
+        chunks, or one not started): it samples nothing yet."""
+        return not self._prefill_done
 
     def reset_state_for_recompute(self) -> None:
         self._num_computed_tokens = 0
+        self._prefill_done = False
 
     def copy(self) -> SequenceData:
         new = SequenceData(self._prompt_token_ids, self._output_token_ids)
         new.cumulative_logprob = self.cumulative_logprob
         new._num_computed_tokens = self._num_computed_tokens
+        new._prefill_done = self._prefill_done
         new.sample_index = self.sample_index
         return new
 
@@ -358,6 +371,9 @@ class SequenceGroupMetadata:
     # Prefill only: the cross table already holds this input's KV, or another
     # prefill of this step writes it; the runner skips this request's encoder.
     cross_kv_cached: bool = False
+    # False for a chunk of a prefill that is not its last (chunked prefill): its
+    # tokens' K/V are computed and nothing is sampled (vLLM's name).
+    do_sample: bool = True
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:

@@ -16,8 +16,7 @@ An encoder/decoder request owns two kinds of block tables (vLLM V0 layout):
         "req-3" -> [20, 21, 22, 23]  one contiguous run when one is free: the
                                      backend then reads it as a zero-copy slice
 
-With ``enable_caching`` the prompt's full self blocks are also indexed by
-(encoder input, tokens) and found again by later prompts (prefix_cache.py).
+With ``enable_caching`` full prompt blocks are found again by content (prefix_cache.py).
 
 swap_out / swap_in move a group's live self tables and its cross table between
 devices together (a shared cross table moves only with the last sharer to
@@ -114,12 +113,13 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup) -> int:
+    def allocate(self, seq_group: SequenceGroup, num_new_tokens: int | None = None) -> int:
         """One self table for the WAITING decoder seqs, shared by reference count
         (they hold the same prompt), and the request's cross table, on the GPU:
         the live or cached-free one of its encoder input when there is one.
-        Returns the prompt tokens whose K/V the prefix cache already holds (the
-        prefill skips them; always 0 with the cache off)."""
+        Returns the prompt tokens whose K/V the prefix cache holds (skipped; 0
+        with the cache off). ``num_new_tokens``: the prompt tokens past those this
+        step computes (a first chunk): blocks after them are not registered."""
         gpu = self.gpu_allocator
         encoder_seq = seq_group.get_encoder_seq()
         key = seq_group.encoder_cache_key if self.prefix is not None else None
@@ -141,7 +141,8 @@ class BlockSpaceManager:
         cached = len(table)
         self._grow(table, self._num_blocks(waiting[0].get_len()))
         if key is not None:
-            self.prefix.register_all(table, hashes, cached)  # the prompt's other full blocks
+            end = None if num_new_tokens is None else cached + num_new_tokens // self.block_size
+            self.prefix.register_all(table, hashes[:end], cached)  # the prompt's other full blocks
         for seq in waiting:
             assert seq.seq_id not in self.block_tables
             self.block_tables[seq.seq_id] = table.copy()

@@ -98,6 +98,12 @@ class PrefixCache:
         for i in range(start, len(hashes)):
             self.register(table[i], hashes[i])
 
+    def register_computed(self, key: str, token_ids: list[int], table: list[int], num_tokens: int) -> None:
+        """Register ``table``'s full blocks within the first ``num_tokens`` tokens
+        (a prefill chunk: blocks whose K/V this step's chunk completes)."""
+        for block, h in zip(table, block_hashes(key, token_ids[:num_tokens], self.block_size)):
+            self.register(block, h)
+
     def match(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest cached prefix of ``hashes``, each with one
         more reference (the caller's); cached-free ones are revived."""

@@ -12,6 +12,7 @@ from collections import deque
 
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import SchedulerConfig
+from encdec.core.chunked_prefill import chunkable, left_to_prefill
 from encdec.core.scheduler_outputs import SchedulerStats, StepBlocks
 from encdec.sequence import SequenceGroup, SequenceStatus
 
@@ -32,14 +33,21 @@ class Admission:
     num_steps: int
     _by_priority: bool
     _running_sorted: bool
+    _chunking: set[str]
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
-    def _schedule_waiting(self, blocks: StepBlocks) -> list[SequenceGroup]:
+    def _schedule_waiting(self, blocks: StepBlocks, token_budget: int | None = None,
+                          chunks: dict[str, int] | None = None) -> list[SequenceGroup]:
+        """Admit waiting groups, most urgent first, while they fit. ``token_budget``
+        (chunked prefill): the step's decoder tokens left, the first chunk of each
+        admitted prompt written into ``chunks``; None: the prefills' decoder and
+        encoder tokens count against ``max_num_batched_tokens``."""
         bm = self.block_manager
         cfg = self.scheduler_config
-        budget = cfg.max_num_batched_tokens
+        chunked = token_budget is not None
+        budget = token_budget if chunked else cfg.max_num_batched_tokens
         encoder_budget = cfg.max_num_encoder_input_tokens  # None: no limit
         admitted: list[SequenceGroup] = []
         if not self._admission_due():
@@ -49,24 +57,16 @@ class Admission:
         num_running = self._num_running_seqs() if self.waiting else 0  # counted once, kept as groups are admitted
         while self.waiting:
             group = self.waiting[0]
-            if not self._outranks_swapped(group):
+            if not self._outranks_swapped(group) or (chunked and budget <= 0):
                 break
             seqs = group.get_seqs(SequenceStatus.WAITING)
-            if len(seqs) > cfg.max_num_seqs:
-                self.waiting.popleft()
-                self._fail(group, (f"request {group.request_id} has {len(seqs)} sequences (best_of) "
-                                   f"but max_num_seqs is {cfg.max_num_seqs}; raise max_num_seqs"),
-                           SequenceStatus.FINISHED_IGNORED, blocks)
-                continue
-            status = bm.can_allocate(group)
-            if status is AllocStatus.NEVER:
-                self.waiting.popleft()
-                need = self._num_blocks(seqs[0].get_len()) + self._num_blocks(group.encoder_seq.get_len())
-                self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
-                continue
+            status = self._admissible(group, seqs, blocks)
+            if status is None:
+                continue  # failed and out of the queue
             if status is AllocStatus.LATER:
                 break
-            tokens = seqs[0].get_len() + group.encoder_seq.get_len()
+            split = chunked and chunkable(group)
+            tokens = 0 if split else seqs[0].get_len() + (0 if chunked else group.encoder_seq.get_len())
             if admitted and tokens > budget:
                 break
             # The first admission always goes (an oversize input runs alone: the
@@ -77,24 +77,56 @@ class Admission:
             if num_running + len(seqs) > cfg.max_num_seqs:
                 break
             self.waiting.popleft()
-            cached = bm.allocate(group)  # prompt tokens the prefix cache holds: not computed again
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-                if cached:
-                    seq.data.update_num_computed_tokens(cached)
-            budget -= tokens
+            spent = self._admit(group, seqs, budget if split else None, chunks)
+            budget -= spent if chunked else tokens
             if encoder_budget is not None:
                 encoder_budget -= encoder_tokens
             num_running += len(seqs)
-            self.running.append(group)
-            self._running_sorted = False
             admitted.append(group)
-            self._record_admission(group.request_id)
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = time.time()
         # Prefills that skip cached tokens last: the runner packs whole prefills
         # first and runs those as rows over their cached K/V after them.
         return sorted(admitted, key=lambda g: g.seqs[0].data.get_num_computed_tokens() > 0)
+
+    def _admissible(self, group: SequenceGroup, seqs: list, blocks: StepBlocks) -> AllocStatus | None:
+        """The block manager's answer; None (the group fails, out of the queue)
+        where it can never run: more sequences than ``max_num_seqs``, or more
+        blocks than the cache."""
+        cfg = self.scheduler_config
+        if len(seqs) > cfg.max_num_seqs:
+            self.waiting.popleft()
+            self._fail(group, (f"request {group.request_id} has {len(seqs)} sequences (best_of) "
+                               f"but max_num_seqs is {cfg.max_num_seqs}; raise max_num_seqs"),
+                       SequenceStatus.FINISHED_IGNORED, blocks)
+            return None
+        status = self.block_manager.can_allocate(group)
+        if status is AllocStatus.NEVER:
+            self.waiting.popleft()
+            need = self._num_blocks(seqs[0].get_len()) + self._num_blocks(group.encoder_seq.get_len())
+            self._fail(group, self._never_fits(group, need), SequenceStatus.FINISHED_IGNORED, blocks)
+            return None
+        return status
+
+    def _admit(self, group: SequenceGroup, seqs: list, budget: int | None,
+               chunks: dict[str, int] | None) -> int:
+        """Allocate the group's blocks and make it run; returns the decoder tokens
+        its prefill computes this step. ``budget``: the step's decoder tokens
+        left, where its prompt may be split (its first chunk goes in ``chunks``)."""
+        cached = self.block_manager.allocate(group, budget)  # prompt tokens the prefix cache holds
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+            if cached:
+                seq.data.update_num_computed_tokens(cached)
+        tokens = left_to_prefill(group)
+        self._chunking.discard(group.request_id)  # a recomputed group is planned afresh
+        if budget is not None and tokens > budget:
+            tokens = chunks[group.request_id] = budget
+            self._chunking.add(group.request_id)
+        self.running.append(group)
+        self._running_sorted = False
+        self._record_admission(group.request_id)
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = time.time()
+        return tokens
 
     def _admission_due(self) -> bool:
         """Where a step with prefills costs far more than a decode step (CUDA: a

@@ -36,6 +36,7 @@ from encdec.config import CacheConfig, SchedulerConfig
 from encdec.core import step_update
 from encdec.core.outputs import ModelRunnerOutput
 from encdec.core.admission import Admission
+from encdec.core.chunked_prefill import ChunkedPrefill, prefill_order
 from encdec.core.preemption import Preemption
 from encdec.core.scheduler_outputs import (
     BeamDecider,
@@ -66,7 +67,7 @@ def _lookahead(group: SequenceGroup, ahead: Collection[int]) -> int:
     return 1 if ahead and any(s.seq_id in ahead for s in group.seqs) else 0
 
 
-class Scheduler(Admission, Preemption):
+class Scheduler(Admission, ChunkedPrefill, Preemption):
     """``lora_config``: vLLM's argument, accepted for its shape; LoRA is not
     supported (anything but None is refused). ``stop_checker``: what ends a
     sequence after each appended token (``update``); the default knows token
@@ -119,6 +120,7 @@ class Scheduler(Admission, Preemption):
         # running sequences, reused while a step has the same rows.
         self._stop_rules: dict[int, tuple[int, frozenset[int], int] | None] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] | None = None
+        self._chunking: set[str] = set()  # request ids admitted with a partial prefill (chunked_prefill.py)
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -172,6 +174,7 @@ class Scheduler(Admission, Preemption):
         self.block_manager.free_cross(group)
         if self._requests.pop(group.request_id, None) is not None:
             self._num_constrained -= _constrained(group)
+        self._chunking.discard(group.request_id)
         self._metadata.forget(group.request_id)
         if self.structured is not None:
             self.structured.free([s.seq_id for s in group.get_seqs()])
@@ -257,8 +260,10 @@ class Scheduler(Admission, Preemption):
         running, free = self.running, bm.get_num_free_gpu_blocks()
         lookahead = 1 if ahead else 0
         spec = self.speculation
-        self.spec_rows = {g.seqs[0].seq_id: m for g in running if (m := spec.max_drafts(g))} if spec else {}
-        due = self._room.due(running, lookahead) if free >= 3 * len(running) and not spec else None
+        mid = self._mid_prefill if self._chunking else None  # groups between prefill chunks: no slots
+        self.spec_rows = ({g.seqs[0].seq_id: m for g in running if not (mid and mid(g)) and (m := spec.max_drafts(g))}
+                          if spec else {})
+        due = self._room.due(running, lookahead) if free >= 3 * len(running) and not (spec or mid) else None
         if due is not None:  # the same single-sequence rows as the last step: only full blocks
             for i in due:
                 seq = running[i].seqs[0]
@@ -268,7 +273,7 @@ class Scheduler(Admission, Preemption):
         per_row = 3 + (spec.k // self.cache_config.block_size if spec else 0)  # + draft slots' blocks
         if free >= per_row * sum(map(len, (g.seqs for g in running))):
             for group in running:
-                if not self._slot_ready(group, self._lookahead(group, ahead)):
+                if not (mid and mid(group)) and not self._slot_ready(group, self._lookahead(group, ahead)):
                     for seq in group.get_seqs(SequenceStatus.RUNNING):
                         blocks.copy.extend(bm.append_slots(seq, self._lookahead(group, ahead)))
             self._record_room(ahead)
@@ -280,7 +285,7 @@ class Scheduler(Admission, Preemption):
         while queue:
             group = queue.popleft()
             lookahead = self._lookahead(group, ahead)
-            if self._slot_ready(group, lookahead):
+            if (mid and mid(group)) or self._slot_ready(group, lookahead):
                 kept.append(group)
                 continue
             while not bm.can_append_slots(group, lookahead):
@@ -310,7 +315,7 @@ class Scheduler(Admission, Preemption):
         sequence, not a beam search's, and all share one lookahead."""
         lookahead = 1 if ahead else 0
         room = []
-        if self.speculation is not None:  # rows take several tokens a step: room does not count down by one
+        if self.speculation is not None or self._chunking:  # rows take several tokens a step, or none
             self._room.forget()
             return
         for group in self.running:
@@ -342,12 +347,22 @@ class Scheduler(Admission, Preemption):
         decodes, num_out_of_slots = self._schedule_running(blocks, ahead)
         preempted += num_out_of_slots
         prefills: list[SequenceGroup] = []
+        chunks: dict[str, int] = {}  # chunked prefill: request id -> prompt tokens this step
+        continuing: set[str] = set()  # of those, groups past their first chunk
         if not num_out_of_slots:  # the cache was just short for running groups: add nothing
             decodes += self._schedule_swapped(blocks)
+        if self.scheduler_config.enable_chunked_prefill:
+            decodes, prefills, chunks, budget = self._plan_chunks(decodes, ahead)
+            continuing = {g.request_id for g in prefills}
+            if not num_out_of_slots:
+                prefills = prefill_order(prefills + self._schedule_waiting(blocks, budget, chunks), chunks)
+        elif not num_out_of_slots:
             prefills = self._schedule_waiting(blocks)
         self.num_steps += 1
         bm = self.block_manager
-        metas, scheduled = self._metadata.build(prefills, decodes, self._cross_kv_cached)
+        cross = self._cross_kv_cached  # a continuing chunk's cross K/V is its first chunk's
+        metas, scheduled = self._metadata.build(
+            prefills, decodes, (lambda g: g.request_id in continuing or cross(g)) if continuing else cross, chunks)
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
         same = self._metadata.unchanged and not blocks.swap_out and not self.speculation
@@ -355,8 +370,8 @@ class Scheduler(Admission, Preemption):
             num_tokens, joined, left = len(metas), [], []
         else:
             num_tokens = sum(s.token_chunk_size for s in scheduled[: len(prefills)])
-            batch = dict.fromkeys(sid for m in metas for sid in m.seq_data)
-            num_tokens += len(batch) - sum(len(m.seq_data) for m in metas[: len(prefills)])  # one per decode row
+            num_tokens += sum(len(m.seq_data) for m in metas[len(prefills):])  # one per decode row
+            batch = dict.fromkeys(sid for m in metas if m.do_sample for sid in m.seq_data)  # rows that sample
             joined = [sid for sid in batch if sid not in self._batch_seq_ids]
             left = [sid for sid in self._batch_seq_ids if sid not in batch]
             self._batch_seq_ids = batch

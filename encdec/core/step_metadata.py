@@ -44,11 +44,13 @@ class StepMetadata:
         self._last = None
 
     def build(self, prefills: list[SequenceGroup], decodes: list[SequenceGroup],
-              cross_kv_cached: Callable[[SequenceGroup], bool]) -> tuple[list[SequenceGroupMetadata],
-                                                                         list[ScheduledSequenceGroup]]:
+              cross_kv_cached: Callable[[SequenceGroup], bool],
+              chunks: dict[str, int] | None = None) -> tuple[list[SequenceGroupMetadata],
+                                                             list[ScheduledSequenceGroup]]:
         """The step's metadata and scheduled groups, prefills first.
         ``cross_kv_cached(group)``: whether a prefill reuses its cross table's KV
-        (asked once per prefill: the scheduler counts it)."""
+        (asked once per prefill: the scheduler counts it). ``chunks``: request id
+        -> the prompt tokens a chunked prefill computes this step (others: all left)."""
         last = self._last
         if (not prefills and last is not None and len(decodes) == len(last[0])
                 and all(map(operator.is_, decodes, last[0]))):
@@ -59,7 +61,8 @@ class StepMetadata:
         metas, scheduled = [], []
         for group in prefills:
             self._decodes.pop(group.request_id, None)
-            sched, meta = self._entry(group, True, cross_kv_cached(group))
+            sched, meta = self._entry(group, True, cross_kv_cached(group),
+                                      chunks.get(group.request_id) if chunks else None)
             scheduled.append(sched)
             metas.append(meta)
         decoded = self._decodes
@@ -89,12 +92,13 @@ class StepMetadata:
         return (seq.status is SequenceStatus.RUNNING and meta.seq_data.get(seq.seq_id) is seq.data
                 and meta.block_tables.get(seq.seq_id) is self._bm.get_block_table(seq))
 
-    def _entry(self, group: SequenceGroup, is_prompt: bool, cached: bool) -> Entry:
+    def _entry(self, group: SequenceGroup, is_prompt: bool, cached: bool, chunk: int | None = None) -> Entry:
         bm = self._bm
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         # A prefill (first, or after recompute) computes prompt + outputs so far,
-        # less the leading tokens whose K/V the prefix cache holds.
-        chunk = seqs[0].get_len() - seqs[0].data.get_num_computed_tokens() if is_prompt else 1
+        # less the leading tokens whose K/V the prefix cache holds (or a chunk of them).
+        left = seqs[0].get_len() - seqs[0].data.get_num_computed_tokens() if is_prompt else 1
+        chunk = left if chunk is None else chunk
         meta = SequenceGroupMetadata(
             request_id=group.request_id,
             is_prompt=is_prompt,
@@ -107,5 +111,6 @@ class StepMetadata:
             encoder_inputs=(group.encoder_seq.inputs.get("encoder_features")
                             if is_prompt and not cached else None),
             cross_kv_cached=cached,
+            do_sample=chunk >= left,
         )
         return ScheduledSequenceGroup(group, chunk), meta

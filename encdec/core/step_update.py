@@ -32,12 +32,15 @@ if TYPE_CHECKING:
 
 
 def mark_computed(sched: SchedulerOutputs) -> None:
-    """The scheduled tokens are computed; a prefill's first token time is now."""
+    """The scheduled tokens are computed; a prefill's first token time is now
+    (its last chunk's, under chunked prefill: the earlier ones sample nothing)."""
     now = time.time()
     for i, s in enumerate(sched.scheduled_seq_groups):
-        s.seq_group.update_num_computed_tokens(s.token_chunk_size)
-        if i < sched.num_prefill_groups and s.seq_group.metrics.first_token_time is None:
-            s.seq_group.metrics.first_token_time = now
+        group = s.seq_group
+        group.update_num_computed_tokens(s.token_chunk_size)
+        if (i < sched.num_prefill_groups and group.metrics.first_token_time is None
+                and not group.seqs[0].data.is_prefilling()):
+            group.metrics.first_token_time = now
 
 
 def running_seqs(sched: SchedulerOutputs) -> dict[int, tuple[Sequence, SequenceGroup]]:

@@ -41,15 +41,16 @@ def compute_type_options(compute_type: str, options: dict[str, Any] | None = Non
     return out
 
 
-def speculative_config_of(spec: Any, async_scheduling: bool | None, model: str) -> SpeculativeConfig:
-    """``EngineArgs.speculative_config`` checked, a draft against ``model`` too
-    (configs and tokenizers: before any weight loads), and not with async
-    scheduling (a step's drafts need the step before's tokens)."""
+def speculative_config_of(spec: Any, async_scheduling: bool | None) -> SpeculativeConfig:
+    """``EngineArgs.speculative_config`` checked: the methods built so far, and
+    not with async scheduling (a step's drafts need the step before's tokens)."""
     config = SpeculativeConfig.from_dict(spec)
+    if config.method != "ngram":
+        raise ValueError(f"speculative_config: method {config.method!r} is not built yet in encdec "
+                         "(built: 'ngram')")
     if async_scheduling:
         raise ValueError("speculative_config and async_scheduling=True cannot be combined yet: "
                          "a step's drafts are proposed from the tokens of the step before")
-    config.check_draft(model)
     return config
 
 
@@ -107,6 +108,12 @@ class EngineArgs:
     # prompts over one document, Whisper's temperature fallback): those tokens' prefill
     # is skipped. Needs the encoder cache (its content key).
     enable_prefix_caching: bool = False
+    # Decoder prompts longer than what is left of a step's max_num_batched_tokens
+    # (after the running decodes, one token each) are prefilled over several steps
+    # beside the decodes (vLLM's name); the budget then counts decoder tokens only
+    # (the encoder's: max_num_encoder_input_tokens) and defaults to 2048. Beam search,
+    # n/best_of > 1 and prompt log-prob requests prefill whole. Default: off.
+    enable_chunked_prefill: bool = False
     # Schedule and pack step N+1 on the host while step N runs on the device, so
     # the device does not wait for the host between steps; default: on for CUDA
     # (a CPU step is synchronous: nothing to overlap), off on CPU.
@@ -155,12 +162,13 @@ class EngineArgs:
                 or not isinstance(self.max_num_encoder_input_tokens, int) or self.max_num_encoder_input_tokens < 1):
             raise ValueError("max_num_encoder_input_tokens must be a positive int or None, "
                              f"got {self.max_num_encoder_input_tokens!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if self.enable_prefix_caching and not self.enable_encoder_cache:
             raise ValueError("enable_prefix_caching needs enable_encoder_cache: a decoder block is "
                              "found again by its encoder input's content key")
         if self.speculative_config is not None:
-            self.speculative_config = speculative_config_of(self.speculative_config, self.async_scheduling,
-                                                           self.model)
+            self.speculative_config = speculative_config_of(self.speculative_config, self.async_scheduling)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.

@@ -59,10 +59,12 @@ class EngineStats:
 def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
     one_request = max_model_len + max_encoder_len
     return SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
+        max_num_batched_tokens=args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill
+                                                               else max(32768, one_request)),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
-        policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens)
+        policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill)
 
 
 def min_admission_for(args: EngineArgs, cuda_graphs: bool) -> int:
@@ -115,9 +117,7 @@ class LLMEngine:
                                    structured=self.processor.structured_outputs,
                                    speculation=Speculation(spec, mc.max_model_len) if spec else None)
         if spec:
-            self.worker.model_runner.drafter = DraftProposer(
-                self.worker.load_draft(spec, self.cache_config) if spec.method == "draft_model"
-                else NgramProposer.from_config(spec))
+            self.worker.model_runner.drafter = DraftProposer(NgramProposer.from_config(spec))
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0

@@ -1,11 +1,17 @@
 """The prefill side of packing a step (``EncoderDecoderModelRunner.prepare``):
 each prefill's decoder tokens whole, or, past the leading tokens whose K/V
-the prefix cache holds, as decode query rows over them (the attention's
-``decode_query_lens``: causal among themselves, reading the cache); and the
-encoder inputs of the prefills that run the encoder. Those past cached tokens
-come after the whole prefills (the scheduler admits them so)::
+the prefix cache holds or an earlier chunk computed (chunked prefill), as
+decode query rows over them (the attention's ``decode_query_lens``: causal
+among themselves, reading the cache); and the encoder inputs of the prefills
+that run the encoder. Those past computed tokens come after the prefills
+that start at token 0 (the scheduler orders them so)::
 
-    tokens:  [ whole prefill 0 | whole prefill 1 | cached-prefix prefill rows | decode rows ]
+    tokens:  [ prefills from token 0 | prefill rows past computed tokens | decode rows ]
+
+A chunk that is not its prefill's last (``do_sample`` False) computes its
+tokens' K/V and adds no sampled row. A first chunk runs its request's whole
+encoder input: the cross K/V every decoder token attends to must exist before
+the first one does, and an encoder pass cannot be split by tokens.
 """
 from __future__ import annotations
 
@@ -69,36 +75,43 @@ class PrefillRows:
     def add_prefill(self, m: SequenceGroupMetadata) -> None:
         # A group's sequences share their prompt (n > 1 forks it): compute it
         # once, through the first sequence, and sample every sequence from that
-        # last hidden state.
+        # last hidden state. A first chunk: its first token_chunk_size tokens.
         sid0, sd = next(iter(m.seq_data.items()))
-        ids = sd.get_token_ids()
+        ids = sd.get_token_ids()[: m.token_chunk_size]
         n = len(ids)
         self.table_rows += [len(self.tables)] * n
         self.tokens += ids
         self.positions += range(n)
         self.q_lens.append(n)
         self._add_table(m, sid0, n)
-        last = len(self.tokens) - 1
-        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+        self._add_rows(m)
+
+    def _add_rows(self, m: SequenceGroupMetadata) -> None:
+        """Every sequence of the prefill samples from its last token's row; none
+        where it is a chunk before its last."""
+        if m.do_sample:
+            last = len(self.tokens) - 1
+            self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
 
     def add_cached_prefill(self, m: SequenceGroupMetadata) -> None:
-        """A prefill whose leading tokens' K/V the prefix cache holds: its other
-        tokens as decode query rows over them (causal among themselves: the
-        attention's ``decode_query_lens``), reading its cross K/V from the cache.
-        Packed after the whole prefills, before the decodes."""
+        """A prefill whose leading tokens' K/V the prefix cache holds or earlier
+        chunks computed: its next ``token_chunk_size`` tokens as decode query
+        rows over them (causal among themselves: the attention's
+        ``decode_query_lens``), reading its cross K/V from the cache. Packed
+        after the prefills from token 0, before the decodes."""
         sid0, sd = next(iter(m.seq_data.items()))
         ids = sd.get_token_ids()
-        n, c = len(ids), sd.get_num_computed_tokens()
+        c = sd.get_num_computed_tokens()
+        n = min(len(ids), c + m.token_chunk_size)
         if not m.cross_kv_cached or not 0 < c < n:
-            raise RuntimeError(f"request {m.request_id}: a prefill past {c} cached of {n} tokens "
+            raise RuntimeError(f"request {m.request_id}: a prefill past {c} computed of {len(ids)} tokens "
                                "needs its cross K/V cached and a token left to compute")
         self.table_rows += [len(self.tables)] * (n - c)
-        self.tokens += ids[c:]
+        self.tokens += ids[c:n]
         self.positions += range(c, n)
         self.cached_q_lens.append(n - c)
         self._add_table(m, sid0, n)
-        last = len(self.tokens) - 1
-        self.rows += [SampledRow(sid, last, m) for sid in m.seq_data]
+        self._add_rows(m)
 
     def decode_query_lens(self, num_prefills: int) -> tuple[list[int] | None, list[int]]:
         """Per decode sequence its query rows (None: one each) and, per sequence,
