@@ -21,9 +21,21 @@ draft tokens, from ``LLMEngine.get_stats()``), the held-out exact match, and the
 other processes used meanwhile (the machine is shared). ``--no-spec`` times the side
 without speculation alone (a smoke run of the harness).
 
+``--whisper``: Whisper tiny.en and base (``--whisper-models``; base when its weights
+packages are installed), sequential long-form on one file of ``--minutes`` built from
+the shipped clips (``benchmarks.whisper_longform.build_file``, seed 0), float32 and
+int8 (``--compute-types``), each side's end-to-end seconds, the ratio and the
+acceptance; each file's text and tokens must be identical across sides.
+``--method``: ``ngram`` (default) and/or ``draft_model`` (an int8 self-draft of the
+target, ``{"method": "draft_model", "model": <target>, "quantization": "int8"}``).
+
+    python -m benchmarks.spec_bench --whisper [--whisper-models tiny base]
+        [--compute-types float32 int8] [--minutes 6] [--method ngram draft_model] [--k 3]
+
 A workload is a ``Workload`` (prompts, sampling parameters, engine options, a label);
-the timing loop knows nothing else about it, so another model family adds a workload
-and its command-line group beside ``copy_workload``.
+the timing loop knows nothing else about it (``decode``: how a batch runs, e.g.
+``transcribe``), so another model family adds a workload and its command-line group
+beside ``copy_workload`` and ``whisper_workload``.
 """
 from __future__ import annotations
 
@@ -32,6 +44,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from encdec.bench.common import OtherCPUMonitor, allocator_for_both_sides, isa_header
@@ -52,6 +65,10 @@ class Workload:
     params: Any
     engine_options: dict[str, Any] = field(default_factory=dict)
     references: list[list[int]] | None = None  # expected outputs (token ids) per prompt, if known
+    # (engine, batch, params) -> (outputs, tokens generated); None: ``generate`` with ``params``,
+    # outputs the token ids (Whisper: ``transcribe``, outputs each file's text and tokens)
+    decode: Callable[[Any, list[Any], Any], tuple[list[Any], int]] | None = None
+    warm: list[Any] | None = None  # the untimed warm-up batch (default: the first batch)
 
 
 @dataclass
@@ -66,7 +83,7 @@ class Side:
 class Result:
     seconds: float
     tokens: int
-    outputs: list[list[int]]
+    outputs: list[Any]  # per prompt: its token ids (Whisper: each file's text and tokens)
     drafted: int | None  # draft tokens proposed meanwhile (None: the engine does not say)
     accepted: int | None
     other_cpu: float
@@ -76,13 +93,24 @@ class Result:
         return self.tokens / self.seconds
 
 
-def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool) -> list[Side]:
-    """No speculation first, then one ``ngram`` side per k (none with ``no_spec``)."""
+def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool,
+              methods: tuple[str, ...] = ("ngram",), model_dir: str | None = None) -> list[Side]:
+    """No speculation first, then one side per method and k (none with
+    ``no_spec``). ``draft_model`` drafts with an int8 copy of the target itself
+    (``model_dir``): the int8 self-draft."""
     sides = [Side("off", None)]
-    if not no_spec:
-        sides += [Side(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
-                                        "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min})
-                  for k in ks]
+    if no_spec:
+        return sides
+    for method in methods:
+        for k in ks:
+            if method == "ngram":
+                sides.append(Side(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
+                                                   "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}))
+            elif method == "draft_model":
+                sides.append(Side(f"int8 draft k={k}", {"method": "draft_model", "model": model_dir,
+                                                        "num_speculative_tokens": k, "quantization": "int8"}))
+            else:
+                raise ValueError(f"--method: unknown {method!r} (ngram, draft_model)")
     return sides
 
 
@@ -106,6 +134,51 @@ def copy_workload(model_dir: str, docs: int, concurrency: int, max_tokens: int |
                     references=[s + [2] for _, s in examples])
 
 
+def whisper_workload(label: str, model_dir: str, wav: Any, warm: Any, quantization: str | None) -> Workload:
+    """Sequential long-form transcription of one file (timestamps, previous-text
+    prompts, temperature fallback), as ``benchmarks.whisper_longform`` runs it;
+    the encoder cache is off, so every round runs every window's encoder."""
+    options: dict[str, Any] = dict(enable_encoder_cache=False)
+    if quantization is not None:
+        options["quantization"] = quantization
+    return Workload(f"Whisper {label} {quantization or 'float32'}, sequential long-form, "
+                    f"{len(wav) / 16000:.0f} s of audio", [[(wav, 16000)]], None, options,
+                    decode=_transcribe, warm=[(warm, 16000)])
+
+
+def _transcribe(llm, batch: list[Any], params: Any) -> tuple[list[tuple[str, list[int]]], int]:
+    """Each file's (text, every segment's tokens): sides must agree on both."""
+    outs = []
+    for t in llm.transcribe(batch, use_tqdm=False):
+        outs.append((t.text, [tok for seg in t.segments for tok in seg.tokens]))
+    return outs, sum(len(toks) for _, toks in outs)
+
+
+def whisper_runs(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[Result]]], list[str]]:
+    """``--whisper``: each model (tiny.en, base when its packages are installed)
+    and compute type, sides alternating on one long file built from the shipped clips."""
+    from benchmarks.whisper_longform import build_file, load_clips, model_dirs
+    from encdec.bench.common import SPEECH
+
+    clips, texts = load_clips(SPEECH)
+    wav = build_file(clips, texts, 0, args.minutes)[0]
+    warm = build_file(clips, texts, 1000, 0.5)[0]  # not part of the timed file
+    results, lines = {}, []
+    for name in args.whisper_models:
+        try:
+            model_dir = next(iter(model_dirs([name]).values()))
+        except (ImportError, SystemExit, OSError) as e:  # base: its weights packages may be absent
+            lines.append(f"Whisper {name}: skipped ({e})")
+            continue
+        sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), model_dir)
+        for quant in args.compute_types:
+            work = whisper_workload(name, model_dir, wav, warm, None if quant == "float32" else quant)
+            print(work.label, flush=True)
+            results[work.label] = compare(model_dir, work, sides, args.repeats, args.threads)
+            lines += report(work, sides, results[work.label])
+    return results, lines
+
+
 def _spec_counts(llm) -> tuple[int | None, int | None]:
     stats = llm.llm_engine.get_stats()
     return getattr(stats, DRAFT_FIELD, None), getattr(stats, ACCEPTED_FIELD, None)
@@ -121,12 +194,19 @@ def run_side(llm, work: Workload) -> Result:
     outputs: list[list[int]] = []
     with OtherCPUMonitor() as mon:
         t0 = time.perf_counter()
+        tokens = 0
         for batch in work.batches:
-            outs = llm.generate(batch, work.params, use_tqdm=False)
-            outputs += [list(o.outputs[0].token_ids) for o in outs]
+            outs, n = (work.decode or _generate)(llm, batch, work.params)
+            outputs += outs
+            tokens += n
         seconds = time.perf_counter() - t0
     d1, a1 = _spec_counts(llm)
-    return Result(seconds, sum(map(len, outputs)), outputs, _diff(d1, d0), _diff(a1, a0), mon.mean())
+    return Result(seconds, tokens, outputs, _diff(d1, d0), _diff(a1, a0), mon.mean())
+
+
+def _generate(llm, batch: list[Any], params: Any) -> tuple[list[list[int]], int]:
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+    return outs, sum(map(len, outs))
 
 
 def build_engine(model_dir: str, side: Side, work: Workload, threads: int | None):
@@ -145,7 +225,7 @@ def compare(model_dir: str, work: Workload, sides: list[Side], repeats: int,
     the first side's."""
     engines = {s.name: build_engine(model_dir, s, work, threads) for s in sides}
     for s in sides:
-        engines[s.name].generate(work.batches[0], work.params, use_tqdm=False)
+        (work.decode or _generate)(engines[s.name], work.warm or work.batches[0], work.params)
     rounds: dict[str, list[Result]] = {s.name: [] for s in sides}
     for r in range(repeats):
         for s in sides:
@@ -188,7 +268,7 @@ def report(work: Workload, sides: list[Side], rounds: dict[str, list[Result]]) -
         if s.spec is not None and res.drafted is None:
             acc = f", acceptance not reported (get_stats has no {DRAFT_FIELD})"
         med = statistics.median(round_ratios(rounds[sides[0].name], rounds[s.name]))
-        lines.append(f"  {s.name:>10}: {res.tok_s:8.1f} tok/s (other CPU {res.other_cpu:.0f}%), best/best "
+        lines.append(f"  {s.name:>10}: {res.seconds:7.2f} s, {res.tok_s:8.1f} tok/s (other CPU {res.other_cpu:.0f}%), best/best "
                      f"{base.seconds / res.seconds:5.2f}x, median per round {med:5.2f}x{acc}")
     if work.references is not None:
         hits = sum(o == ref for o, ref in zip(base.outputs, work.references))
@@ -210,6 +290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as configured)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the task's longest summary")
     ap.add_argument("--no-spec", action="store_true", help="time the side without speculation only")
+    ap.add_argument("--method", nargs="+", default=["ngram"], choices=("ngram", "draft_model"),
+                    help="speculation methods (draft_model: an int8 self-draft of the target)")
+    ap.add_argument("--whisper", action="store_true",
+                    help="Whisper sequential long-form instead of the copy model")
+    ap.add_argument("--whisper-models", nargs="+", default=["tiny", "base"], choices=("tiny", "base"))
+    ap.add_argument("--compute-types", nargs="+", default=["float32", "int8"], choices=("float32", "int8"),
+                    help="--whisper: the target's precision (int8: quantization='int8')")
+    ap.add_argument("--minutes", type=float, default=6.0, help="--whisper: length of the long file")
     args = ap.parse_args(argv)
     for name in ("requests", "k"):
         if any(v < 1 for v in getattr(args, name)):
@@ -222,14 +310,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[int, dict[str, list[Result]]]:
+def main(argv: list[str] | None = None) -> dict[Any, dict[str, list[Result]]]:
     args = parse_args(argv)
     import torch
 
     print(isa_header())
     print(f"threads {args.threads or torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"{allocator_for_both_sides()}", flush=True)
-    sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec)
+    if args.whisper:
+        results, lines = whisper_runs(args)
+        print(f"\n{args.repeats} rounds per side:")
+        print("\n".join(lines))
+        return results
+    sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), args.model_dir)
     results: dict[int, dict[str, list[Result]]] = {}
     lines: list[str] = []
     for c in args.requests:
