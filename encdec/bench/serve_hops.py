@@ -1,16 +1,14 @@
-"""Where ``encdec serve --ray``'s time goes, hop by hop, for one streaming client.
+"""Where ``encdec serve --ray``'s time goes, hop by hop, for one client.
 
-The same streamed completion (token-id prompt, greedy, ``--max-tokens`` tokens
-with ``ignore_eos``) is timed, one request at a time, through:
+Two requests, one at a time: an echo (``GET /v1/models``: no engine work, so
+its time is the path's own cost per request) and a streamed completion
+(token-id prompt, greedy, ``--max-tokens`` tokens with ``ignore_eos``), through:
 
     app       encdec serve's app called in this process (``run_asgi``): no HTTP, no Ray
     http      one ``encdec serve`` process over HTTP on 127.0.0.1
-    handle    an engine replica through a Ray Serve deployment handle (one Ray
-              streaming call; what the ingress does for each request)
-    ray http  the whole Ray path: Serve's HTTP proxy -> the ingress -> the replica
+    ray http  the Ray path: Serve's HTTP proxy -> the engine replica (the ingress)
 
-A hop's cost is the difference of medians; per chunk, divided by the lists of
-messages the replica sent (``run_asgi`` sends what is queued as one list).
+A hop's cost is the difference of medians.
 
     python -m benchmarks.serve_hops [--requests 30] [--max-tokens 32] [--disaggregate encoders=1,decoders=1]
 """
@@ -66,21 +64,34 @@ async def _one_relay(call, body: bytes) -> tuple[float, int]:
     return time.perf_counter() - t0, lists
 
 
-def _time_http(port: int, bodies: list[bytes]) -> list[float]:
+def _time_http(port: int, bodies: list[bytes]) -> tuple[list[float], list[float]]:
+    """(echo seconds, stream seconds) per request."""
     from encdec.bench.serve_bench import stream_one
 
-    async def run() -> list[float]:
-        return [(await stream_one(port, json.loads(b)))[2] for b in bodies]
+    async def echo() -> float:
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: hops\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        if b" 200 " not in await reader.readline():
+            raise RuntimeError("GET /v1/models failed")
+        await reader.read()
+        writer.close()
+        return time.perf_counter() - t0
+
+    async def run() -> tuple[list[float], list[float]]:
+        echoes = [await echo() for _ in bodies]
+        return echoes, [(await stream_one(port, json.loads(b)))[2] for b in bodies]
 
     return asyncio.run(run())
 
 
-def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> tuple[list, list, list]:
-    """(handle seconds, handle message lists, HTTP seconds) on a local 2-CPU cluster."""
+def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> tuple[list, list]:
+    """(echo seconds, stream seconds) through Serve's proxy on a local 2-CPU cluster."""
     import ray
     from ray import serve
 
-    from encdec.serve_ray import APP_NAME, build
+    from encdec.serve_ray import APP_NAME, build, start_serve
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -88,17 +99,11 @@ def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> 
              _temp_dir=tempfile.mkdtemp(prefix="encdec-hops-"))
     port = _free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve("127.0.0.1", port)
         config = {"model": model_dir, "num_threads": 1, "kv_cache_memory": 256 << 20, "swap_space": 0.1}
         config.update({"disaggregate": disaggregate, "replica_cpus": 0.5} if disaggregate else {"replicas": 1})
         serve.run(build(config), name=APP_NAME, route_prefix="/")
-        handle = serve.get_deployment_handle("EngineReplica", APP_NAME).options(method_name="http", stream=True)
-
-        async def via_handle() -> list[tuple[float, int]]:
-            return [await _one_relay(lambda b: handle.remote(_scope(b), b), b) for b in bodies]
-
-        timed = asyncio.run(via_handle())
-        return [t for t, _ in timed], [n for _, n in timed], _time_http(port, bodies)
+        return _time_http(port, bodies)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -128,21 +133,19 @@ def main(argv: list[str] | None = None) -> None:
     app_s, app_lists = asyncio.run(_time_app(model_dir, bodies))
     proc, port = start_server(model_dir, ["--num-threads", "1", "--kv-cache-memory", str(256 << 20)])
     try:
-        http_s = _time_http(port, bodies)
+        http_echo, http_s = _time_http(port, bodies)
     finally:
         proc.terminate()
         proc.wait(60)
-    handle_s, lists, ray_s = _time_ray(model_dir, bodies, args.disaggregate)
+    ray_echo, ray_s = _time_ray(model_dir, bodies, args.disaggregate)
     med = lambda xs: 1000 * statistics.median(xs[2:])  # noqa: E731 - the first two warm up
-    chunks = statistics.median(lists[2:])
-    print(f"{args.requests} requests of {args.max_tokens} streamed tokens, one at a time; "
-          f"medians (ms): app {med(app_s):.1f} ({statistics.median(app_lists[2:]):.0f} message lists), "
-          f"http {med(http_s):.1f}, handle {med(handle_s):.1f} ({chunks:.0f} lists), "
+    print(f"{args.requests} requests one at a time, medians (ms): echo: http {med(http_echo):.2f}, "
+          f"ray http {med(ray_echo):.2f}; stream of {args.max_tokens} tokens: app {med(app_s):.1f} "
+          f"({statistics.median(app_lists[2:]):.0f} message lists), http {med(http_s):.1f}, "
           f"ray http {med(ray_s):.1f}{' (' + args.disaggregate + ')' if args.disaggregate else ''}")
-    print(f"per request: HTTP server {med(http_s) - med(app_s):+.1f}; one Ray streaming hop "
-          f"(handle - app) {med(handle_s) - med(app_s):+.1f} = {(med(handle_s) - med(app_s)) / chunks:.2f} per list; "
-          f"proxy + ingress (ray http - handle) {med(ray_s) - med(handle_s):+.1f}; "
-          f"Ray path vs encdec serve {100 * (med(ray_s) / med(http_s) - 1):+.0f}%; "
+    print(f"per request: HTTP server {med(http_s) - med(app_s):+.1f}; the Ray path's own cost (echo) "
+          f"{med(ray_echo) - med(http_echo):+.2f}; stream through Ray vs encdec serve "
+          f"{med(ray_s) - med(http_s):+.1f} ({100 * (med(ray_s) / med(http_s) - 1):+.0f}%); "
           f"host load {os.getloadavg()[0]:.1f}", flush=True)
 
 

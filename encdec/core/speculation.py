@@ -2,8 +2,9 @@
 draft tokens this step, and at most how many (the slots it gives them).
 
 A row speculates when its request is one sequence, not a beam search, and asks
-nothing that reads a verified position's own state: no log-probs, no
-penalties, no grammar (structured outputs). Greedy rows keep drafts equal to
+nothing that reads a verified position's own state: no penalties, no grammar
+(structured outputs). Log-probs are fine: each kept token reports what the
+sampler would have reported at its position (``encdec.sample.draft_logprobs``). Greedy rows keep drafts equal to
 the target's tokens; rows that sample keep them by rejection sampling (the
 target's distribution). Logits processors are the model runner's to check (it
 knows which batch rows they act on; a row they act on gets no drafts:
@@ -25,8 +26,6 @@ def reason(params: Any) -> str | None:
         return "beam search"
     if params.n != 1 or (params.best_of or 1) != 1:
         return "n > 1"
-    if params.logprobs is not None:
-        return "logprobs"
     if (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         return "penalties"
     if getattr(params, "structured_outputs", None) is not None:

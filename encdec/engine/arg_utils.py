@@ -41,16 +41,15 @@ def compute_type_options(compute_type: str, options: dict[str, Any] | None = Non
     return out
 
 
-def speculative_config_of(spec: Any, async_scheduling: bool | None) -> SpeculativeConfig:
-    """``EngineArgs.speculative_config`` checked: the methods built so far, and
-    not with async scheduling (a step's drafts need the step before's tokens)."""
+def speculative_config_of(spec: Any, async_scheduling: bool | None, model: str) -> SpeculativeConfig:
+    """``EngineArgs.speculative_config`` checked, a draft against ``model`` too
+    (configs and tokenizers: before any weight loads), and not with async
+    scheduling (a step's drafts need the step before's tokens)."""
     config = SpeculativeConfig.from_dict(spec)
-    if config.method != "ngram":
-        raise ValueError(f"speculative_config: method {config.method!r} is not built yet in encdec "
-                         "(built: 'ngram')")
     if async_scheduling:
         raise ValueError("speculative_config and async_scheduling=True cannot be combined yet: "
                          "a step's drafts are proposed from the tokens of the step before")
+    config.check_draft(model)
     return config
 
 
@@ -168,7 +167,8 @@ class EngineArgs:
             raise ValueError("enable_prefix_caching needs enable_encoder_cache: a decoder block is "
                              "found again by its encoder input's content key")
         if self.speculative_config is not None:
-            self.speculative_config = speculative_config_of(self.speculative_config, self.async_scheduling)
+            self.speculative_config = speculative_config_of(self.speculative_config, self.async_scheduling,
+                                                           self.model)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         # Cache options are validated by CacheConfig itself.

@@ -117,7 +117,9 @@ class LLMEngine:
                                    structured=self.processor.structured_outputs,
                                    speculation=Speculation(spec, mc.max_model_len) if spec else None)
         if spec:
-            self.worker.model_runner.drafter = DraftProposer(NgramProposer.from_config(spec))
+            self.worker.model_runner.drafter = DraftProposer(
+                self.worker.load_draft(spec, self.cache_config) if spec.method == "draft_model"
+                else NgramProposer.from_config(spec))
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0

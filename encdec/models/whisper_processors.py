@@ -20,7 +20,7 @@ the tests hold both to HF's processors.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,14 +86,27 @@ class WhisperLogitsProcessor(LogitsProcessor):
         return False  # suppressing tokens changes the argmax
 
     def slots_acted_on(self, lookahead: int = 0) -> Collection[int]:
-        """Rows with timestamp rules (they read the row's own tokens), rows at
-        their first token (begin-suppress) and rows that keep suppressed ids
-        (``apply_static`` bans those on every row)."""
-        return [i for i, r in self.rows.items() if r.timestamps or not r.output or not r.suppress]
+        """No slot: every rule (suppress, begin-suppress, the timestamp rules)
+        is computed per draft position by ``apply_at``."""
+        return ()
 
     def apply_static(self, logits: torch.Tensor) -> None:
         if self.suppress_ids is not None:
             logits.index_fill_(1, self.suppress_ids, _NEG_INF)
+
+    def apply_at(self, logits: torch.Tensor, slots: Sequence[int], ahead: Sequence[Sequence[int]]) -> None:
+        """Draft rows: each row gets its slot's rules as ``apply`` would give
+        them once the row's output had grown by ``ahead`` (the timestamp rules
+        read the output's last tokens and the row's own logits; begin-suppress
+        the output's length), so a verified position sees what it would see
+        without speculation. A slot the processor does not track gets no rule,
+        as in ``apply``."""
+        rows = {}
+        for i, (slot, more) in enumerate(zip(slots, ahead)):
+            r = self.rows.get(slot)
+            if r is not None:
+                rows[i] = _Row(r.output + list(more), r.timestamps, r.suppress) if more else r
+        self._apply_rows(logits, rows)
 
     def wants_timestamps(self, prompt_ids: list[int]) -> bool:
         tail = prompt_ids
@@ -116,7 +129,12 @@ class WhisperLogitsProcessor(LogitsProcessor):
         if not self.rows:
             return logits
         n = logits.shape[0]
-        rows = {i: r for i, r in self.rows.items() if i < n}
+        return self._apply_rows(logits, {i: r for i, r in self.rows.items() if i < n})
+
+    def _apply_rows(self, logits: torch.Tensor, rows: dict[int, _Row]) -> torch.Tensor:
+        """The rules of ``rows`` (logits row -> its state) on those rows of ``logits``."""
+        if not rows:
+            return logits
         if self.rules_isa is not None and logits.shape[1] == self.vocab and self._apply_c(logits, rows):
             return logits
         # Suppressed ids are written column by column (~90 of ~51865): a

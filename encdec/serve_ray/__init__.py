@@ -1,23 +1,24 @@
 """``encdec serve MODEL --ray --replicas N``: ``encdec serve`` on Ray Serve.
 
-An ingress deployment (no CPU reserved) takes every HTTP request and WebSocket
-and relays it, through a deployment handle, to one of N ``EngineReplica``s;
-each replica is one ``AsyncLLMEngine`` inside the very app ``encdec serve``
-runs (``app_from_args``), so the routes, validation and error JSON are the
-same by construction (``asgi_relay``). Routing is Ray Serve's default: of two
+Each of N ``EngineReplica``s is one ``AsyncLLMEngine`` inside the very app
+``encdec serve`` runs (``app_from_args``), and is itself the ingress deployment:
+Serve's HTTP proxy hands each request and WebSocket straight to a replica, one
+Ray hop, so the routes, validation and error JSON are ``encdec serve``'s by
+construction (``replica_app`` wraps the app). Routing is Serve's proxy's: of two
 replicas picked at random, the one with fewer requests in flight (power of two
-choices), so a busy replica gets fewer new requests. A Realtime WebSocket is
-one streaming call for its whole life, so it stays on the replica that took it;
-its client events reach that replica through a small queue actor.
+choices). A Realtime WebSocket is one call for its whole life, so it stays on the
+replica that took it.
 
-``/metrics`` on the ingress is every live replica's metrics, each sample with a
+``/metrics`` on any replica is every live replica's metrics, each sample with a
 ``replica`` label: replicas push their exposition to a named board actor each
 second, and one silent for 10 s is left out.
 
 Faults: a replica that dies fails the requests it held with a 503 in OpenAI's
-error shape (a stream already started ends with an error event); Serve starts a
-new replica, and the other replicas keep serving. A relayed request waits at
-most ``ray_ingress.RELAY_IDLE_TIMEOUT`` seconds for the next piece of its answer.
+error shape naming it (a stream already started ends with an error event); a
+request Serve sent to a replica already dead is tried once more; both done by a
+middleware in Serve's proxy (``proxy_errors``), which needs its environment
+variable in the proxy's process (``serve_ray`` sets it for the cluster it
+starts or joins). Serve starts a new replica; the other replicas keep serving.
 
 ``--disaggregate encoders=E,decoders=D`` puts the encoder passes on E encoder
 workers and makes the D replicas decoder engines fed by them
@@ -37,7 +38,7 @@ logger = logging.getLogger("encdec")
 EXTRA = "encdec[serve-ray]"
 APP_NAME = "encdec"
 PUSH_SECONDS = 1.0  # how often a replica sends its metrics to the board
-STREAM_COALESCE_SECONDS = 0.02  # a streamed answer's pieces go to the ingress at most this often
+STREAM_COALESCE_SECONDS = 0.02  # a streamed answer's pieces go to Serve's proxy at most this often
 
 
 def _ray() -> tuple[Any, Any]:
@@ -50,8 +51,8 @@ def _ray() -> tuple[Any, Any]:
 
 
 class EngineReplica:
-    """One engine inside ``encdec serve``'s app; the ingress calls ``http`` and
-    ``websocket`` (streaming) through a deployment handle."""
+    """One engine inside ``encdec serve``'s app, served to Serve's proxy as the
+    ingress (``__serve_build_asgi_app__``: the app wrapped by ``ReplicaApp``)."""
 
     async def __init__(self, args: argparse.Namespace, encoders: Any = None) -> None:
         """``encoders``: the encoder workers' handle (``--disaggregate``): this
@@ -59,64 +60,72 @@ class EngineReplica:
         _, serve = _ray()
         from encdec.entrypoints.openai.api_server import app_from_args
         from encdec.serve_ray.disaggregate import DecoderEngine, TransferCollector
+        from encdec.serve_ray.replica_app import ReplicaApp
 
         self.replica = serve.get_replica_context().replica_id.unique_id
         # loads the model: a bad one fails the deployment
-        self.app = app_from_args(args, engine_cls=DecoderEngine) if encoders else app_from_args(args)
+        self.server_app = app_from_args(args, engine_cls=DecoderEngine) if encoders else app_from_args(args)
         if encoders:
-            server = self.app.state.server
+            server = self.server_app.state.server
             server.engine.encoders = encoders
             server.metrics.registry.register(TransferCollector(server.engine.transfers, server.model_name))
-        self._lifespan = self.app.router.lifespan_context(self.app)
+        self._lifespan = self.server_app.router.lifespan_context(self.server_app)
         await self._lifespan.__aenter__()  # starts the engine thread on this event loop
+        self._board: Any = None
         self._pusher = asyncio.create_task(self._push_metrics())
+        self.replica_app = ReplicaApp(self.server_app, self.replica, max_body=_max_body(args),
+                                      read_timeout=args.body_read_timeout, body_timeout=args.body_timeout,
+                                      metrics=self._merged_metrics, on_shutdown=self._shutdown,
+                                      coalesce=STREAM_COALESCE_SECONDS)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.replica_app
+
+    def _metrics_text(self) -> bytes:
+        return self.server_app.state.server.metrics.render()
 
     async def _push_metrics(self) -> None:
         from encdec.entrypoints.openai.ray_ingress import metrics_board
 
-        board = None
         while True:
             try:
-                board = board or metrics_board()
-                await board.put.remote(self.replica, self.app.state.server.metrics.render())
+                self._board = self._board or metrics_board()
+                await self._board.put.remote(self.replica, self._metrics_text())
             except Exception as e:  # the board's owner died: the next round makes another
                 logger.warning("metrics push failed: %s", e)
-                board = None
+                self._board = None
             await asyncio.sleep(PUSH_SECONDS)
+
+    async def _merged_metrics(self) -> bytes:
+        """Every live replica's metrics (this one's as of now), labelled by replica."""
+        from encdec.entrypoints.openai.asgi_relay import merge_metrics
+        from encdec.entrypoints.openai.ray_ingress import metrics_board
+        from encdec.serve_ray.replica_app import STALE_SECONDS
+
+        texts: dict[str, bytes] = {}
+        try:
+            self._board = self._board or metrics_board()
+            texts = await self._board.snapshot.remote(STALE_SECONDS)
+        except Exception as e:  # the board is being replaced: this replica's own, for now
+            logger.warning("metrics board unavailable: %s", e)
+            self._board = None
+        texts[self.replica] = self._metrics_text()
+        return merge_metrics(texts)
+
+    async def _shutdown(self) -> None:
+        self._pusher.cancel()
+        await self._lifespan.__aexit__(None, None, None)  # drains and stops the engine
 
     async def check_health(self) -> None:
         """Serve restarts a replica whose engine thread has stopped."""
-        engine = self.app.state.server.engine
+        engine = self.server_app.state.server.engine
         if not engine.is_running:
             raise RuntimeError(f"the engine is not running: {engine.error!r}")
 
-    async def http(self, scope: dict, body: bytes):
-        """The app's messages for one request in lists (``run_asgi``), after one
-        naming this replica, sent at once (so the ingress can say which replica a
-        lost request was on, and retries only a request no replica took). Once a
-        stream's body has started, each
-        next list waits ``STREAM_COALESCE_SECONDS``, so the tokens made meanwhile
-        cross as one list: each list costs two Ray hops (here to the ingress, the
-        ingress to Serve's proxy), about 1.5 ms of CPU on the 2-core host where it
-        was measured (``benchmarks.serve_hops``)."""
-        from encdec.entrypoints.openai.asgi_relay import body_receive, run_asgi
 
-        yield [{"type": "relay.replica", "replica": self.replica}]
-        async for messages in run_asgi(self.app, scope, body_receive(body), self.replica):
-            yield messages
-            last = messages[-1]
-            if last["type"] == "http.response.body" and last.get("more_body"):
-                await asyncio.sleep(STREAM_COALESCE_SECONDS)  # run_asgi queues what comes meanwhile
-
-    async def websocket(self, scope: dict, inbox: Any):
-        from encdec.entrypoints.openai.asgi_relay import run_asgi
-
-        async def receive() -> dict:
-            return await inbox.get_async()
-
-        yield [{"type": "relay.replica", "replica": self.replica}]
-        async for messages in run_asgi(self.app, scope, receive, self.replica):
-            yield messages
+def _max_body(args: argparse.Namespace) -> int:
+    """The largest body any route reads: an audio upload plus its form fields."""
+    return int(args.max_audio_mb * (1 << 20)) + (64 << 10)
 
 
 def _actor_options(cpus: float, gpus: float) -> dict[str, float]:
@@ -145,7 +154,7 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
                                     ray_actor_options=options, health_check_period_s=5,
                                     max_ongoing_requests=256).bind(args)
         replicas = split.decoders
-    return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
+    return serve.deployment(serve.ingress()(EngineReplica), name="EngineReplica", num_replicas=replicas,
                             ray_actor_options=_actor_options(args.replica_cpus, args.replica_gpus),
                             health_check_period_s=5,
                             max_ongoing_requests=256).bind(args, encoders)
@@ -153,13 +162,23 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
 
 def build_application(args: argparse.Namespace) -> Any:
     """The Serve application for ``encdec serve``'s parsed flags (``--ray``)."""
-    _, serve = _ray()
     from encdec.entrypoints.openai.api_server import check_server_flags
-    from encdec.entrypoints.openai.ray_ingress import ingress_deployment
 
     check_server_flags(args)  # a bad flag fails here, not in every replica
-    max_body = int(args.max_audio_mb * (1 << 20)) + (64 << 10)
-    return ingress_deployment(serve).bind(_replica_deployment(args), max_body, args.body_timeout)
+    return _replica_deployment(args)
+
+
+def start_serve(host: str, port: int) -> None:
+    """Start Serve on the cluster ``ray`` is connected to, with what the replicas
+    need of its proxy (``proxy_errors``), HTTP on ``host``:``port``, and no
+    per-request access log (a log line per request costs the proxy and the
+    replica CPU the engines need). A Serve already running keeps its options."""
+    _, serve = _ray()
+    from encdec.serve_ray.proxy_errors import proxy_env
+
+    serve.start(http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": proxy_env()}},
+                logging_config={"enable_access_log": False})
 
 
 def build(config: dict[str, Any]) -> Any:
@@ -203,7 +222,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     stopping: list[int] = []  # a flag only: a lock taken in a handler can deadlock its own thread
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
-    serve.start(http_options={"host": args.host, "port": args.port})
+    start_serve(args.host, args.port)
     serve.run(application, name=APP_NAME, route_prefix="/")
     what = (f"{args.replicas} replica(s)" if not args.disaggregate
             else f"disaggregated ({args.disaggregate}): decoder replica(s)")

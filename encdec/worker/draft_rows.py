@@ -24,15 +24,18 @@ import torch
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
 from encdec.spec_decode import NgramProposer
+from encdec.worker.draft_model import DraftModel, DraftRow
 from encdec.worker.prefill_rows import SampledRow
 
 
 class DraftProposer:
-    """Proposes each step's drafts (the ``ngram`` method: copied from the
-    encoder input and the decoder's own tokens)."""
+    """Proposes each step's drafts: ``ngram`` (copied from the encoder input
+    and the decoder's own tokens) or ``draft_model`` (a second model's greedy
+    tokens: ``worker/draft_model.py``), for the rows no processor acts on."""
 
-    def __init__(self, proposer: NgramProposer):
+    def __init__(self, proposer: NgramProposer | DraftModel):
         self.proposer = proposer
+        self.model = proposer if isinstance(proposer, DraftModel) else None
 
     def propose(self, metas: list[SequenceGroupMetadata], spec_rows: dict[int, int],
                 input_batch: Any) -> dict[int, list[int]]:
@@ -46,7 +49,7 @@ class DraftProposer:
         if blocked is None:
             return {}
         slots = input_batch.req_id_to_index
-        out: dict[int, list[int]] = {}
+        rows: list[DraftRow] = []
         for m in metas:
             if m.is_prompt:
                 continue
@@ -55,10 +58,26 @@ class DraftProposer:
                 k, slot = spec_rows.get(sid), slots.get(str(sid))
                 if not k or slot in blocked or (not greedy and (blocked_sampled is None or slot in blocked_sampled)):
                     continue
-                drafts = self.proposer.propose(m.encoder_seq_data.prompt_token_ids, sd.get_token_ids(), k)
-                if drafts:
-                    out[sid] = list(drafts)
+                rows.append(DraftRow(sid, m, sd.get_token_ids(), k))
+        if self.model is not None:
+            return self.model.propose_rows(rows, procs.apply_static) if rows else {}
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            drafts = self.proposer.propose(r.meta.encoder_seq_data.prompt_token_ids, r.token_ids, r.k)
+            if drafts:
+                out[r.seq_id] = list(drafts)
         return out
+
+    def before_step(self, sched: Any) -> None:
+        """A draft model's own pool follows the step's block moves and leaves."""
+        if self.model is not None:
+            self.model.move_blocks(sched)
+            self.model.forget(sched.seq_ids_left)
+
+    def after_forward(self, parts: list[Any], metas: list[SequenceGroupMetadata]) -> None:
+        """A step with prefills: a draft model with its own pool runs them too."""
+        if self.model is not None and metas and metas[0].is_prompt:
+            self.model.mirror(parts, metas)
 
 
 def add_draft_decodes(dec: Any, metas: list[SequenceGroupMetadata], drafts: dict[int, list[int]],
@@ -118,7 +137,7 @@ def verify_sampled(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int
     """The tokens each speculating row that samples randomly keeps: rejection
     sampling (``encdec.spec_decode.rejection_sample``, point-mass drafts) on
     the target's distributions at its first row and its draft rows, made as
-    the sampler makes them (the processors' row-independent part, temperature,
+    the sampler makes them (the processors as at each position: ``apply_at``, temperature,
     top-k, top-p; no processor acts on these rows), so the output keeps the
     target's distribution. ``batch_row``: seq_id -> its row of ``logits`` and
     of the sampling metadata ``md``; ``draft_logits``: the draft rows, in
@@ -148,7 +167,8 @@ def verify_sampled(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int
         rows[b, 1 + len(d):, 0] = 0.0  # padding rows: any finite distribution (never read)
         ids[b, :len(d)] = torch.tensor(d, dtype=torch.long)
     index = torch.tensor([r for _, r, _, _ in picked], device=logits.device).repeat_interleave(k_max + 1)
-    flat = md.logitsprocs.apply_static(rows.view(-1, vocab))
+    at = [(r, d[:j]) if j <= len(d) else (-1, ()) for _, r, d, _ in picked for j in range(k_max + 1)]  # -1: padding
+    flat = md.logitsprocs.apply_at(rows.view(-1, vocab), [s for s, _ in at], [a for _, a in at])
     flat = flat / md.temperature[index].unsqueeze(1)
     flat = apply_top_k_top_p(flat, None if md.top_k is None else md.top_k[index],
                              None if md.top_p is None else md.top_p[index])

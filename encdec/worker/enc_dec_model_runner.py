@@ -18,17 +18,17 @@ batch's order, which is what the logits processors index by.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from encdec.attention.backends.abstract import (AttentionBackend, AttentionMetadata, cache_slots,
+from encdec.attention.backends.abstract import (AttentionBackend, cache_slots,
                                                 cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
+from encdec.sample.draft_logprobs import draft_logprobs
 from encdec.sample.sampler import Sampler, greedy_tokens
 from encdec.sampling_params import SamplingType
 from encdec.sequence import SequenceGroupMetadata
@@ -38,41 +38,8 @@ from encdec.worker.input_batch import InputBatch
 from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
 from encdec.worker.draft_rows import DraftProposer, add_draft_decodes, verify_sampled
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
+from encdec.worker.step_plan import ModelInput, StepPlan
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
-
-
-@dataclass
-class ModelInput:
-    """One step's packed model inputs, built by ``prepare`` (scheduler -> model)."""
-
-    input_ids: torch.Tensor  # (num_tokens,) int64 decoder tokens: prefill sequences', then one per decode
-    positions: torch.Tensor  # (num_tokens,) int64 decoder position of each token
-    attn_metadata: AttentionMetadata  # where each sequence's tokens and KV live; shared by all layers
-    encoder_inputs: dict[str, Any]  # keyword args of the model's encoder for the step's prefills; {} if none
-    sampled_rows: list[SampledRow]  # every sequence sampled this step, prefills first
-    # (index in input_ids, its sequence's data) of rows scheduled ahead: their input
-    # token is the one the step before samples, written in by ``run`` once appended
-    owed: list[tuple[int, Any]]
-    # speculative decoding: (seq_id, index of its first draft row, its drafts) per speculating row
-    drafts: list[tuple[int, int, list[int]]] = field(default_factory=list)
-
-    def fill_owed(self) -> None:
-        if self.owed:
-            index = to_device([i for i, _ in self.owed], torch.long, self.input_ids.device)
-            tokens = to_device([sd.get_last_token_id() for _, sd in self.owed], torch.long, self.input_ids.device)
-            self.input_ids.index_copy_(0, index, tokens)
-
-
-@dataclass
-class StepPlan:
-    """A step packed on the host, not yet run (``plan``, then ``run``): the
-    engine plans step N+1 while step N runs on the device (async scheduling)."""
-
-    metas: list[SequenceGroupMetadata]
-    sched: SchedulerOutputs
-    parts: list[ModelInput]  # one packed step, or (prefills eager, decode rows replayed by a graph)
-    bucket: int | None  # the CUDA graph the (last) part replays; None: eager
-    small: bool  # a small CPU decode step: one thread
 
 
 class _DecoderRows(PrefillRows):
@@ -292,37 +259,41 @@ class EncoderDecoderModelRunner:
         # A decode-only step batches one token per sequence: num_batched_tokens rows.
         small = self.device.type == "cpu" and n == 0 and sched.num_batched_tokens <= SMALL_STEP_ROWS
         graphs = self.graphs
+        if self.drafter:  # a draft model reads and writes the cache: the step's moves first (no async here)
+            self._move_blocks(sched)
         if not metas:
-            return StepPlan(metas, sched, [], None, small)
+            return StepPlan(metas, sched, [], None, small, self.drafter is not None)
         drafts = self.drafter.propose(metas, sched.spec_rows, self.input_batch) if self.drafter else None
         if drafts:  # several query rows per sequence: eager (graphs hold one row each)
             inp = self.prepare(metas, True, ahead, False, drafts)
             small = self.device.type == "cpu" and n == 0 and len(inp.input_ids) <= SMALL_STEP_ROWS
-            return StepPlan(metas, sched, [inp], None, small)
+            return StepPlan(metas, sched, [inp], None, small, True)
         if graphs is not None and 0 < n < len(metas):
             dec = self.prepare(metas[n:], ahead=ahead)
             bucket = graphs.bucket(dec.attn_metadata, len(dec.input_ids))
             if bucket is not None:
-                return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small)
+                return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small,
+                                self.drafter is not None)
         # Tables changed in place: blocks copied or swapped in, or (speculation) trimmed back and regrown.
         moved = bool(sched.blocks_to_copy or sched.blocks_to_swap_in or self.drafter)
         inp = self.prepare(metas, moved, ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
-        return StepPlan(metas, sched, [inp], bucket, small)
+        return StepPlan(metas, sched, [inp], bucket, small, self.drafter is not None)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:
         """Queue a planned step: block moves, owed input tokens, forward, sampling."""
         metas, sched, small = plan.metas, plan.sched, plan.small
-        self.cache.swap_out(sched.blocks_to_swap_out)
-        self.cache.swap_in(sched.blocks_to_swap_in)
-        self.cache.copy(sched.blocks_to_copy)
+        if not plan.blocks_moved:
+            self._move_blocks(sched)
         if not metas:
             self._update_batch(sched, [])
             return AsyncModelRunnerOutput.empty()
         for part in plan.parts:
             part.fill_owed()
         rows, hidden = self._forward(plan)
+        if self.drafter:
+            self.drafter.after_forward(plan.parts, metas)
         if not rows:  # only prefill chunks before their last: K/V written, nothing sampled
             self._update_batch(sched, [])
             return AsyncModelRunnerOutput.empty()
@@ -361,15 +332,28 @@ class EncoderDecoderModelRunner:
                 md: Any) -> tuple:
         """Draft rows of a step (before the sampler edits ``logits``): the rows
         that sample randomly verified now (``verify_sampled``: their kept
-        tokens, drafts kept), and the greedy token of every draft row, for the
+        tokens, drafts kept), the greedy token of every draft row, for the
         greedy rows to keep theirs once the step's tokens are read
-        (``draft_rows.accept``)."""
+        (``draft_rows.accept``), and the log-probs of every speculating row's
+        positions when some row asks them (``encdec.sample.draft_logprobs``).
+        A draft row is scored through every processor as at its own position
+        (``LogitsProcessors.apply_at``)."""
         if not drafts:
-            return None, {}, 0
-        kept, num_kept = verify_sampled(drafts, {sid: r for r, sid in enumerate(seq_ids)}, logits, draft_logits,
-                                        md, self.sampler.generator)
-        targets = greedy_tokens(self.input_batch.logitsprocs.apply_static(draft_logits.float()))
-        return targets, kept, num_kept
+            return None, {}, 0, None
+        batch_row = {sid: r for r, sid in enumerate(seq_ids)}
+        lps = draft_logprobs(drafts, batch_row, logits, draft_logits, md)
+        kept, num_kept = verify_sampled(drafts, batch_row, logits, draft_logits, md, self.sampler.generator)
+        slots = [batch_row[sid] for sid, _, d in drafts for _ in d]
+        ahead = [d[:j + 1] for _, _, d in drafts for j in range(len(d))]
+        targets = greedy_tokens(self.input_batch.logitsprocs.apply_at(draft_logits.float(), slots, ahead))
+        return targets, kept, num_kept, lps
+
+    def _move_blocks(self, sched: SchedulerOutputs) -> None:
+        self.cache.swap_out(sched.blocks_to_swap_out)
+        self.cache.swap_in(sched.blocks_to_swap_in)
+        self.cache.copy(sched.blocks_to_copy)
+        if self.drafter:
+            self.drafter.before_step(sched)
 
     def _eager(self, inp: ModelInput) -> torch.Tensor:
         return self.model(inp.input_ids, inp.positions, self.cache.gpu_cache, inp.attn_metadata,

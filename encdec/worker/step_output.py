@@ -20,6 +20,7 @@ import torch
 from encdec.core.outputs import ModelRunnerOutput, SampledTokens, SingleTokens
 from encdec.platform.device_tensors import to_device
 from encdec.sample.beam_candidates import BeamRows, select_candidates
+from encdec.sample.draft_logprobs import DraftLogprobs
 from encdec.sample.sampler import LogprobsTensors, SamplerOutput, compute_prompt_logprobs
 from encdec.sequence import Logprob, SequenceGroupMetadata
 from encdec.worker.draft_rows import accept
@@ -128,6 +129,7 @@ class AsyncModelRunnerOutput:
     draft_targets: torch.Tensor | None = None
     sampled_kept: dict[int, list[int]] = field(default_factory=dict)  # rows that sample: verified already
     num_sampled_kept: int = 0
+    draft_logprobs: DraftLogprobs | None = None  # the speculating rows' positions, when some row asks log-probs
 
     @torch.inference_mode()
     def get_output(self) -> ModelRunnerOutput:
@@ -158,14 +160,29 @@ class AsyncModelRunnerOutput:
         kept, num_kept = accept(self.drafts, first, self.draft_targets.tolist(), self.sampled_kept)
         kept.update(self.sampled_kept)
         num_kept += self.num_sampled_kept
+        kept_lps = self._kept_logprobs(kept)
         beam_seqs = self.beam_rows.seq_ids if self.beam_rows else ()
-        samples = [SampledTokens(seq_id, kept[seq_id], []) if seq_id in kept  # asked no log-probs
+        samples = [SampledTokens(seq_id, kept[seq_id], kept_lps.get(seq_id, [])) if seq_id in kept
                    else SampledTokens(seq_id, [tok], [lp[r]] if lp else [])
                    for r, (seq_id, tok) in enumerate(zip(self.seq_ids, sampled)) if seq_id not in beam_seqs]
         return ModelRunnerOutput(samples=samples, prompt_logprobs=prompt_logprobs(self.model, self.device, self.metas,
                                                                                   self.hidden),
                                  prompt_token_logprobs=self.prompt_token_logprobs, beam_candidates=candidates,
                                  num_draft_tokens=sum(len(d) for _, d in self.drafts), num_accepted_tokens=num_kept)
+
+    def _kept_logprobs(self, kept: dict[int, list[int]]) -> dict[int, list[dict[int, Logprob]]]:
+        """seq_id -> per kept token what the sampler would report for it, for
+        the speculating rows whose request asks log-probs."""
+        wanted = dict(zip(self.seq_ids, self.wanted_logprobs))
+        dl = self.draft_logprobs
+        asking = {sid: toks for sid, toks in kept.items() if wanted.get(sid) is not None}
+        if dl is None or not asking:
+            return {}
+        owners, tensors = dl.gather(asking)
+        out: dict[int, list[dict[int, Logprob]]] = {}
+        for sid, d in zip(owners, logprob_dicts(tensors, [wanted[sid] for sid in owners])):
+            out.setdefault(sid, []).append(d)
+        return out
 
     @classmethod
     def empty(cls) -> AsyncModelRunnerOutput:

@@ -13,7 +13,9 @@ here; the engine above sees only configs and ``execute_model``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from encdec.worker.cache_engine import (
     typical_decoder_len,
 )
 from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
+from encdec.worker.draft_model import DraftModel
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, StepPlan
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.step_output import AsyncModelRunnerOutput
@@ -284,6 +287,32 @@ class Worker:
             return model.compute_logits(hidden[torch.tensor(q_start[1:], device=dev) - 1])
 
     # -- persistent batch and runner ---------------------------------------------------
+    def load_draft(self, spec: Any, cache_config: CacheConfig) -> DraftModel:
+        """The ``draft_model`` method's draft (``spec``: the engine's
+        ``SpeculativeConfig``), once this worker's cache is allocated
+        (``cache_config``): ``spec.model`` loaded with this worker's options
+        (device, dtype, backend) and ``spec.quantization``. A self-draft (this
+        checkpoint) shares this worker's cache; any other draft gets a pool of
+        its own with this cache's blocks. ``compat.check_draft_compatible`` ran
+        before any weight loaded."""
+        cfg = replace(self.load_config, model=spec.model, tokenizer=None, quantization=spec.quantization,
+                      max_model_len=self.model_config.max_model_len)
+        try:
+            draft = Worker(cfg)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
+        tc = self.cache_engine
+        if os.path.realpath(draft.checkpoint.path) == os.path.realpath(self.checkpoint.path):
+            return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc)
+        m = draft.model
+        own = CacheEngine(
+            num_layers=m.num_cache_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size,
+            block_size=tc.block_size, num_gpu_blocks=tc.gpu_cache[0].shape[1],
+            num_cpu_blocks=cache_config.num_cpu_blocks, device=draft.device, backend=draft.backend,
+            dtype=quantization.kv_cache_dtype(cache_config.cache_dtype, draft.dtype, draft.device,
+                                              draft.backend.get_name()))
+        return DraftModel(m, draft.backend, draft.device, tc.block_size, target_cache=tc, own_cache=own)
+
     def init_batch(self, scheduler_config: SchedulerConfig, logits_processors: list[Any] | None,
                    seed: int) -> None:
         """Logits processors (the model's, then the user's), the persistent batch,

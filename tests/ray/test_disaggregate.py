@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from encdec import LLM, SamplingParams  # noqa: E402
-from encdec.serve_ray import APP_NAME, build  # noqa: E402
+from encdec.serve_ray import APP_NAME, build, start_serve  # noqa: E402
 from tests.ray import local_cluster  # noqa: E402
 from tests.ray.local_cluster import BART_KW, SPEECH, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
 
@@ -47,7 +47,7 @@ def cluster():
     port = _free_port()
     try:
         with deadline(120, "serve.start"):
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            start_serve("127.0.0.1", port)
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):

@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from encdec import LLM, SamplingParams  # noqa: E402
-from encdec.serve_ray import APP_NAME, build  # noqa: E402
+from encdec.serve_ray import APP_NAME, build, start_serve  # noqa: E402
 from tests.ray import local_cluster  # noqa: E402
 from tests.ray.local_cluster import BART_KW, SPEECH, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
 
@@ -88,7 +88,7 @@ def cluster():
     port = _free_port()
     try:
         with deadline(120, "serve.start"):
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            start_serve("127.0.0.1", port)
         yield f"http://127.0.0.1:{port}"
     finally:
         with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
@@ -209,53 +209,80 @@ def _wait_replicas_running(n: int, seconds: float) -> None:
     raise TimeoutError(f"EngineReplica not back to {n} running replicas in {seconds} s")
 
 
-async def _load(base: str, seconds_after: float, kill) -> tuple[list, list]:
-    """8 clients sending long completions back to back; ``kill()`` once both replicas
-    have answered some, then ``seconds_after`` more seconds of load. Returns the
-    (replica, completion) answers and the errors, with the time each came."""
-    prompts, answers, errors = _prompts(64), [], []
+def _in_flight(actor) -> int:
+    """Requests the replica holds now (Serve's own count, the one its router reads)."""
+    return ray.get(actor.get_num_ongoing_requests.remote(), timeout=60)
+
+
+async def _until(condition, seconds: float, what: str) -> None:
+    """Poll the async ``condition()`` until it holds; TimeoutError past ``seconds``."""
+    end = time.monotonic() + seconds
+    while not await condition():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what}: not within {seconds} s")
+        await asyncio.sleep(0.05)
+
+
+async def _load(base: str, victim: str, actor) -> tuple[float, int, list, list]:
+    """8 clients sending long completions back to back. Once both replicas have
+    answered and ``victim`` holds requests, it is killed; the load goes on until
+    the other replica has answered a request sent after the kill. Returns the
+    kill's time, the requests the victim held just before, the answers (sent,
+    done, replica, completion) and the errors (done, error)."""
+    prompts, answers, errors, held = _prompts(64), [], [], [0]
     stop = asyncio.Event()
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120) as client:
         async def worker(i: int) -> None:
             while not stop.is_set():
+                sent = time.monotonic()
                 try:
                     raw = await client.completions.with_raw_response.create(
                         model=MODEL, prompt=prompts[i % 64], max_tokens=120 + i % 120, temperature=0.0, n=4,
                         extra_body={"ignore_eos": True})
-                    answers.append((time.monotonic(), raw.headers.get("x-encdec-replica"), raw.parse()))
+                    answers.append((sent, time.monotonic(), raw.headers.get("x-encdec-replica"), raw.parse()))
                 except openai.APIError as e:
                     errors.append((time.monotonic(), e))
                 i += 8
 
+        async def both_answered() -> bool:
+            return len({a[2] for a in answers}) == 2 or bool(errors)
+
+        async def victim_busy() -> bool:
+            held[0] = await asyncio.to_thread(_in_flight, actor)
+            return held[0] >= 1
+
+        async def survivor_answered() -> bool:
+            return any(sent > killed_at and replica != victim for sent, _, replica, _ in answers)
+
         workers = [asyncio.ensure_future(worker(i)) for i in range(8)]
-        while len({a[1] for a in answers}) < 2 and not errors:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # both replicas have taken new requests (each takes about a second)
-        killed_at = time.monotonic()
-        await asyncio.to_thread(kill)
-        await asyncio.sleep(seconds_after)
-        stop.set()
-        await asyncio.gather(*workers)
-    return killed_at, answers, errors
+        try:
+            await _until(both_answered, STEP_SECONDS, "both replicas answering")
+            await _until(victim_busy, STEP_SECONDS, f"replica {victim} holding requests")
+            killed_at = time.monotonic()
+            await asyncio.to_thread(ray.kill, actor, no_restart=True)
+            await _until(survivor_answered, STEP_SECONDS, "the other replica answering after the kill")
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+    return killed_at, held[0], answers, errors
 
 
 def test_killed_replica_fails_only_its_requests(bart_app):
-    """Load on both replicas; one replica is killed: the requests it held are 503s in
-    OpenAI's shape naming it, the other replica's go on; Serve restarts it."""
+    """Load on both replicas; one replica is killed while it holds requests: those
+    are 503s in OpenAI's shape naming it, the other replica's go on (it answers
+    requests sent after the kill); Serve restarts it and the next requests succeed.
+    Every wait is on a condition, with a deadline (the host may be loaded)."""
     actors = _replica_actors()
     victim = sorted(actors)[0]
     with deadline(STEP_SECONDS, "load with a replica killed"):
-        killed_at, answers, errors = asyncio.run(
-            _load(bart_app, 3.0, lambda: ray.kill(actors[victim], no_restart=True)))
-    timeline = sorted([(round(t - killed_at, 2), r) for t, r, _ in answers]
+        killed_at, held, answers, errors = asyncio.run(_load(bart_app, victim, actors[victim]))
+    timeline = sorted([(round(t - killed_at, 2), r) for _, t, r, _ in answers]
                       + [(round(t - killed_at, 2), repr(e)) for t, e in errors])
-    assert errors, f"no request was lost: the kill missed the load ({victim}): {timeline}"
+    assert errors, f"no request was lost: {victim} held {held} when killed: {timeline}"
     for _, e in errors:
         assert isinstance(e, openai.APIStatusError) and e.status_code == 503, timeline
         assert e.body["type"] == "service_unavailable" and f"replica {victim} " in e.body["message"], e.body
-    survivor = [a for a in answers if a[1] != victim]
-    assert any(t > killed_at for t, _, _ in survivor), "the other replica stopped answering"
-    assert all(len(c.choices[0].text) > 0 for _, _, c in answers)
+    assert all(len(c.choices[0].text) > 0 for *_, c in answers)
     _wait_replicas_running(2, STEP_SECONDS)
     with deadline(STEP_SECONDS, "requests after the restart"):
         after = asyncio.run(_complete_all(bart_app, _prompts(8), max_tokens=8, temperature=0.0))

@@ -89,6 +89,15 @@ class LogitsProcessor(ABC):
         it on draft rows. Default: nothing (``slots_acted_on`` covers all)."""
         return None
 
+    def apply_at(self, logits: torch.Tensor, slots: Sequence[int], ahead: Sequence[Sequence[int]]) -> None:
+        """Edit, in place, row ``i`` of ``logits`` as ``apply`` would edit slot
+        ``slots[i]``'s row once its output had grown by ``ahead[i]`` (the draft
+        tokens before that row): speculative decoding verifies draft rows with
+        it, so a processor whose rules it computes per position here need not
+        name those slots in ``slots_acted_on`` (Whisper's timestamp rules).
+        Default: ``apply_static`` (the rest is in ``slots_acted_on``)."""
+        self.apply_static(logits)
+
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Called once per step before ``apply``; ``None`` means the batch's

@@ -14,7 +14,7 @@ apply removes, then adds, then moves.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from encdec.sample.logits_processor.interface import (
@@ -164,6 +164,14 @@ class LogitsProcessors:
         """Every processor's row-independent part (``LogitsProcessor.apply_static``) on ``logits``."""
         for proc in self.non_argmax_invariant:
             proc.apply_static(logits)
+        return logits
+
+    def apply_at(self, logits: torch.Tensor, slots: Sequence[int], ahead: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Every processor's ``LogitsProcessor.apply_at`` on ``logits`` (draft
+        rows: row ``i`` is slot ``slots[i]`` with ``ahead[i]`` more tokens), in
+        the order the sampler applies them."""
+        for proc in self.non_argmax_invariant:
+            proc.apply_at(logits, slots, ahead)
         return logits
 
     def get(self, cls: type[T]) -> T | None:

@@ -1,0 +1,199 @@
+"""The ``draft_model`` method: a second model proposes each speculating row's
+drafts, ``k`` greedy decode steps of its own before the target's step
+verifies them (``draft_rows``), in the same engine.
+
+Where its K/V lives. A *self-draft* (the target's own checkpoint, typically
+int8 for a float32 target) has the target's layers, heads and head size, so
+it reads and writes the target's paged cache through the target's block
+tables: the positions before a row's last token hold the target's verified
+K/V (better drafts than the draft's own would be, and nothing to keep in
+step), the cross K/V is the target's (the draft never runs an encoder), and
+what the draft writes at the row's newest positions (the scheduler's
+lookahead slots) the target's verify step overwrites before anyone reads it.
+Any other draft (another size or family with the same tokenizer) keeps its
+own pool with the target's block ids (``own_cache``): it runs every step that
+has prefills on the step's packed inputs (its own encoder included), mirrors
+the cache's swaps and copies, and before proposing feeds the tokens it has no
+K/V for yet (``_Fed``: a row whose drafts were all kept owes the last one).
+
+Only the rows' drafts depend on the draft model: the target decides every
+kept token, so a draft's K/V that is stale (a block another request filled,
+a swap the pool missed) costs acceptance, never exactness.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from encdec.attention.backends.abstract import cache_slots_list
+from encdec.platform.device_tensors import split_to_device, to_device
+from encdec.sequence import SequenceGroupMetadata
+from encdec.worker.steady_decode import PaddedTables
+
+
+class DraftRow(NamedTuple):
+    """A decoding sequence the step lets speculate: up to ``k`` drafts."""
+
+    seq_id: int
+    meta: SequenceGroupMetadata
+    token_ids: list[int]  # its tokens so far (prompt + output); the last is this step's input
+    k: int
+
+
+class _Fed:
+    """Own-pool drafts: per sequence, up to which position the draft's K/V
+    is its tokens'. After a proposal, the tokens it fed past that are checked
+    against what the sequence kept."""
+
+    def __init__(self) -> None:
+        self._valid: dict[int, int] = {}  # seq_id -> positions [0, n) hold its tokens' K/V
+        self._fed: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (first position, tokens fed there)
+
+    def reset(self, seq_id: int, n: int) -> None:
+        self._valid[seq_id] = n
+        self._fed.pop(seq_id, None)
+
+    def start(self, seq_id: int, token_ids: list[int]) -> int:
+        """Positions whose K/V the draft holds for ``token_ids`` (all but the last at most)."""
+        valid = self._valid.get(seq_id, 0)
+        first, fed = self._fed.pop(seq_id, (valid, []))
+        if first == valid:
+            for tok in fed:
+                if valid >= len(token_ids) - 1 or token_ids[valid] != tok:
+                    break
+                valid += 1
+        valid = min(valid, len(token_ids) - 1)
+        self._valid[seq_id] = valid
+        return valid
+
+    def fed(self, seq_id: int, first: int, tokens: list[int]) -> None:
+        self._fed[seq_id] = (first, tokens)
+
+    def forget(self, seq_ids: Any) -> None:
+        for sid in seq_ids:
+            self._valid.pop(sid, None)
+            self._fed.pop(sid, None)
+
+
+class DraftModel:
+    """``model``: the draft, loaded (``Worker``); ``kv_caches``: the target's
+    cache tensors (a self-draft) or the draft's own ``CacheEngine``
+    (``own_cache``), with the target's block size and block ids."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, device: torch.device, block_size: int, *,
+                 target_cache: Any, own_cache: Any = None):
+        self.model, self.backend, self.device, self.block_size = model, backend, device, block_size
+        self.own_cache = own_cache
+        self.cache = own_cache if own_cache is not None else target_cache
+        self._fed = _Fed() if own_cache is not None else None
+        self._tables, self._cross = PaddedTables(), PaddedTables()
+
+    # -- proposing ---------------------------------------------------------------
+    def propose_rows(self, rows: list[DraftRow], apply_static: Any = None) -> dict[int, list[int]]:
+        """Each row's drafts: the draft's greedy tokens after its last, ``k`` of
+        them (its first step also feeds the tokens an own pool lacks).
+        ``apply_static``: the processors' row-independent part (suppressed
+        tokens), so drafts the target could never pick are not proposed."""
+        out: dict[int, list[int]] = {r.seq_id: [] for r in rows}
+        starts = {r.seq_id: (self._fed.start(r.seq_id, r.token_ids) if self._fed else len(r.token_ids) - 1)
+                  for r in rows}
+        live = list(rows)
+        step = 0
+        while live:
+            feeds = []
+            for r in live:
+                n = len(r.token_ids)
+                if step == 0:
+                    s = starts[r.seq_id]
+                    feeds.append((r, s, r.token_ids[s:]))
+                else:
+                    feeds.append((r, n - 1 + step, [out[r.seq_id][-1]]))
+            tokens = self._greedy(feeds, apply_static)
+            for (r, _, _), tok in zip(feeds, tokens):
+                out[r.seq_id].append(tok)
+            step += 1
+            live = [r for r in live if len(out[r.seq_id]) < r.k]
+        if self._fed:
+            for r in rows:
+                s, d = starts[r.seq_id], out[r.seq_id]
+                self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
+        return out
+
+    def _greedy(self, feeds: list[tuple[DraftRow, int, list[int]]], apply_static: Any) -> list[int]:
+        """One decode step of the draft: each row's tokens ``feed`` at positions
+        ``first ..`` (causal among themselves), the argmax after the last."""
+        tokens, positions, table_rows, seq_lens, q_lens, tables, cross, enc_lens = [], [], [], [], [], [], [], []
+        for i, (r, first, feed) in enumerate(feeds):
+            tokens += feed
+            positions += range(first, first + len(feed))
+            table_rows += [i] * len(feed)
+            seq_lens.append(first + len(feed))
+            q_lens.append(len(feed))
+            tables.append(r.meta.block_tables[r.seq_id])
+            cross.append(r.meta.cross_block_table)
+            enc_lens.append(len(r.meta.encoder_seq_data.prompt_token_ids))
+        dev = self.device
+        slots = cache_slots_list(tables, table_rows, positions, self.block_size)
+        input_ids, pos, slot_mapping = split_to_device([tokens, positions, slots], torch.long, dev)
+        md = self.backend.make_metadata(**decode_metadata_fields(
+            seq_lens, q_lens, enc_lens, slot_mapping, self._tables.get(tables, dev, True),
+            self._cross.get(cross, dev, True), tables, cross, self.block_size, dev))
+        hidden = self.model(input_ids, pos, self.cache.gpu_cache, md)
+        last = to_device([sum(q_lens[:i + 1]) - 1 for i in range(len(q_lens))], torch.long, dev)
+        logits = self.model.compute_logits(hidden.index_select(0, last)).float()
+        if apply_static is not None:
+            logits = apply_static(logits)
+        return logits.argmax(dim=-1).tolist()
+
+    # -- an own pool: kept beside the target's ----------------------------------
+    def move_blocks(self, sched: Any) -> None:
+        """The scheduler's swaps and copies, on the draft's own pool too."""
+        if self.own_cache is not None:
+            self.own_cache.swap_out(sched.blocks_to_swap_out)
+            self.own_cache.swap_in(sched.blocks_to_swap_in)
+            self.own_cache.copy(sched.blocks_to_copy)
+
+    def forget(self, seq_ids: Any) -> None:
+        if self._fed is not None:
+            self._fed.forget(seq_ids)
+
+    def mirror(self, parts: list[Any], metas: list[SequenceGroupMetadata]) -> None:
+        """An own pool: run the draft on a step with prefills (``parts``: the
+        target's packed inputs, whose encoder inputs the draft takes as they
+        are: ``compat`` checked they mean the same to it), so its cross K/V
+        and the prompts' K/V are in its pool; each prefilled sequence's
+        tokens then have the draft's K/V. An encoder output computed
+        elsewhere (an encoder worker) is the target's, not the draft's: those
+        steps are left out (their rows' drafts read stale K/V: acceptance only)."""
+        if self.own_cache is None or any("encoder_hidden" in p.encoder_inputs for p in parts):
+            return
+        for inp in parts[:1]:  # two parts: prefills, then decode rows a CUDA graph replays
+            self.model(inp.input_ids, inp.positions, self.own_cache.gpu_cache, inp.attn_metadata,
+                       **inp.encoder_inputs)
+        for m in metas:
+            if m.is_prompt:
+                for sid, sd in m.seq_data.items():
+                    self._fed.reset(sid, sd.get_len())
+
+
+def decode_metadata_fields(seq_lens: list[int], q_lens: list[int], enc_lens: list[int], slot_mapping: torch.Tensor,
+                           block_tables: torch.Tensor, cross_block_tables: torch.Tensor,
+                           tables: list[list[int]], cross_tables: list[list[int]], block_size: int,
+                           device: torch.device) -> dict[str, Any]:
+    """The attention metadata's fields of a decode-only step whose sequences
+    have ``q_lens`` query rows each (their newest positions, causal among
+    themselves): what the runner's ``prepare`` fills for such a step."""
+    seq_lens_t, context_t, enc_lens_t, zero = split_to_device(
+        [seq_lens, [k - q for k, q in zip(seq_lens, q_lens)], enc_lens, [0]], torch.int32, device)
+    return dict(
+        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=sum(q_lens), slot_mapping=slot_mapping,
+        seq_lens=seq_lens, seq_lens_tensor=seq_lens_t, max_prefill_seq_len=0,
+        max_decode_seq_len=max(seq_lens), max_query_len=1, query_start_loc=zero, seq_start_loc=zero,
+        context_lens_tensor=context_t, block_tables=block_tables, encoder_seq_lens=enc_lens,
+        encoder_seq_lens_tensor=enc_lens_t, encoder_seq_start_loc=zero, max_encoder_seq_len=max(enc_lens),
+        num_encoder_tokens=0, cross_slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+        cross_block_tables=cross_block_tables, block_size=block_size, block_tables_list=tables,
+        cross_block_tables_list=cross_tables, prefill_cross_cached=None,
+        decode_query_lens=q_lens if any(q != 1 for q in q_lens) else None)
+

@@ -1,0 +1,128 @@
+"""The ``draft_model`` method (``worker/draft_model.py``): a second model
+proposes the drafts. Greedy requests keep exactly the tokens they give without
+speculation, whatever the draft (an int8 self-draft sharing the target's
+cache, a copy of the target or another model in a pool of their own), beside
+requests that do not speculate; preemption and aborts leave every block free."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from encdec import LLM, SamplingParams
+from tests.spec_decode.test_engine_spec import BLOCK_BYTES, FAMILIES, _all_free, _mixed_params, _prompts, _tokens
+
+
+def _draft(model: str, k: int, **options) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, **options}
+
+
+def _acceptance(llm: LLM) -> float:
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    return stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """The target, a copy of it in another directory (a draft with a pool of
+    its own that agrees with the target), and the target's outputs."""
+    path = FAMILIES[request.param](str(tmp_path_factory.mktemp(request.param)), seed=1)
+    copy = str(tmp_path_factory.mktemp(request.param + "_copy") / "model")
+    shutil.copytree(path, copy)
+    prompts, params = _prompts(10), _mixed_params(10)
+    base = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False)
+    return path, copy, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False), params)
+
+
+@pytest.mark.parametrize("draft, k", [("int8 self-draft", 3), ("own pool", 5)])
+def test_greedy_draft_model_is_token_identical_in_mixed_batches(family, draft, k):
+    path, copy, prompts, params, want = family
+    spec = _draft(path, k, quantization="int8") if draft == "int8 self-draft" else _draft(copy, k)
+    llm = LLM(path, kv_cache_memory=16 << 20, enable_encoder_cache=False, speculative_config=spec)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False), params) == want
+    assert 0.0 < _acceptance(llm) <= 1.0
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_copy_in_its_own_pool_agrees_with_the_target(bart_pair, tmp_path, k):
+    """A copy of the target's weights, in a pool of its own: its K/V is kept
+    in step with the target's tokens (the prefills run by the draft too, the
+    catch-up after a round whose drafts were all kept), so its greedy drafts
+    are the target's tokens."""
+    target, _ = bart_pair
+    copy = str(tmp_path / "copy")
+    shutil.copytree(target, copy)
+    prompts, params = _prompts(8, seed=4), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    want = _tokens(LLM(target, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    llm = LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(copy, k))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert _acceptance(llm) > 0.98
+
+
+@pytest.fixture(scope="module")
+def bart_pair(tmp_path_factory):
+    from encdec.testing import make_random_bart
+
+    target = make_random_bart(str(tmp_path_factory.mktemp("target")), seed=1)
+    other = make_random_bart(str(tmp_path_factory.mktemp("other")), seed=2, layers=1, d_model=32, heads=2, ffn=64)
+    return target, other
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_another_model_drafts_exactly(bart_pair, k):
+    """A smaller model of another seed: its drafts are mostly rejected, and
+    the tokens are still the target's."""
+    target, other = bart_pair
+    prompts, params = _prompts(8, seed=3), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _tokens(LLM(target, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    llm = LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(other, k))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert 0.0 <= _acceptance(llm) <= 1.0
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("draft", ["int8 self-draft", "own pool"])
+def test_preemption_while_drafting(bart_pair, tmp_path, mode, draft):
+    target, _ = bart_pair
+    copy = str(tmp_path / "copy")
+    shutil.copytree(target, copy)
+    prompts = _prompts(12, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = _tokens(LLM(target, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    spec = _draft(target, 3, quantization="int8") if draft == "int8 self-draft" else _draft(copy, 3)
+    llm = LLM(target, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
+              preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert llm.llm_engine.stats.num_preempted > 0
+    assert _all_free(llm)
+
+
+def test_aborts_while_drafting_free_every_block(bart_pair, tmp_path):
+    target, _ = bart_pair
+    copy = str(tmp_path / "copy")
+    shutil.copytree(target, copy)
+    llm = LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(copy, 4))
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, p in enumerate(_prompts(6, seed=9)):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(10):
+        engine.step()
+    engine.abort_request([f"r{i}" for i in range(0, 6, 2)])
+    for _ in range(5):
+        engine.step()
+    engine.abort_request([f"r{i}" for i in range(1, 6, 2)])
+    assert not engine.has_unfinished_requests()
+    assert _all_free(llm)
+
+
+def test_a_draft_with_fewer_positions_is_refused(bart_pair, tmp_path):
+    from encdec.testing import make_random_bart
+
+    target, _ = bart_pair
+    short = make_random_bart(str(tmp_path / "short"), seed=2, max_positions=64)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(short, 2))
