@@ -33,11 +33,11 @@ run: $(VENV)/.installed
 # tests); test-all runs every test.
 test: $(VENV)/.installed
 	$(DOCS)
-	$(PY) -m pytest -q -p no:cacheprovider -rs -m "not slow"
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -p no:cacheprovider -rs -m "not slow"
 
 test-all: $(VENV)/.installed
 	$(DOCS)
-	$(PY) -m pytest -q -p no:cacheprovider -rs
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -p no:cacheprovider -rs
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.bart_bench
