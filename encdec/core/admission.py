@@ -55,10 +55,13 @@ class Admission:
         if self._by_priority and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._key))
         num_running = self._num_running_seqs() if self.waiting else 0  # counted once, kept as groups are admitted
+        urgent = self._most_urgent_running() if self._by_priority and self.waiting else None
         while self.waiting:
             group = self.waiting[0]
             if not self._outranks_swapped(group) or (chunked and budget <= 0):
                 break
+            if urgent is not None and group.priority > urgent and bm.encoder_tokens_to_run(group):
+                break  # its encoder pass would stretch each step of a more urgent request
             seqs = group.get_seqs(SequenceStatus.WAITING)
             status = self._admissible(group, seqs, blocks)
             if status is None:
@@ -83,9 +86,21 @@ class Admission:
                 encoder_budget -= encoder_tokens
             num_running += len(seqs)
             admitted.append(group)
+            if group.priority < 0 and (urgent is None or group.priority < urgent):
+                urgent = group.priority
         # Prefills that skip cached tokens last: the runner packs whole prefills
         # first and runs those as rows over their cached K/V after them.
         return sorted(admitted, key=lambda g: g.seqs[0].data.get_num_computed_tokens() > 0)
+
+    def _most_urgent_running(self) -> int | None:
+        """The priority policy's hold on encoder work: the smallest negative
+        priority among running groups, None if none has one. Negative priorities
+        mark latency-bound requests (a live turn's final pass); while one runs, a
+        less urgent request waits before its encoder pass, which would otherwise
+        run in one of its steps and delay every token after. Priority 0 (every
+        ordinary request) holds nothing back."""
+        urgent = min((g.priority for g in self.running), default=0)
+        return urgent if urgent < 0 else None
 
     def _admissible(self, group: SequenceGroup, seqs: list, blocks: StepBlocks) -> AllocStatus | None:
         """The block manager's answer; None (the group fails, out of the queue)

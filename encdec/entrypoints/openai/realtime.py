@@ -13,8 +13,9 @@ gives ``input_audio_buffer.committed``, the final pass, the last ``delta`` and
 ``...completed`` (the whole transcript, as ``LLM.transcribe`` gives it for the
 turn's samples, and the usage), or ``...failed``. Passes are transcription jobs
 driven by ``run_job`` next to every other request, final passes first: they rank
-ahead under the priority policy (``encdec serve``'s default), and no partial pass
-of any session starts while one is in flight (``PartialBudget``). Leaving (or a
+ahead under the priority policy (``encdec serve``'s default), which also holds less
+urgent requests' encoder passes while one runs; ``PartialBudget`` caps partial
+passes in flight across sessions. Leaving (or a
 turn's end) cancels what a session still runs, which aborts its requests. A bad client
 event gets an ``error`` event in OpenAI's shape and the session goes on.
 ``session.close`` (the event OpenAI's realtime translation sessions take)
@@ -295,14 +296,8 @@ class RealtimeSession:
         await self.send(server_event("input_audio_buffer.committed", item_id=turn.item_id,
                                      previous_item_id=self._previous_item))
         self._previous_item = turn.item_id
-        self.budget.final_begins()  # from here no partial pass starts, in any session
-        try:
-            job = await asyncio.to_thread(turn.final_job, self.engine, self.options)
-        except BaseException:
-            self.budget.final_ends()
-            raise
+        job = await asyncio.to_thread(turn.final_job, self.engine, self.options)
         task = asyncio.ensure_future(self._run_final(turn, job, self._last_final))
-        task.add_done_callback(lambda _: self.budget.final_ends())  # however it ends, cancelled unstarted too
         self._last_final = task
         self.finals.add(task)
         task.add_done_callback(self.finals.discard)
