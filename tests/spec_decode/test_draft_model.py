@@ -126,3 +126,34 @@ def test_a_draft_with_fewer_positions_is_refused(bart_pair, tmp_path):
     short = make_random_bart(str(tmp_path / "short"), seed=2, max_positions=64)
     with pytest.raises(ValueError, match="speculative_config.model"):
         LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(short, 2))
+
+
+def _whisper_same(model_dir: str, clips: list, k: int, **opts) -> LLM:
+    """Transcribe ``clips`` without and with an int8 self-draft: the same
+    segments (text, tokens, times, temperature). Returns the drafting engine."""
+    from tests.spec_decode.test_spec_whisper import KW, _segments
+
+    want = _segments(LLM(model_dir, **KW).transcribe(clips, use_tqdm=False, **opts))
+    llm = LLM(model_dir, **KW, speculative_config=_draft(model_dir, k, quantization="int8"))
+    assert _segments(llm.transcribe(clips, use_tqdm=False, **opts)) == want
+    assert _all_free(llm)
+    return llm
+
+
+def test_whisper_int8_self_draft_transcribes_the_same(ct2_dir, speech_clips):
+    """tiny.en (real weights) drafting for itself in int8, timestamps on: its
+    drafts are mostly the target's tokens, and the segments are the ones
+    without speculation."""
+    _, _, audio = speech_clips
+    llm = _whisper_same(str(ct2_dir), [(a, 16000) for a in audio[:2]], 4, timestamps=True)
+    assert _acceptance(llm) > 0.5
+
+
+@pytest.mark.slow
+def test_whisper_long_form_with_an_int8_self_draft(ct2_dir, speech_clips):
+    from benchmarks.whisper_longform import build_file
+
+    _, texts, audio = speech_clips
+    wav, _ = build_file(audio, texts, seed=0, minutes=1.0)
+    for k in (1, 5):
+        _whisper_same(str(ct2_dir), [(wav, 16000)], k)
