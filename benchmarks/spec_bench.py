@@ -268,8 +268,9 @@ def report(work: Workload, sides: list[Side], rounds: dict[str, list[Result]]) -
         if s.spec is not None and res.drafted is None:
             acc = f", acceptance not reported (get_stats has no {DRAFT_FIELD})"
         med = statistics.median(round_ratios(rounds[sides[0].name], rounds[s.name]))
-        lines.append(f"  {s.name:>10}: {res.seconds:7.2f} s, {res.tok_s:8.1f} tok/s (other CPU {res.other_cpu:.0f}%), best/best "
-                     f"{base.seconds / res.seconds:5.2f}x, median per round {med:5.2f}x{acc}")
+        lines.append(f"  {s.name:>10}: {res.seconds:7.2f} s, {res.tok_s:8.1f} tok/s (other CPU "
+                     f"{res.other_cpu:.0f}%), best/best {base.seconds / res.seconds:5.2f}x, "
+                     f"median per round {med:5.2f}x{acc}")
     if work.references is not None:
         hits = sum(o == ref for o, ref in zip(base.outputs, work.references))
         lines.append(f"  held-out exact match: {hits}/{len(work.references)}; outputs identical across sides: yes")

@@ -4,9 +4,9 @@ draft tokens this step, and at most how many (the slots it gives them).
 A row speculates when its request is one sequence, not a beam search, and asks
 nothing that reads a verified position's own state: no penalties, no grammar
 (structured outputs). Log-probs are fine: each kept token reports what the
-sampler would have reported at its position (``encdec.sample.draft_logprobs``). Greedy rows keep drafts equal to
-the target's tokens; rows that sample keep them by rejection sampling (the
-target's distribution). Logits processors are the model runner's to check (it
+sampler would have reported at its position (``encdec.sample.draft_logprobs``).
+Greedy rows keep drafts equal to the target's tokens; rows that sample keep
+them by rejection sampling (the target's distribution). Logits processors are the model runner's to check (it
 knows which batch rows they act on; a row they act on gets no drafts:
 ``worker/draft_rows.py``). ``reason`` says why a request never speculates, and
 its output says so (``RequestOutput.metrics.spec_decode_off``). No torch here.
