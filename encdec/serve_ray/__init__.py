@@ -128,8 +128,20 @@ def _max_body(args: argparse.Namespace) -> int:
     return int(args.max_audio_mb * (1 << 20)) + (64 << 10)
 
 
-def _actor_options(cpus: float, gpus: float) -> dict[str, float]:
-    options = {"num_cpus": cpus}
+# Serve's processes (proxy and controller through the controller's environment; replicas and
+# workers through their own): the proxy calls replicas over gRPC rather than as Ray actor
+# tasks (a streamed answer's messages cost the proxy and the replica far less CPU each), and
+# each process runs the user's code and the router on its main event loop (by default each
+# has a thread of its own, and every ASGI message and routing decision crosses threads).
+# Also: no access log line per request (a line costs the replica a write and Ray's log
+# monitor a read and a publish); warnings and errors are still logged.
+SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+REPLICA_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
+
+
+def _actor_options(cpus: float, gpus: float) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": cpus, "runtime_env": {"env_vars": dict(SERVE_ENV)}}
     if gpus:
         options["num_gpus"] = gpus
     return options
@@ -152,10 +164,12 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
                                  args.replica_gpus if split.encoder_gpus is None else split.encoder_gpus)
         encoders = serve.deployment(encoder_worker_class(), name="EncoderWorker", num_replicas=split.encoders,
                                     ray_actor_options=options, health_check_period_s=5,
+                                    logging_config=REPLICA_LOGGING,
                                     max_ongoing_requests=256).bind(args)
         replicas = split.decoders
     return serve.deployment(serve.ingress()(EngineReplica), name="EngineReplica", num_replicas=replicas,
                             ray_actor_options=_actor_options(args.replica_cpus, args.replica_gpus),
+                            logging_config=REPLICA_LOGGING,
                             health_check_period_s=5,
                             max_ongoing_requests=256).bind(args, encoders)
 
@@ -177,8 +191,8 @@ def start_serve(host: str, port: int) -> None:
     from encdec.serve_ray.proxy_errors import proxy_env
 
     serve.start(http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": proxy_env()}},
-                logging_config={"enable_access_log": False})
+                controller_options={"runtime_env": {"env_vars": {**SERVE_ENV, **proxy_env()}}},
+                logging_config=REPLICA_LOGGING)
 
 
 def build(config: dict[str, Any]) -> Any:
