@@ -196,3 +196,28 @@ def test_processed_logprobs_of_draft_rows_see_processors_per_position():
     assert owners == [10, 10] and t.logprob_token_ids[:, 0].tolist() == [0, 4]
     assert t.logprobs[0, 0].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item())
     assert t.logprobs[1, 0].item() == pytest.approx(-torch.log(torch.tensor(3.0)).item())
+
+
+def test_copy_model_logprobs_with_most_tokens_from_drafts():
+    """The trained copy model (``benchmarks.train_copy_model``; skipped where it
+    was not trained on this machine): most tokens come from kept drafts, and
+    every one reports the log-probs of the run without speculation."""
+    import os
+
+    from benchmarks.spec_bench import DEFAULT_MODEL_DIR
+    from encdec.bench.copy_model import held_out, read_manifest, source_ids, task_from_manifest
+
+    manifest = read_manifest(DEFAULT_MODEL_DIR) if os.path.isdir(DEFAULT_MODEL_DIR) else None
+    if manifest is None:
+        pytest.skip(f"no copy model in {DEFAULT_MODEL_DIR} (python -m benchmarks.train_copy_model)")
+    task = task_from_manifest(manifest)
+    docs = held_out(task, 16, manifest["options"]["seed"])
+    prompts = [TokensPrompt(prompt_token_ids=source_ids(d)) for d, _ in docs]
+    params = [SamplingParams(temperature=0, max_tokens=task.max_summary_len(), logprobs=2,
+                             logprobs_mode=("raw_logprobs", "processed_logprobs")[i % 2]) for i in range(16)]
+    kw = dict(kv_cache_memory=64 << 20, enable_encoder_cache=False)
+    want = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
+    got = LLM(DEFAULT_MODEL_DIR, **kw, speculative_config=_spec(3)).generate(prompts, params, use_tqdm=False)
+    _compare(want, got)
+    tokens = sum(len(o.outputs[0].token_ids) for o in got)
+    assert sum(o.metrics.spec_decode_accepted_tokens for o in got) > tokens / 2
