@@ -189,3 +189,16 @@ def test_whisper_conditioning_prompt_chunked_equals_whole(ct2_dir, speech_clips)
         got[chunk], free, _ = run(ct2_dir, prompts, params, chunk=chunk, kv_cache_memory=256 << 20, num_threads=2)
         assert free
     assert got[1] == got[None] and got[21] == got[None]
+
+
+def test_with_speculative_decoding(tiny_bart):
+    """A group between chunks never speculates; decoding rows beside it do."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    rng = random.Random(13)
+    body = [rng.randrange(4, 900) for _ in range(12)]
+    prompts = [_prompt([0] + body * 3 + [2], [2] + body * (2 + i)) for i in range(4)]  # repeats: drafts found
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    whole, _, _ = run(tiny_bart, prompts, params, chunk=None)
+    got, free, engine = run(tiny_bart, prompts, params, chunk=10, speculative_config=spec)
+    assert got == whole and free
+    assert engine.scheduler.stats.spec_draft_tokens > 0
