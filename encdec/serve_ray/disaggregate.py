@@ -1,7 +1,7 @@
 """``--disaggregate encoders=E,decoders=D``: encoder passes on E encoder workers,
 decoding on D engine replicas.
 
-    ingress --HTTP relay--> EngineReplica (DecoderEngine)           x D
+    Serve's proxy --> EngineReplica (DecoderEngine, the ingress)    x D
                               | process the request (tokens, log-mel) on its engine thread
                               | encoder cache holds the input's key?  yes: no transfer
                               | no: EncoderWorker.encode(ids, features) --> one of E workers
