@@ -126,7 +126,8 @@ class Admission:
         """Allocate the group's blocks and make it run; returns the decoder tokens
         its prefill computes this step. ``budget``: the step's decoder tokens
         left, where its prompt may be split (its first chunk goes in ``chunks``)."""
-        cached = self.block_manager.allocate(group, budget)  # prompt tokens the prefix cache holds
+        bm = self.block_manager  # cached: prompt tokens the prefix cache holds
+        cached = bm.allocate(group) if budget is None else bm.allocate(group, budget)
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
             if cached:
