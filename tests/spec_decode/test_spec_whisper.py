@@ -130,3 +130,18 @@ def test_long_form_transcribes_the_same_with_speculation(ct2_dir, speech_clips):
         assert _segments(llm.transcribe([(wav, 16000)], use_tqdm=False)) == want
         assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0
         assert _all_free(llm)
+
+
+def test_independent_long_form_transcribes_the_same_with_speculation(ct2_dir, speech_clips):
+    """Independent long-form (windows decoded side by side, no timestamps) on a
+    minute of shipped clips: the same segments with drafts tried."""
+    from benchmarks.whisper_longform import build_file
+
+    _, texts, audio = speech_clips
+    wav, _ = build_file(audio, texts, seed=0, minutes=1.0)
+    opts = dict(mode="independent", timestamps=False, use_tqdm=False)
+    want = _segments(LLM(str(ct2_dir), **KW).transcribe([(wav, 16000)], **opts))
+    llm = LLM(str(ct2_dir), **KW, speculative_config=SPEC)
+    assert _segments(llm.transcribe([(wav, 16000)], **opts)) == want
+    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0
+    assert _all_free(llm)
