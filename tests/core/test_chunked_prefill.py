@@ -202,3 +202,36 @@ def test_with_speculative_decoding(tiny_bart):
     got, free, engine = run(tiny_bart, prompts, params, chunk=10, speculative_config=spec)
     assert got == whole and free
     assert engine.scheduler.stats.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("no_speech_threshold", [None, 0.6])
+def test_whisper_long_form_chunked_equals_whole(ct2_dir, no_speech_threshold):
+    """Long-form transcription: each later window is conditioned on the text
+    before it (a <|startofprev|> prompt of up to 224 tokens), split in 7-token
+    chunks. With a no-speech threshold a window's first attempt asks a prompt
+    token's log-prob (P(no speech)), so it prefills whole: the same steps."""
+    import glob
+    import os
+
+    import numpy as np
+    import soundfile as sf
+
+    speech = os.path.join(os.path.dirname(__file__), "..", "data", "speech")
+    wavs = [sf.read(f, dtype="float32")[0] for f in sorted(glob.glob(os.path.join(speech, "s*.wav")))]
+    gap = np.zeros(16000, np.float32)
+    audio = np.concatenate([x for w in wavs[:16] for x in (w, gap)])[: 16000 * 75]
+    got, steps = {}, {}
+    for chunk in (None, 7):
+        extra = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk) if chunk else {}
+        llm = LLM(ct2_dir, kv_cache_memory=256 << 20, swap_space=0.1, num_threads=2, **extra)
+        result, = llm.transcribe([(audio, 16000)], timestamps=True, no_speech_threshold=no_speech_threshold,
+                                 use_tqdm=False)
+        got[chunk] = [(s.start, s.end, s.text) for s in result.segments]
+        engine = llm.llm_engine
+        steps[chunk] = engine.scheduler.num_steps
+        assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+    assert got[7] == got[None] and len(got[None]) > 3
+    if no_speech_threshold is None:
+        assert steps[7] > steps[None] + 10, steps  # the conditioned windows' prompts were split
+    else:
+        assert steps[7] == steps[None], steps
