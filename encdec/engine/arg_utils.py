@@ -110,8 +110,9 @@ class EngineArgs:
     # Decoder prompts longer than what is left of a step's max_num_batched_tokens
     # (after the running decodes, one token each) are prefilled over several steps
     # beside the decodes (vLLM's name); the budget then counts decoder tokens only
-    # (the encoder's: max_num_encoder_input_tokens) and defaults to 2048. Beam search,
-    # n/best_of > 1 and prompt log-prob requests prefill whole. Default: off.
+    # (the encoder's: max_num_encoder_input_tokens), so set it to split (e.g. 256; its
+    # default, max(32768, one request), sizes the CUDA profile run's step as without
+    # chunks). Beam search, n/best_of > 1 and prompt log-prob requests prefill whole.
     enable_chunked_prefill: bool = False
     # Schedule and pack step N+1 on the host while step N runs on the device, so
     # the device does not wait for the host between steps; default: on for CUDA

@@ -59,8 +59,7 @@ class EngineStats:
 def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
     one_request = max_model_len + max_encoder_len
     return SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill
-                                                               else max(32768, one_request)),
+        max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
         policy=args.scheduling_policy, max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
