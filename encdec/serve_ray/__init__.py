@@ -129,14 +129,15 @@ def _max_body(args: argparse.Namespace) -> int:
 
 
 # Serve's processes (proxy and controller through the controller's environment; replicas and
-# workers through their own): the proxy calls replicas over gRPC rather than as Ray actor
-# tasks (a streamed answer's messages cost the proxy and the replica far less CPU each), and
+# workers through their own): the proxy calls replicas, and a decoder replica its encoder
+# workers, over gRPC rather than as Ray actor tasks (a streamed answer's messages cost the
+# proxy and the replica far less CPU each; an encoder output travels in the reply), and
 # each process runs the user's code and the router on its main event loop (by default each
 # has a thread of its own, and every ASGI message and routing decision crosses threads).
 # Also: no access log line per request (a line costs the replica a write and Ray's log
 # monitor a read and a publish); warnings and errors are still logged.
 SERVE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 REPLICA_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 
