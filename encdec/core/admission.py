@@ -48,7 +48,9 @@ class Admission:
         cfg = self.scheduler_config
         chunked = token_budget is not None
         budget = token_budget if chunked else cfg.max_num_batched_tokens
-        encoder_budget = cfg.max_num_encoder_input_tokens  # None: no limit
+        # None: no limit. Chunked, the token budget bounds encoder work too unless the
+        # encoder has its own: the CUDA profile run sizes memory for that step.
+        encoder_budget = cfg.max_num_encoder_input_tokens or (cfg.max_num_batched_tokens if chunked else None)
         admitted: list[SequenceGroup] = []
         if not self._admission_due():
             return admitted
