@@ -76,7 +76,8 @@ def draft_logprobs(drafts: list[tuple[int, int, list[int]]], batch_row: dict[int
     out = compute_logprobs(rows) if not all(modes) else None
     if any(modes):
         idx = [i for i, p in enumerate(modes) if p]
-        sub = rows.index_select(0, torch.tensor(idx, dtype=torch.long, device=rows.device)).float()
+        sub = rows.float() if out is None else rows.index_select(  # all processed (Whisper): no gather
+            0, torch.tensor(idx, dtype=torch.long, device=rows.device)).float()
         sub = compute_logprobs(md.logitsprocs.apply_at(sub, [slots[i] for i in idx], [ahead[i] for i in idx]))
         if out is None:
             out = sub
