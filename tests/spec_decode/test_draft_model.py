@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from encdec import LLM, SamplingParams
-from tests.spec_decode.test_engine_spec import BLOCK_BYTES, FAMILIES, _all_free, _mixed_params, _prompts, _tokens
+from tests.spec_decode.test_engine_spec import (FAMILIES, _all_free, _mixed_params, _prompts, _tokens, check_aborts,
+                                               check_preemption)
 
 
 def _draft(model: str, k: int, **options) -> dict:
@@ -46,14 +47,12 @@ def test_greedy_draft_model_is_token_identical_in_mixed_batches(family, draft, k
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_a_copy_in_its_own_pool_agrees_with_the_target(bart_pair, tmp_path, k):
+def test_a_copy_in_its_own_pool_agrees_with_the_target(bart_pair, target_copy, k):
     """A copy of the target's weights, in a pool of its own: its K/V is kept
     in step with the target's tokens (the prefills run by the draft too, the
     catch-up after a round whose drafts were all kept), so its greedy drafts
     are the target's tokens."""
-    target, _ = bart_pair
-    copy = str(tmp_path / "copy")
-    shutil.copytree(target, copy)
+    target, copy = bart_pair[0], target_copy
     prompts, params = _prompts(8, seed=4), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     want = _tokens(LLM(target, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
     llm = LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(copy, k))
@@ -83,40 +82,24 @@ def test_another_model_drafts_exactly(bart_pair, k):
     assert _all_free(llm)
 
 
+@pytest.fixture(scope="module")
+def target_copy(bart_pair, tmp_path_factory):
+    """A copy of the target in another directory: a draft with a pool of its own."""
+    copy = str(tmp_path_factory.mktemp("copy") / "model")
+    shutil.copytree(bart_pair[0], copy)
+    return copy
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("draft", ["int8 self-draft", "own pool"])
-def test_preemption_while_drafting(bart_pair, tmp_path, mode, draft):
-    target, _ = bart_pair
-    copy = str(tmp_path / "copy")
-    shutil.copytree(target, copy)
-    prompts = _prompts(12, seed=7)
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    want = _tokens(LLM(target, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
-    spec = _draft(target, 3, quantization="int8") if draft == "int8 self-draft" else _draft(copy, 3)
-    llm = LLM(target, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
-              preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert llm.llm_engine.stats.num_preempted > 0
-    assert _all_free(llm)
+def test_preemption_while_drafting(bart_pair, target_copy, mode, draft):
+    target = bart_pair[0]
+    spec = _draft(target, 3, quantization="int8") if draft == "int8 self-draft" else _draft(target_copy, 3)
+    check_preemption(target, spec, mode)
 
 
-def test_aborts_while_drafting_free_every_block(bart_pair, tmp_path):
-    target, _ = bart_pair
-    copy = str(tmp_path / "copy")
-    shutil.copytree(target, copy)
-    llm = LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(copy, 4))
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for i, p in enumerate(_prompts(6, seed=9)):
-        engine.add_request(f"r{i}", p, params)
-    for _ in range(10):
-        engine.step()
-    engine.abort_request([f"r{i}" for i in range(0, 6, 2)])
-    for _ in range(5):
-        engine.step()
-    engine.abort_request([f"r{i}" for i in range(1, 6, 2)])
-    assert not engine.has_unfinished_requests()
-    assert _all_free(llm)
+def test_aborts_while_drafting_free_every_block(bart_pair, target_copy):
+    check_aborts(bart_pair[0], _draft(target_copy, 4))
 
 
 def test_a_draft_with_fewer_positions_is_refused(bart_pair, tmp_path):

@@ -113,23 +113,23 @@ def test_copying_model_accepts_drafts_and_rolls_back_across_blocks(bart_dir, mon
     assert _all_free(llm)
 
 
-def test_preemption_while_speculating(bart_dir):
-    """A cache that holds a few requests at a time: rows are swapped and
+def check_preemption(path: str, spec: dict, mode: str) -> None:
+    """A cache that holds a few requests at a time: rows are swapped or
     recomputed mid-speculation; tokens as without speculation, nothing leaks."""
     prompts = _prompts(12, seed=7)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    want = _tokens(LLM(bart_dir, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
-    for mode in ("swap", "recompute"):
-        llm = LLM(bart_dir, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
-                  preemption_mode=mode, speculative_config=_spec(3), max_num_seqs=12)
-        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
-        assert got == want, mode
-        assert llm.llm_engine.stats.num_preempted > 0, mode
-        assert _all_free(llm), mode
+    want = _tokens(LLM(path, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    llm = LLM(path, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
+              preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert llm.llm_engine.stats.num_preempted > 0
+    assert _all_free(llm)
 
 
-def test_aborts_while_speculating_free_every_block(bart_dir):
-    llm = LLM(bart_dir, kv_cache_memory=16 << 20, speculative_config=_spec(4))
+def check_aborts(path: str, spec: dict) -> None:
+    """Requests aborted mid-speculation, half after a few steps, the rest
+    later: every block is free."""
+    llm = LLM(path, kv_cache_memory=16 << 20, speculative_config=spec)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     for i, p in enumerate(_prompts(6, seed=9)):
@@ -143,6 +143,15 @@ def test_aborts_while_speculating_free_every_block(bart_dir):
     engine.abort_request([f"r{i}" for i in range(1, 6, 2)])
     assert not engine.has_unfinished_requests()
     assert _all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_while_speculating(bart_dir, mode):
+    check_preemption(bart_dir, _spec(3), mode)
+
+
+def test_aborts_while_speculating_free_every_block(bart_dir):
+    check_aborts(bart_dir, _spec(4))
 
 
 @pytest.mark.parametrize("spec, match", [
