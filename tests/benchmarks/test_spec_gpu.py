@@ -59,19 +59,38 @@ def test_a_draft_as_deep_as_its_target_is_refused(tmp_path, layers):
     assert not os.path.exists(str(tmp_path / "t") + f"_draft{layers}")
 
 
-def test_differing_tokens_stop_the_run_naming_the_first():
-    spec_gpu.check_identical([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], "same")
-    with pytest.raises(SystemExit, match=r"spec: round 2 x: request 1's tokens differ .* at output position 1"):
-        spec_gpu.check_identical([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]], "round 2 x")
-    with pytest.raises(SystemExit, match="position 2"):
-        spec_gpu.check_identical([[1, 2, 3]], [[1, 2]], "short")
+def test_the_first_difference_is_named():
+    assert spec_gpu.first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]], "same") is None
+    diff = spec_gpu.first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]], "round 2 x")
+    assert diff == ("round 2 x: request 1's tokens differ from speculation off at output position 1 "
+                    "([5, 6] against [7, 6])")
+    assert "position 2" in spec_gpu.first_difference([[1, 2, 3]], [[1, 2]], "short")
+
+
+def test_a_run_whose_tokens_differ_prints_its_line_then_fails(tmp_path, capsys, monkeypatch):
+    """The speculating side's tokens altered: the rounds finish, the spec: line says so, the run fails."""
+    real, calls = spec_gpu.run_side, []
+
+    def altered(llm, work):  # sides alternate, off first (warm-ups, then rounds): every second call speculates
+        res = real(llm, work)
+        calls.append(llm)
+        if len(calls) % 2 == 0:
+            res.outputs[3] = res.outputs[3][:-1] + [res.outputs[3][-1] + 1]
+        return res
+
+    monkeypatch.setattr(spec_gpu, "run_side", altered)
+    with pytest.raises(SystemExit, match=r"spec: round 1 draft k=3: request 3's tokens differ"):
+        spec_gpu.main(["--dims", "tiny", "--device", "cpu", "--requests", "4", "--rounds", "2",
+                       "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "round 2  draft k=3" in out
+    assert re.search(r"^spec: .*ratio .*OUTPUTS DIFFER \(round 1 draft k=3: request 3", out, re.M)
 
 
 def test_options():
     args = spec_gpu.parse_args(["--quick"])
     assert (args.dims, args.device, args.dtype, args.requests, args.rounds, args.k) == (
-        "large", "cuda", "float16", 64, 2, 3)
-    assert spec_gpu.parse_args(["--device", "cpu"]).dtype == "float32"
+        "large", "cuda", "float32", 64, 2, 3)
     assert spec_gpu.DIMS["large"].draft_layers == 6 and spec_gpu.DIMS["large"].layers == 12
 
 
@@ -93,3 +112,18 @@ def test_gpu_bench_has_the_spec_part(capsys):
 def test_cuda_is_refused_without_a_gpu():
     with pytest.raises(SystemExit, match="--dims tiny --device cpu"):
         spec_gpu.main(["--dims", "tiny", "--requests", "1"])
+
+
+def test_gpu_bench_passes_its_options_to_the_spec_part(tmp_path, monkeypatch, capsys):
+    """``gpu_bench --parts spec`` (CUDA's presence faked, the run recorded): the
+    bart part's checkpoint is the target, and the options reach the run."""
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a faked GPU")
+    monkeypatch.setattr(gpu_bench, "bart_large_dir", lambda root: os.path.join(root, "large"))
+    monkeypatch.setattr(gpu_bench, "spec_part", lambda target, dims, opts: seen.update(t=target, d=dims, o=opts))
+    gpu_bench.main(["--parts", "spec", "--quick", "--spec-k", "5", "--workdir", str(tmp_path),
+                    "--engine", "max_num_seqs=32"])
+    assert seen["t"] == os.path.join(str(tmp_path), "large") and seen["d"] == "large"
+    assert seen["o"] == spec_gpu.SpecOptions(64, 5, 2, "cuda", "float32", 0, {"max_num_seqs": 32})
+    assert "GPU: a faked GPU" in capsys.readouterr().out
