@@ -116,6 +116,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
         self._room = SlotRoom()
         self.speculation = speculation
         self.spec_rows: dict[int, int] = {}  # this step: seq_id -> the most draft tokens its row may carry
+        self._drafted_last = False  # the last step gave draft slots
         # seq_id -> StopChecker.quick_rule of its request; the last update's
         # running sequences, reused while a step has the same rows.
         self._stop_rules: dict[int, tuple[int, frozenset[int], int] | None] = {}
@@ -262,7 +263,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
         spec = self.speculation
         mid = self._mid_prefill if self._chunking else None  # groups between prefill chunks: no slots
         self.spec_rows = ({g.seqs[0].seq_id: m for g in running if not (mid and mid(g)) and (m := spec.max_drafts(g))}
-                          if spec else {})
+                          if spec and spec.active(len(running)) else {})
         due = self._room.due(running, lookahead) if free >= 3 * len(running) and not (spec or mid) else None
         if due is not None:  # the same single-sequence rows as the last step: only full blocks
             for i in due:
@@ -365,7 +366,10 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
             prefills, decodes, (lambda g: g.request_id in continuing or cross(g)) if continuing else cross, chunks)
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
-        same = self._metadata.unchanged and not blocks.swap_out and not self.speculation
+        # Draft slots grow and trim tables in place: no steady step during or right after them.
+        drafting = bool(self.spec_rows)
+        same = self._metadata.unchanged and not blocks.swap_out and not (drafting or self._drafted_last)
+        self._drafted_last = drafting
         if same:  # last step's rows (single sequences), one token further
             num_tokens, joined, left = len(metas), [], []
         else:

@@ -44,6 +44,12 @@ class Speculation:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
 
+    def active(self, num_running: int) -> bool:
+        """Whether rows may carry drafts in a step of ``num_running`` requests
+        (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
     def max_drafts(self, group: SequenceGroup) -> int:
         """Draft tokens the group's row may carry this step (0: none): ``k``,
         fewer near ``max_tokens`` (a draft past it could never be kept) or

@@ -47,11 +47,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: the shortest, <= prompt_lookup_max
     model: str | None = None  # draft_model: checkpoint directory or hub id (may be the target itself)
     quantization: str | None = None  # draft_model: None or "int8" (an int8 self-draft of a float32 target)
+    # vLLM's: no drafts in a step whose running requests are more than this many
+    # (a big batch's step is compute-bound: scoring drafts costs more than it saves)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}")
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.disable_by_batch_size is not None:
+            _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if self.method == "ngram":
             self._check_ngram()
         else:

@@ -217,3 +217,26 @@ def test_sampled_requests_keep_the_target_distribution(tmp_path):
         table = [[c[t] for t in common] + [2000 - sum(c[t] for t in common)] for c in counts]
         table = [col for col in zip(*table) if sum(col)]
         assert chi2_contingency(list(zip(*table))).pvalue > 1e-3, (pos, table)
+
+
+def test_disable_by_batch_size(bart_dir):
+    """vLLM's ``disable_by_batch_size``: no drafts while more requests run than
+    it says; once requests finish, rows speculate again. Tokens as without
+    speculation throughout, the steps in between taking the steady path."""
+    prompts = _prompts(8, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=12 + 8 * i, ignore_eos=True) for i in range(8)]
+    want = _tokens(LLM(bart_dir, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
+    drafts = {}
+    for limit in (None, 3):
+        llm = LLM(bart_dir, kv_cache_memory=16 << 20,
+                  speculative_config={**_spec(3), "disable_by_batch_size": limit})
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+        drafts[limit] = llm.llm_engine.get_stats().spec_decode_num_draft_tokens
+        assert _all_free(llm)
+    assert 0 < drafts[3] < drafts[None]  # only the last three requests' tail speculated
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), ("4", TypeError), (True, TypeError)])
+def test_disable_by_batch_size_is_checked(value, error):
+    with pytest.raises(error, match="disable_by_batch_size"):
+        LLM("/nonexistent/model/dir", speculative_config={**_spec(2), "disable_by_batch_size": value})
