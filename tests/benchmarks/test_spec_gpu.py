@@ -30,6 +30,17 @@ def test_the_spec_part_runs_on_cpu_at_tiny_dims(tmp_path, capsys):
     assert "2-layer draft k=3" in line and "8 requests" in line and "float32 on cpu" in line
 
 
+def test_cuda_s_default_backend_runs_it_too(tmp_path, capsys):
+    """torch_native, the CUDA default (its Triton paged kernel under TRITON_INTERPRET=1,
+    which tests/conftest.py sets on CPU): the draft's own pool and the verify
+    step's 1 + k causal rows go through the kernel a GPU runs."""
+    line = spec_gpu.main(["--dims", "tiny", "--device", "cpu", "--requests", "4", "--rounds", "1",
+                          "--workdir", str(tmp_path), "--engine", "attention_backend=torch_native"])
+    assert line.startswith("spec: encdec (torch_native)") and line.endswith("outputs identical")
+    kept, drafted = map(int, re.search(r"\((\d+)/(\d+) drafts\)", line).groups())
+    assert 0 < kept < drafted, line
+
+
 def test_the_draft_is_the_target_s_first_decoder_layers(tmp_path):
     from safetensors.torch import load_file
 
