@@ -87,6 +87,7 @@ class Result:
     drafted: int | None  # draft tokens proposed meanwhile (None: the engine does not say)
     accepted: int | None
     other_cpu: float
+    rows: int | None = None  # rows verified with drafts meanwhile (None: the engine does not say)
 
     @property
     def tok_s(self) -> float:
@@ -179,9 +180,10 @@ def whisper_runs(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[Res
     return results, lines
 
 
-def _spec_counts(llm) -> tuple[int | None, int | None]:
+def _spec_counts(llm) -> tuple[int | None, int | None, int | None]:
     stats = llm.llm_engine.get_stats()
-    return getattr(stats, DRAFT_FIELD, None), getattr(stats, ACCEPTED_FIELD, None)
+    return (getattr(stats, DRAFT_FIELD, None), getattr(stats, ACCEPTED_FIELD, None),
+            getattr(stats, "spec_decode_num_drafts", None))
 
 
 def _diff(after: int | None, before: int | None) -> int | None:
@@ -190,7 +192,7 @@ def _diff(after: int | None, before: int | None) -> int | None:
 
 def run_side(llm, work: Workload) -> Result:
     """Decodes every batch of ``work`` on ``llm``, timed as a whole."""
-    d0, a0 = _spec_counts(llm)
+    d0, a0, r0 = _spec_counts(llm)
     outputs: list[list[int]] = []
     with OtherCPUMonitor() as mon:
         t0 = time.perf_counter()
@@ -200,8 +202,8 @@ def run_side(llm, work: Workload) -> Result:
             outputs += outs
             tokens += n
         seconds = time.perf_counter() - t0
-    d1, a1 = _spec_counts(llm)
-    return Result(seconds, tokens, outputs, _diff(d1, d0), _diff(a1, a0), mon.mean())
+    d1, a1, r1 = _spec_counts(llm)
+    return Result(seconds, tokens, outputs, _diff(d1, d0), _diff(a1, a0), mon.mean(), _diff(r1, r0))
 
 
 def _generate(llm, batch: list[Any], params: Any) -> tuple[list[list[int]], int]:
@@ -253,7 +255,8 @@ def _acceptance(res: Result) -> str:
     if res.drafted is None or res.accepted is None:
         return ""
     rate = res.accepted / res.drafted if res.drafted else 0.0
-    return f", acceptance {rate:.1%} ({res.accepted}/{res.drafted} drafts)"
+    length = f", mean accepted length {1 + res.accepted / res.rows:.2f}" if res.rows else ""
+    return f", acceptance {rate:.1%} ({res.accepted}/{res.drafted} drafts){length}"
 
 
 def report(work: Workload, sides: list[Side], rounds: dict[str, list[Result]]) -> list[str]:

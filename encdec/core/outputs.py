@@ -59,6 +59,7 @@ class ModelRunnerOutput:
     # speculative decoding: draft tokens this step verified, and how many of them were kept
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_drafts: int = 0  # rows that carried drafts (vLLM's num_drafts)
     # request_id -> per decoder-prompt position: {token id: Logprob} (None for the first)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # request_id -> {prompt position: {token id: raw log-prob}} (SamplingParams.prompt_token_logprobs)

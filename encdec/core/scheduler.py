@@ -205,6 +205,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
                 self.block_manager.trim(seq)
         self.stats.spec_draft_tokens += runner_output.num_draft_tokens
         self.stats.spec_accepted_tokens += runner_output.num_accepted_tokens
+        self.stats.spec_drafts += runner_output.num_drafts
         groups: dict[str, SequenceGroup] = {}
         if runner_output.prompt_logprobs or runner_output.prompt_token_logprobs or runner_output.beam_candidates:
             groups = {s.seq_group.request_id: s.seq_group for s in sched.scheduled_seq_groups}

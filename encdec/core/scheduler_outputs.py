@@ -121,6 +121,7 @@ class SchedulerStats:
     # Speculative decoding: draft tokens verified, and of those the ones kept
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
     # request id -> step it was first admitted at; the last scheduler.ADMITTED_HISTORY only
     admitted_at_step: dict[str, int] = field(default_factory=dict)
 

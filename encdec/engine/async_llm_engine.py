@@ -71,6 +71,7 @@ class StepStats:
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
     spec_decode_num_draft_tokens: int = 0  # speculative decoding, since the engine was built
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_drafts: int = 0
 
 
 class AsyncLLMEngine:
@@ -313,7 +314,8 @@ class AsyncLLMEngine:
                           encoder_cache_hits=es.encoder_cache_hits,
                           prefix_cache_queries=es.prefix_cache_queries, prefix_cache_hits=es.prefix_cache_hits,
                           spec_decode_num_draft_tokens=es.spec_decode_num_draft_tokens,
-                          spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens)
+                          spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens,
+                          spec_decode_num_drafts=es.spec_decode_num_drafts)
         self._num_aborted = 0
         progress = engine.get_request_progress()
         counts = {rid: n for rid, (n, _) in progress.items()}

@@ -54,6 +54,20 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
     spec_decode_num_draft_tokens: int = 0  # draft tokens verified, since start (speculative decoding)
     spec_decode_num_accepted_tokens: int = 0  # of those, drafts kept
+    spec_decode_num_drafts: int = 0  # rows verified with drafts, since start (vLLM's num_drafts)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Drafts kept per draft verified; None before any."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else None
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float | None:
+        """Tokens a speculating row gained per step (its kept drafts and the
+        target's token: vLLM's mean acceptance length); None before any."""
+        n = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / n if n else None
 
 
 def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
@@ -309,7 +323,7 @@ class LLMEngine:
                            (total - free) / total if total else 0.0, st.num_preempted,
                            st.encoder_cache_queries, st.encoder_cache_hits,
                            *sched.block_manager.prefix_cache_stats(),
-                           st.spec_draft_tokens, st.spec_accepted_tokens)
+                           st.spec_draft_tokens, st.spec_accepted_tokens, st.spec_drafts)
 
     def get_partial_outputs(self, request_ids: Iterable[str]) -> dict[str, RequestOutput]:
         """What the given unfinished requests have produced so far (``step`` returns

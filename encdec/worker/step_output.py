@@ -168,7 +168,8 @@ class AsyncModelRunnerOutput:
         return ModelRunnerOutput(samples=samples, prompt_logprobs=prompt_logprobs(self.model, self.device, self.metas,
                                                                                   self.hidden),
                                  prompt_token_logprobs=self.prompt_token_logprobs, beam_candidates=candidates,
-                                 num_draft_tokens=sum(len(d) for _, d in self.drafts), num_accepted_tokens=num_kept)
+                                 num_draft_tokens=sum(len(d) for _, d in self.drafts), num_accepted_tokens=num_kept,
+                                 num_drafts=sum(1 for _, d in self.drafts if d))
 
     def _kept_logprobs(self, kept: dict[int, list[int]]) -> dict[int, list[dict[int, Logprob]]]:
         """seq_id -> per kept token what the sampler would report for it, for

@@ -184,11 +184,20 @@ def test_counts_reach_outputs_stats_and_metrics(bart_dir):
     assert outs[0].metrics.spec_decode_off == "penalties" and outs[0].metrics.spec_decode_accepted_tokens == 0
     assert all(o.metrics.spec_decode_off is None for o in outs[1:])
     assert sum(o.metrics.spec_decode_accepted_tokens for o in outs) == es.spec_decode_num_accepted_tokens > 0
+    # Every step of the five speculating requests carried drafts (ngram over their own
+    # repeating outputs): rows verified, rate and mean length follow from the counts.
+    assert 0 < es.spec_decode_num_drafts <= es.spec_decode_num_draft_tokens
+    assert es.spec_decode_acceptance_rate == es.spec_decode_num_accepted_tokens / es.spec_decode_num_draft_tokens
+    gained = sum(len(o.outputs[0].token_ids) for o in outs[1:])  # tokens of the speculating requests
+    assert 1.0 < es.spec_decode_mean_accepted_length <= 1 + 3
+    assert es.spec_decode_num_drafts + es.spec_decode_num_accepted_tokens <= gained
     metrics = ServerMetrics("m")
     metrics.record_step(StepStats(0.0, 0, 0, 0, 0.0, 0, 0, 0,
                                   spec_decode_num_draft_tokens=es.spec_decode_num_draft_tokens,
-                                  spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens))
+                                  spec_decode_num_accepted_tokens=es.spec_decode_num_accepted_tokens,
+                                  spec_decode_num_drafts=es.spec_decode_num_drafts))
     text = metrics.render().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {float(es.spec_decode_num_drafts)}' in text
     assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(es.spec_decode_num_draft_tokens)}' in text
     assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
             f'{float(es.spec_decode_num_accepted_tokens)}') in text

@@ -67,7 +67,9 @@ class ServerMetrics:
             ("spec_decode_num_draft_tokens", "vllm:spec_decode_num_draft_tokens",
              "Draft tokens verified (speculative decoding)."),
             ("spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
-             "Draft tokens verified and kept (speculative decoding)."))}
+             "Draft tokens verified and kept (speculative decoding)."),
+            ("spec_decode_num_drafts", "vllm:spec_decode_num_drafts",
+             "Rows verified with draft tokens (speculative decoding)."))}
         self._counted = dict.fromkeys(self.totals, 0)  # each total already counted
         self._num_preemptions = 0
 
