@@ -140,3 +140,20 @@ def test_whisper_long_form_with_an_int8_self_draft(ct2_dir, speech_clips):
     wav, _ = build_file(audio, texts, seed=0, minutes=1.0)
     for k in (1, 5):
         _whisper_same(str(ct2_dir), [(wav, 16000)], k)
+
+
+def test_transcribe_stream_with_an_int8_self_draft(ct2_dir, speech_clips):
+    """Live transcription offline (``transcribe_stream``): the same partial and
+    final segments with drafts as without."""
+    import numpy as np
+
+    from tests.spec_decode.test_spec_whisper import KW
+
+    wavs = speech_clips[2]
+    audio = np.concatenate([wavs[0], np.zeros(4000, np.float32), wavs[1]])
+    chunks = [audio[i:i + 1600] for i in range(0, len(audio), 1600)] + [None]
+    want = [(s.text, s.final) for s in LLM(str(ct2_dir), **KW).transcribe_stream(chunks)]
+    llm = LLM(str(ct2_dir), **KW, speculative_config=_draft(str(ct2_dir), 4, quantization="int8"))
+    assert [(s.text, s.final) for s in llm.transcribe_stream(chunks)] == want
+    assert _acceptance(llm) > 0.5
+    assert _all_free(llm)
