@@ -26,9 +26,8 @@ equal the first side's first round: the run ends with SystemExit after its
 summary where they do not. float32 by default: there greedy decoding is exact
 (the project's parity rule), while in half precision the sides' different
 batch shapes (a verify step has 1 + k rows per request) round differently and
-may flip a near tie (the first free token's margin on this checkpoint was 0.025
-for one of three prompts, in float32). Prints per round each
-side's tok/s and engine steps, then ``spec_bench``'s summary (best of the
+may flip a near tie (this checkpoint's margins: docs/benchmarks.md). Prints per
+round each side's tok/s and engine steps, then ``spec_bench``'s summary (best of the
 rounds, best/best and median per-round ratios, acceptance from
 ``LLMEngine.get_stats()``) and one ``spec:`` line that ``gpu_check.sh`` collects.
 
@@ -98,10 +97,11 @@ class SpecOptions:
 
 
 def tiny_target_dir(root: str) -> str:
-    """``--dims tiny``'s target. Not BART-large's init (std 0.02): at this size
-    its greedy output repeats one token and the draft agrees every time, while
-    std 0.06 (positions 0.3) gave 41% acceptance on 8 requests, so the test
-    sees drafts kept and rejected (KV rolled back) in the same run."""
+    """``--dims tiny``'s target. Not BART-large's init (std 0.02), whose greedy
+    output repeats one token so that the draft agrees every time, nor the tests'
+    usual 0.5, where a truncated draft never agrees: std 0.06 (positions 0.3)
+    has drafts kept and rejected (KV rolled back) in the same run
+    (docs/benchmarks.md)."""
     from encdec.testing import make_random_bart
 
     d = DIMS["tiny"]
