@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from encdec.spec_decode import NgramProposer, SpeculativeConfig
-from encdec.spec_decode.ngram import match_lengths
 
 
 def test_copies_the_source_continuation():
@@ -66,12 +65,6 @@ def test_batch_equals_one_by_one_and_checks_lengths():
         p.propose_batch(encs, decs[:2])
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2, 3)
-
-
-def test_match_lengths():
-    hay = np.array([1, 2, 3, 1, 2, 3, 4])
-    assert match_lengths(hay, np.array([2, 3])).tolist() == [0, 0, 2, 0, 0, 2, 0]
-    assert match_lengths(hay, np.array([9, 1, 2, 3])).tolist() == [0, 0, 3, 0, 0, 3, 0]  # cut by the start
 
 
 def _reference(enc: list[int], dec: list[int], k: int, n_max: int, n_min: int) -> list[int]:
