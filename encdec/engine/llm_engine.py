@@ -107,9 +107,11 @@ class LLMEngine:
         self.worker = Worker(args.load_config(), check_precision=check_precision)
         mc = self.model_config = self.worker.model_config
         self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len)
+        spec = args.speculative_config  # a SpeculativeConfig (EngineArgs checked it) or None
+        draft = self.worker.load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         self.cache_config = self.worker.init_cache(
             args.cache_config(), args.max_num_seqs,
-            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens, draft=draft)
         graphs = self.worker.use_cuda_graphs
         self.scheduler_config = replace(
             self.scheduler_config, min_admission=min_admission_for(args, graphs))
@@ -123,7 +125,6 @@ class LLMEngine:
         self.seq_counter = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, max_model_len=mc.max_model_len,
                                                 eos_token_id=self.eos_token_id, seq_ids=self.seq_counter)
-        spec = args.speculative_config  # a SpeculativeConfig (EngineArgs checked it) or None
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config,
                                    stop_checker=self.output_processor.stop_checker,
                                    beams=self.output_processor.beams,
@@ -131,7 +132,7 @@ class LLMEngine:
                                    speculation=Speculation(spec, mc.max_model_len) if spec else None)
         if spec:
             self.worker.model_runner.drafter = DraftProposer(
-                self.worker.load_draft(spec, self.cache_config) if spec.method == "draft_model"
+                self.worker.draft_model(draft, self.cache_config) if draft is not None
                 else NgramProposer.from_config(spec))
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0

@@ -162,16 +162,20 @@ class Worker:
 
     # -- KV cache ------------------------------------------------------------------
     def init_cache(self, cfg: CacheConfig, max_num_seqs: int, *,
-                   max_num_batched_tokens: int | None = None) -> CacheConfig:
+                   max_num_batched_tokens: int | None = None, draft: Worker | None = None) -> CacheConfig:
         """Size the KV cache (device and swap blocks) and allocate it. Refuses a
         cache that cannot hold one request of the longest kind: a ``max_model_len``
         decoder sequence, a cross table for the longest encoder input and the
-        block manager's admission watermark."""
+        block manager's admission watermark. ``draft``: a draft model loaded
+        (``load_draft``): its weights count, and a block costs its own pool's
+        bytes too (a self-draft's: none)."""
         model, mc = self.model, self.model_config
         kv_dtype = quantization.kv_cache_dtype(cfg.cache_dtype, self.dtype, self.device, self.backend.get_name())
         block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
                                         model.num_kv_heads, model.head_size, kv_dtype)
-        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens)
+        block_bytes += self._draft_block_bytes(draft, cfg)  # a block of each pool
+        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens,
+                                                  () if draft is None else (draft.model,))
         cfg.num_gpu_blocks = kv_bytes // block_bytes
         if cfg.num_gpu_blocks < 1:
             raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
@@ -205,7 +209,7 @@ class Worker:
         return cfg
 
     def _kv_bytes(self, cfg: CacheConfig, max_num_seqs: int, block_bytes: int,
-                  max_num_batched_tokens: int | None) -> tuple[int, int]:
+                  max_num_batched_tokens: int | None, others: tuple = ()) -> tuple[int, int]:
         """(cache bytes, bytes to prefault). CPU commits at start what the first
         requests write (see CacheEngine._prefault): all of an explicitly sized
         cache (``explicit_prefault_bytes``: the user chose to spend that memory),
@@ -215,7 +219,7 @@ class Worker:
         if cfg.kv_cache_memory is not None:
             return cfg.kv_cache_memory, explicit_prefault_bytes(cfg.kv_cache_memory)
         if self.device.type == "cuda":
-            return self._profiled_cuda_kv_bytes(cfg, max_num_seqs, max_num_batched_tokens), MAX_PREFAULT_BYTES
+            return self._profiled_cuda_kv_bytes(cfg, max_num_seqs, max_num_batched_tokens, others), MAX_PREFAULT_BYTES
         dec_blocks, cross_blocks, _ = longest_request_blocks(mc.max_model_len, mc.max_encoder_len,
                                                              cfg.block_size, 0)
         typical_request = (-(-typical_decoder_len(mc.max_model_len) // cfg.block_size)
@@ -225,14 +229,16 @@ class Worker:
         return kv_bytes, min(16 * typical_request, MAX_PREFAULT_BYTES)
 
     def _profiled_cuda_kv_bytes(self, cfg: CacheConfig, max_num_seqs: int,
-                                max_num_batched_tokens: int | None) -> int:
+                                max_num_batched_tokens: int | None, others: tuple = ()) -> int:
         """Profile the largest prefill step (``max_num_batched_tokens``; None: the
         scheduler's default budget), then size the cache as vLLM does
-        (``profiled_kv_cache_bytes``)."""
+        (``profiled_kv_cache_bytes``); ``others``: models beside this one (a
+        draft), whose weights count too."""
         mc, dev = self.model_config, self.device
         budget = max_num_batched_tokens or max(32768, mc.max_model_len + mc.max_encoder_len)
         dec, enc = profile_batch(budget, max_num_seqs, mc.max_model_len, mc.max_encoder_len)
-        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        weights = sum(t.numel() * t.element_size() for m in (self.model, *others)
+                      for t in (*m.parameters(), *m.buffers()))
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -287,30 +293,48 @@ class Worker:
             return model.compute_logits(hidden[torch.tensor(q_start[1:], device=dev) - 1])
 
     # -- persistent batch and runner ---------------------------------------------------
-    def load_draft(self, spec: Any, cache_config: CacheConfig) -> DraftModel:
+    def load_draft(self, spec: Any) -> Worker:
         """The ``draft_model`` method's draft (``spec``: the engine's
-        ``SpeculativeConfig``), once this worker's cache is allocated
-        (``cache_config``): ``spec.model`` loaded with this worker's options
-        (device, dtype, backend) and ``spec.quantization``. A self-draft (this
-        checkpoint) shares this worker's cache; any other draft gets a pool of
-        its own with this cache's blocks. ``compat.check_draft_compatible`` ran
-        before any weight loaded."""
+        ``SpeculativeConfig``) loaded with this worker's options (device, dtype,
+        backend) and ``spec.quantization``, before this worker sizes its cache
+        (``init_cache(draft=...)``: the draft's weights and pool count there).
+        ``compat.check_draft_compatible`` ran before any weight loaded."""
         cfg = replace(self.load_config, model=spec.model, tokenizer=None, quantization=spec.quantization,
                       max_model_len=self.model_config.max_model_len)
         try:
-            draft = Worker(cfg)
+            return Worker(cfg)
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from e
+
+    def is_self_draft(self, draft: Worker) -> bool:
+        """A draft of this worker's own checkpoint: it shares this worker's cache."""
+        return os.path.realpath(draft.checkpoint.path) == os.path.realpath(self.checkpoint.path)
+
+    def _draft_block_bytes(self, draft: Worker | None, cfg: CacheConfig) -> int:
+        """Bytes a block costs in a draft's own pool (0: none, or a self-draft)."""
+        if draft is None or self.is_self_draft(draft):
+            return 0
+        m = draft.model
+        return cache_block_bytes(m.num_cache_layers, cfg.block_size, m.num_kv_heads, m.head_size,
+                                 self._draft_kv_dtype(draft, cfg))
+
+    @staticmethod
+    def _draft_kv_dtype(draft: Worker, cfg: CacheConfig) -> torch.dtype:
+        return quantization.kv_cache_dtype(cfg.cache_dtype, draft.dtype, draft.device, draft.backend.get_name())
+
+    def draft_model(self, draft: Worker, cache_config: CacheConfig) -> DraftModel:
+        """The proposer over ``draft`` (``load_draft``), once this worker's cache
+        is allocated: a self-draft shares it; any other draft gets a pool of its
+        own with this cache's blocks (``init_cache`` sized both)."""
         tc = self.cache_engine
-        if os.path.realpath(draft.checkpoint.path) == os.path.realpath(self.checkpoint.path):
+        if self.is_self_draft(draft):
             return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc)
         m = draft.model
         own = CacheEngine(
             num_layers=m.num_cache_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size,
             block_size=tc.block_size, num_gpu_blocks=tc.gpu_cache[0].shape[1],
             num_cpu_blocks=cache_config.num_cpu_blocks, device=draft.device, backend=draft.backend,
-            dtype=quantization.kv_cache_dtype(cache_config.cache_dtype, draft.dtype, draft.device,
-                                              draft.backend.get_name()))
+            dtype=self._draft_kv_dtype(draft, cache_config))
         return DraftModel(m, draft.backend, draft.device, tc.block_size, target_cache=tc, own_cache=own)
 
     def init_batch(self, scheduler_config: SchedulerConfig, logits_processors: list[Any] | None,

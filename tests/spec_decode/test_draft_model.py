@@ -94,8 +94,10 @@ def target_copy(bart_pair, tmp_path_factory):
 @pytest.mark.parametrize("draft", ["int8 self-draft", "own pool"])
 def test_preemption_while_drafting(bart_pair, target_copy, mode, draft):
     target = bart_pair[0]
-    spec = _draft(target, 3, quantization="int8") if draft == "int8 self-draft" else _draft(target_copy, 3)
-    check_preemption(target, spec, mode)
+    if draft == "int8 self-draft":
+        check_preemption(target, _draft(target, 3, quantization="int8"), mode)
+    else:  # the budget holds both pools: twice the blocks' bytes for the same blocks
+        check_preemption(target, _draft(target_copy, 3), mode, pools=2)
 
 
 def test_aborts_while_drafting_free_every_block(bart_pair, target_copy):
@@ -157,3 +159,18 @@ def test_transcribe_stream_with_an_int8_self_draft(ct2_dir, speech_clips):
     assert [(s.text, s.final) for s in llm.transcribe_stream(chunks)] == want
     assert _acceptance(llm) > 0.5
     assert _all_free(llm)
+
+
+def test_the_cache_budget_holds_a_draft_s_own_pool(bart_pair, target_copy):
+    """``kv_cache_memory`` is what the KV caches take in all: a draft with a
+    pool of its own halves the blocks of a copy-of-the-target's size (each
+    block has its twin there); a self-draft shares the target's blocks."""
+    target = bart_pair[0]
+    budget = 16 << 20
+
+    def blocks(spec):
+        return LLM(target, kv_cache_memory=budget, speculative_config=spec).llm_engine.cache_config.num_gpu_blocks
+
+    alone = blocks(None)
+    assert blocks(_draft(target, 2, quantization="int8")) == alone
+    assert blocks(_draft(target_copy, 2)) == alone // 2

@@ -113,13 +113,14 @@ def test_copying_model_accepts_drafts_and_rolls_back_across_blocks(bart_dir, mon
     assert _all_free(llm)
 
 
-def check_preemption(path: str, spec: dict, mode: str) -> None:
+def check_preemption(path: str, spec: dict, mode: str, pools: int = 1) -> None:
     """A cache that holds a few requests at a time: rows are swapped or
-    recomputed mid-speculation; tokens as without speculation, nothing leaks."""
+    recomputed mid-speculation; tokens as without speculation, nothing leaks.
+    ``pools``: caches the budget is split over (a draft with a pool of its own: 2)."""
     prompts = _prompts(12, seed=7)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = _tokens(LLM(path, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
-    llm = LLM(path, kv_cache_memory=24 * BLOCK_BYTES, swap_space=0.01, max_model_len=128,
+    llm = LLM(path, kv_cache_memory=24 * BLOCK_BYTES * pools, swap_space=0.01 * pools, max_model_len=128,
               preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
     assert llm.llm_engine.stats.num_preempted > 0
