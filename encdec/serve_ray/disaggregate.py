@@ -5,7 +5,7 @@ decoding on D engine replicas.
                               | process the request (tokens, log-mel) on its engine thread
                               | encoder cache holds the input's key?  yes: no transfer
                               | no: EncoderWorker.encode(ids, features) --> one of E workers
-                              |     <-- encoder output through Ray's object store
+                              |     <-- encoder output, in the reply (Serve's gRPC call)
                               v
                             admit the request with its encoder output; decode as ever
 
