@@ -14,9 +14,9 @@ replica that took it.
 second, and one silent for 10 s is left out.
 
 Faults: a replica that dies fails the requests it held with a 503 in OpenAI's
-error shape naming it (a stream already started ends with an error event); a
-request Serve sent to a replica already dead is tried once more; both done by a
-middleware in Serve's proxy (``proxy_errors``), which needs its environment
+error shape naming it (a stream already started ends with an error event); an API
+request its replica had barely taken is sent once more; both done by a middleware in
+Serve's proxy (``proxy_errors``), which needs its environment
 variable in the proxy's process (``serve_ray`` sets it for the cluster it
 starts or joins). Serve starts a new replica; the other replicas keep serving.
 

@@ -6,13 +6,15 @@ when the replica dies it ends the response without a word (a bare 500 from the
 HTTP server). This ASGI middleware, which Serve puts around its proxy when
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names ``middlewares`` below (set in
 the proxy's environment: ``proxy_env()``), asks the replica to name itself
-first thing (``replica_app``) and then:
+first thing (``replica_app``), and then:
 
-- a replica lost before it named itself never ran the request: it is sent once
-  more (the body read so far is replayed; Serve routes it to a live replica);
-- lost after: a 503 in OpenAI's error shape naming the replica before the
-  response started; once a stream has started, an SSE error event ends it; a
-  WebSocket is closed with code 1011.
+- a replica lost after it named itself: a 503 in OpenAI's error shape naming it
+  before the response started, an SSE error event ending a stream that had
+  started, a close with code 1011 for a WebSocket;
+- an OpenAI API request (``/v1/...``) whose replica was lost before its name
+  reached the proxy (the replica had barely taken it) is sent once more, with
+  the body read so far; lost again, a 503;
+- anything else (another application's request) is left as Serve answers it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from encdec.serve_ray.replica_app import NAME_REPLICA, REPLICA_MESSAGE
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "encdec.serve_ray.proxy_errors.middlewares"
+OPENAI_PREFIX = "/v1/"  # the routes whose requests are ours even before a replica names itself
 
 
 def proxy_env() -> dict[str, str]:
@@ -79,26 +82,28 @@ class ReplicaLoss:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         scope = dict(scope, extensions={**(scope.get("extensions") or {}), NAME_REPLICA: {}})
-        seen: list[dict] = []  # what the client sent so far, for a second try
+        ours = scope["type"] == "http" and scope["path"].startswith(OPENAI_PREFIX)
+        gone = [False]  # the client left: it needs no answer
+        seen: list[dict] = []  # the client's messages, while a second try may need them
+        attempt = _Try(send)
 
         async def recorded() -> dict:
             message = await receive()
-            seen.append(message)
+            gone[0] = gone[0] or message["type"] in ("http.disconnect", "websocket.disconnect")
+            if ours and attempt.replica is None:
+                seen.append(message)
             return message
 
-        attempt = _Try(send)
         await self.app(scope, recorded, attempt.send)
-        if (attempt.replica is None and not attempt.started and scope["type"] == "http"
-                and not any(m["type"] == "http.disconnect" for m in seen)):
+        if ours and attempt.replica is None and not attempt.started and not gone[0]:
             replay = iter(list(seen))
 
             async def replayed() -> dict:
-                return next(replay, None) or await receive()
+                return next(replay, None) or await recorded()
 
             attempt = _Try(send)
             await self.app(scope, replayed, attempt.send)
-        gone = any(m["type"] in ("http.disconnect", "websocket.disconnect") for m in seen)
-        if not attempt.ended and not gone:
+        if (ours or attempt.replica is not None) and not attempt.ended and not gone[0]:
             await _fail(attempt, scope["type"], send)
 
 

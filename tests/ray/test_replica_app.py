@@ -2,7 +2,9 @@
 wrapper (``replica_app``: names itself when asked, tags responses, coalesces a
 stream's pieces, caps bodies, answers /metrics) and the middleware in Serve's
 proxy (``proxy_errors``: a lost replica's request becomes OpenAI's 503 naming it,
-a stream gets an error event, a request no replica took is sent once more)."""
+a stream gets an error event, a WebSocket a 1011 close, an API request whose
+replica was lost before naming itself is sent once more; other applications'
+requests are left to Serve)."""
 from __future__ import annotations
 
 import asyncio
@@ -158,7 +160,7 @@ def test_a_stream_cut_short_ends_with_an_error_event():
     assert json.loads(sent[-1]["body"].removeprefix(b"data: "))["error"]["code"] == 503
 
 
-def test_a_request_no_replica_took_is_sent_again_with_its_body():
+def test_an_api_request_no_replica_named_itself_for_is_sent_again_with_its_body():
     proxy, calls = _proxy(["lost before naming", "answers"])
     sent = _run(ReplicaLoss(proxy), _scope(), BODY)
     assert [c[0] for c in calls] == ["lost before naming", "answers"]
@@ -167,6 +169,21 @@ def test_a_request_no_replica_took_is_sent_again_with_its_body():
     proxy, calls = _proxy(["lost before naming", "lost before naming"])
     sent = _run(ReplicaLoss(proxy), _scope(), BODY)
     assert len(calls) == 2 and sent[0]["status"] == 503  # only once more
+
+
+def test_another_applications_request_is_left_to_serve():
+    proxy, calls = _proxy(["lost before naming"])
+    assert _run(ReplicaLoss(proxy), _scope("/other/app"), BODY) == [] and len(calls) == 1
+
+
+def test_a_client_that_left_gets_nothing_more():
+    async def proxy(scope, receive, send):
+        await send({"type": REPLICA_MESSAGE, "replica": "r7"})
+        await receive()
+        await receive()  # the disconnect: Serve then cancels the call
+
+    gone = [*BODY, {"type": "http.disconnect"}]
+    assert _run(ReplicaLoss(proxy), _scope(), gone) == []
 
 
 @pytest.mark.parametrize("kind", ["lost after naming", "answers"])
