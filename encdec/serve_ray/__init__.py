@@ -85,7 +85,7 @@ class EngineReplica:
         return self.server_app.state.server.metrics.render()
 
     async def _push_metrics(self) -> None:
-        from encdec.entrypoints.openai.ray_ingress import metrics_board
+        from encdec.serve_ray.board import metrics_board
 
         while True:
             try:
@@ -99,7 +99,7 @@ class EngineReplica:
     async def _merged_metrics(self) -> bytes:
         """Every live replica's metrics (this one's as of now), labelled by replica."""
         from encdec.entrypoints.openai.asgi_relay import merge_metrics
-        from encdec.entrypoints.openai.ray_ingress import metrics_board
+        from encdec.serve_ray.board import metrics_board
         from encdec.serve_ray.replica_app import STALE_SECONDS
 
         texts: dict[str, bytes] = {}

@@ -25,9 +25,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from encdec.entrypoints.openai.asgi_relay import REPLICA_HEADER
+
 REPLICA_MESSAGE = "encdec.replica"  # the ASGI message that names the replica to the proxy
 NAME_REPLICA = "encdec.name_replica"  # scope extension: the proxy wants REPLICA_MESSAGE first
-REPLICA_HEADER = b"x-encdec-replica"
 STALE_SECONDS = 10.0  # a replica silent this long is left out of /metrics
 
 Send = Callable[[dict], Awaitable[None]]

@@ -1,15 +1,15 @@
-"""One ASGI request carried between two processes as plain messages.
+"""ASGI messages carried between processes, and what the Ray Serve path
+shares with ``encdec serve``: an app run on a body read whole with its
+``send`` messages collected (``run_asgi``: ``benchmarks/serve_hops`` times a
+request relayed so), an ``APIError`` as the messages of its OpenAI-shaped
+response (``error_messages``: Serve's proxy middleware answers a lost
+replica with them), and several replicas' ``/metrics`` merged, labelled by
+replica (``merge_metrics``).
 
-``encdec serve --ray`` runs the whole ``encdec serve`` app (``build_app``) in
-every engine replica and a thin ingress in front: the ingress sends the request
-(its scope and body, or for a WebSocket a queue of client events) and gets back
-the app's ASGI ``send`` messages as a stream. The routes, validation and error
-shapes are therefore the ones of ``encdec serve``, by construction.
-
-What must hold: a scope crosses with only plain, picklable keys; the replica's
-app task is cancelled when the caller goes away (a cancelled stream aborts its
-engine requests); the app's own errors are already OpenAI-shaped responses, and
-an app that fails before answering still gets a 500 in that shape.
+What must hold: the app task is cancelled when the caller goes away (a
+cancelled stream aborts its engine requests); the app's own errors are
+already OpenAI-shaped responses, and an app that fails before answering still
+gets a 500 in that shape.
 """
 from __future__ import annotations
 
@@ -25,21 +25,7 @@ from encdec.entrypoints.openai.protocol import APIError
 logger = logging.getLogger("encdec")
 
 Receive = Callable[[], Awaitable[dict]]
-_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "query_string",
-               "client", "server", "subprotocols", "extensions")
 REPLICA_HEADER = b"x-encdec-replica"
-
-
-def portable_scope(scope: dict, path: str) -> dict:
-    """The parts of an ASGI scope another process can rebuild a request from;
-    ``path`` is the full request path (a proxy may have split it into root_path)."""
-    out = {k: scope[k] for k in _SCOPE_KEYS if k in scope}
-    out["path"] = path
-    out["raw_path"] = path.encode()
-    out["root_path"] = ""
-    out["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", ())]
-    out["extensions"] = {k: dict(v or {}) for k, v in (scope.get("extensions") or {}).items()}
-    return out
 
 
 def body_receive(body: bytes) -> Receive:

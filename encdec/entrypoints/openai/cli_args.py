@@ -45,17 +45,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     scale = p.add_argument_group("scale-out on Ray Serve (the serve-ray extra)")
     scale.add_argument("--ray", action="store_true",
-                       help="serve through Ray Serve: one OpenAI ingress in front of --replicas engine replicas "
-                            "(joins the cluster at RAY_ADDRESS, or starts a local one)")
+                       help="serve through Ray Serve: --replicas engine replicas, each running the whole OpenAI "
+                            "app, Serve's HTTP proxy spreading requests over them (joins the cluster at "
+                            "RAY_ADDRESS, or starts a local one)")
     scale.add_argument("--replicas", type=int, default=1,
-                       help="engine replicas behind the ingress (with --ray); each is one engine")
+                       help="engine replicas behind Serve's proxy (with --ray); each is one engine")
     scale.add_argument("--replica-cpus", type=float, default=1.0,
                        help="CPUs Ray reserves for each engine replica (with --ray)")
     scale.add_argument("--replica-gpus", type=float, default=0.0,
                        help="GPUs Ray reserves for each engine replica (with --ray)")
     scale.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
                        help="encoder passes on E encoder workers, decoding on D engine replicas fed their "
-                            "encoder outputs through Ray's object store (with --ray, instead of --replicas; "
+                            "encoder outputs in the workers' replies (with --ray, instead of --replicas; "
                             "each worker and replica reserves --replica-cpus/--replica-gpus)")
     engine = p.add_argument_group("engine options (as LLM takes them)")
     add_engine_args(engine)
