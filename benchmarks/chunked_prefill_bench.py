@@ -18,13 +18,9 @@ Outputs must be identical across settings.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import statistics
-import tempfile
-import time
 
-from encdec.bench.common import OtherCPUMonitor
+from encdec.bench.common import bart_base_dir, stream_gaps
 
 
 def _prompts(n: int, dec_len: int, seed: int) -> list:
@@ -50,30 +46,13 @@ def run(model_dir: str, budget: int | None, args) -> dict:
         engine.add_request(rid, p, stream)
     while min(sched.get_seq_group(r).seqs[0].get_output_len() for r in streams) < 3:
         engine.step()
-    done: dict[str, list[int]] = {}
-    last = {r: (sched.get_seq_group(r).seqs[0].get_output_len(), time.perf_counter()) for r in streams}
-    gaps: list[float] = []
     arrival = SamplingParams(temperature=0.0, max_tokens=args.arrival_tokens, ignore_eos=True)
-    with OtherCPUMonitor() as mon:
-        t0 = time.perf_counter()
+
+    def arrive() -> None:
         for j, p in enumerate(_prompts(args.arrivals, args.prompt_len, 2)):
             engine.add_request(f"a{j}", p, arrival)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = list(out.outputs[0].token_ids)
-            now = time.perf_counter()
-            for r in streams:
-                group = sched.get_seq_group(r)
-                n = group.seqs[0].get_output_len() if group is not None else args.stream_tokens
-                if r in last and n > last[r][0]:
-                    gaps.append(now - last[r][1])
-                    last[r] = (n, now)
-                if group is None:
-                    last.pop(r, None)
-        seconds = time.perf_counter() - t0
-    gaps.sort()
-    return dict(tokens=[done[k] for k in sorted(done)], seconds=seconds, median=statistics.median(gaps),
-                p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], max=gaps[-1], other_cpu=mon.summary())
+
+    return stream_gaps(engine, streams, args.stream_tokens, arrive)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,12 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--arrival-tokens", type=int, default=8)
     args = ap.parse_args(argv)
-    from encdec.testing import make_random_bart
-
-    model_dir = os.path.join(tempfile.gettempdir(), "encdec_bench_bart_base")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):  # the dims benchmarks/bart_bench.py uses
-        make_random_bart(model_dir, vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072,
-                         max_positions=1024, init_std=0.02, position_std=0.02)
+    model_dir = bart_base_dir()
     print(f"BART bart-base dims: {args.streams} streams decoding {args.stream_tokens} tokens; {args.arrivals} "
           f"requests with {args.prompt_len}-token decoder prompts arrive at once")
     first = None

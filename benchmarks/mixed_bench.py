@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import statistics
-import time
 
-from encdec.bench.common import SPEECH, OtherCPUMonitor
+from encdec.bench.common import SPEECH, stream_gaps
 
 
 def _prompt(wav):
@@ -58,31 +56,13 @@ def run(model_dir: str, budget: int | None, clips: list, args) -> dict:
     sched.schedule = counted
     while min(sched.get_seq_group(r).seqs[0].get_output_len() for r in streams) < 3:
         engine.step()
-    done: dict[str, list[int]] = {}
-    last = {r: (sched.get_seq_group(r).seqs[0].get_output_len(), time.perf_counter()) for r in streams}
-    gaps: list[float] = []
-    with OtherCPUMonitor() as mon:
-        t0 = time.perf_counter()
+
+    def arrive() -> None:
         for j in range(args.uploads):
             engine.add_request(f"u{j}", _prompt(clips[(args.streams + j) % len(clips)]), upload)
         enc_per_step.clear()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = list(out.outputs[0].token_ids)
-            now = time.perf_counter()
-            for r in streams:
-                group = sched.get_seq_group(r)
-                n = group.seqs[0].get_output_len() if group is not None else args.stream_tokens
-                if r in last and n > last[r][0]:
-                    gaps.append(now - last[r][1])
-                    last[r] = (n, now)
-                if group is None:
-                    last.pop(r, None)
-        seconds = time.perf_counter() - t0
-    gaps.sort()
-    return dict(tokens=[done[k] for k in sorted(done)], seconds=seconds, median=statistics.median(gaps),
-                p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], max=gaps[-1], max_enc=max(enc_per_step),
-                other_cpu=mon.summary())
+
+    return dict(stream_gaps(engine, streams, args.stream_tokens, arrive), max_enc=max(enc_per_step))
 
 
 def main(argv: list[str] | None = None) -> None:

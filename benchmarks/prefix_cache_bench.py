@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import tempfile
 import time
 
-from encdec.bench.common import OtherCPUMonitor, allocator_for_both_sides
+from encdec.bench.common import OtherCPUMonitor, allocator_for_both_sides, bart_base_dir
 
 PREFIX_LEN = 32
 
@@ -65,12 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from encdec import SamplingParams
-    from encdec.testing import make_random_bart
 
-    model_dir = os.path.join(tempfile.gettempdir(), "encdec_bench_bart_base")
-    if not os.path.exists(os.path.join(model_dir, "config.json")):  # the dims benchmarks/bart_bench.py uses
-        make_random_bart(model_dir, vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072,
-                         max_positions=1024, init_std=0.02, position_std=0.02)
+    model_dir = bart_base_dir()
     print(f"threads {args.threads or torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"{allocator_for_both_sides()}")
     prompts = workload(8, 8, (args.doc_min, args.doc_max))

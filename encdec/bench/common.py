@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # Both sides run in this process, so these apply to our engine and HF alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -157,3 +159,48 @@ def warmup_prompts(enc: list[list[int]], n: int = 2) -> list:
     from encdec import TokensPrompt
 
     return [TokensPrompt(prompt_token_ids=e[1:]) for e in enc[:n]]
+
+
+def bart_base_dir() -> str:
+    """A random BART of bart-base's dims (the ones ``benchmarks/bart_bench.py``
+    uses), written once to the temp dir and reused."""
+    import tempfile
+
+    from encdec.testing import make_random_bart
+
+    model_dir = os.path.join(tempfile.gettempdir(), "encdec_bench_bart_base")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        make_random_bart(model_dir, vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072,
+                         max_positions=1024, init_std=0.02, position_std=0.02)
+    return model_dir
+
+
+def stream_gaps(engine: Any, streams: list[str], stream_tokens: int, arrive: Callable[[], None]) -> dict:
+    """Lets work arrive (``arrive``), then steps ``engine`` until every request
+    has finished, timing each of the ``streams`` requests' waits between new
+    output tokens: what a streaming client sees while other work is admitted.
+    Returns every request's tokens, the seconds, the waits' median, p99 and
+    max, and other processes' CPU meanwhile."""
+    sched = engine.scheduler
+    done: dict[str, list[int]] = {}
+    last = {r: (sched.get_seq_group(r).seqs[0].get_output_len(), time.perf_counter()) for r in streams}
+    gaps: list[float] = []
+    with OtherCPUMonitor() as mon:
+        t0 = time.perf_counter()
+        arrive()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = list(out.outputs[0].token_ids)
+            now = time.perf_counter()
+            for r in streams:
+                group = sched.get_seq_group(r)
+                n = group.seqs[0].get_output_len() if group is not None else stream_tokens
+                if r in last and n > last[r][0]:
+                    gaps.append(now - last[r][1])
+                    last[r] = (n, now)
+                if group is None:
+                    last.pop(r, None)
+        seconds = time.perf_counter() - t0
+    gaps.sort()
+    return dict(tokens=[done[k] for k in sorted(done)], seconds=seconds, median=statistics.median(gaps),
+                p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], max=gaps[-1], other_cpu=mon.summary())

@@ -14,6 +14,7 @@ from encdec import LLM, SamplingParams, TokensPrompt
 from encdec.engine.arg_utils import EngineArgs
 from encdec.inputs import ExplicitEncoderDecoderPrompt
 from encdec.sampling_params import BeamSearchParams
+from tests.core.test_prefix_cache_engine import churn
 
 
 def _prompt(enc: list[int], dec: list[int]) -> ExplicitEncoderDecoderPrompt:
@@ -153,21 +154,7 @@ def test_many_mixed_requests_with_aborts_leak_no_block(tiny_bart):
     engine = LLMEngine(EngineArgs(model=tiny_bart, device="cpu", kv_cache_memory=1 << 20, swap_space=0.05,
                                   max_num_seqs=16, enable_chunked_prefill=True, max_num_batched_tokens=20,
                                   enable_prefix_caching=True))
-    prompts = long_prompts(12, seed=12, lo=2, hi=60)
-    live: list[str] = []
-    for i in range(300):
-        n = rng.choice([1, 1, 2])
-        engine.add_request(f"r{i}", prompts[rng.randrange(len(prompts))],
-                           SamplingParams(n=n, temperature=0.8 if n > 1 else 0.0, seed=i,
-                                          max_tokens=rng.randint(1, 12), ignore_eos=True))
-        live.append(f"r{i}")
-        if rng.random() < 0.6:
-            done = {o.request_id for o in engine.step()}
-            live = [r for r in live if r not in done]
-        if live and rng.random() < 0.25:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-    while engine.has_unfinished_requests():
-        engine.step()
+    churn(engine, long_prompts(12, seed=12, lo=2, hi=60), rng, step_chance=0.6)
     bm = engine.scheduler.block_manager
     assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)
     assert not bm.block_tables and not bm.cross_block_tables and not engine.scheduler._chunking

@@ -167,27 +167,33 @@ def test_whisper_retry_of_a_window_with_previous_text_matches_off(ct2_dir, speec
     assert got[True] == got[False]
 
 
-def test_many_mixed_requests_with_aborts_leak_no_block(tiny_bart):
-    from encdec.engine.llm_engine import LLMEngine
-
-    rng = random.Random(11)
-    engine = LLMEngine(EngineArgs(model=tiny_bart, device="cpu", kv_cache_memory=2 << 20, swap_space=0.05,
-                                  max_num_seqs=16, enable_prefix_caching=True))
-    prompts = documents_x_prompts(5, 6, 18, seed=12)
+def churn(engine, prompts: list, rng: random.Random, step_chance: float, count: int = 300) -> None:
+    """``count`` requests of ``prompts`` (n = 1 greedy or n = 2 sampled, 1-12
+    tokens), a step after some of them, a random live one aborted after
+    others, then every step until all have finished."""
     live: list[str] = []
-    for i in range(300):
-        p = prompts[rng.randrange(len(prompts))]
+    for i in range(count):
         n = rng.choice([1, 1, 2])
-        engine.add_request(f"r{i}", p, SamplingParams(n=n, temperature=0.8 if n > 1 else 0.0, seed=i,
-                                                       max_tokens=rng.randint(1, 12), ignore_eos=True))
+        engine.add_request(f"r{i}", prompts[rng.randrange(len(prompts))],
+                           SamplingParams(n=n, temperature=0.8 if n > 1 else 0.0, seed=i,
+                                          max_tokens=rng.randint(1, 12), ignore_eos=True))
         live.append(f"r{i}")
-        if rng.random() < 0.5:
+        if rng.random() < step_chance:
             done = {o.request_id for o in engine.step()}
             live = [r for r in live if r not in done]
         if live and rng.random() < 0.25:
             engine.abort_request(live.pop(rng.randrange(len(live))))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_many_mixed_requests_with_aborts_leak_no_block(tiny_bart):
+    from encdec.engine.llm_engine import LLMEngine
+
+    rng = random.Random(11)
+    engine = LLMEngine(EngineArgs(model=tiny_bart, device="cpu", kv_cache_memory=2 << 20, swap_space=0.05,
+                                  max_num_seqs=16, enable_prefix_caching=True))
+    churn(engine, documents_x_prompts(5, 6, 18, seed=12), rng, step_chance=0.5)
     bm = engine.scheduler.block_manager
     assert bm.prefix_cache_stats()[1] > 0
     assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)

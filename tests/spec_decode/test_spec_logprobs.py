@@ -11,32 +11,15 @@ room, and is far below any difference a wrong row or a wrong prefix makes
 (those move log-probs by whole units on these models)."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from encdec import LLM, SamplingParams, TokensPrompt
 from encdec.testing import make_random_bart
+from tests.spec_decode.test_engine_spec import _prompts, _spec
 
 ATOL = 1e-4
-
-
-def _spec(k: int) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def _prompts(n: int, seed: int = 0) -> list[TokensPrompt]:
-    """Encoder inputs that repeat phrases (drafts copied from them get tried)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [rng.randrange(10, 900) for _ in range(rng.randint(2, 5))]
-        ids: list[int] = []
-        while len(ids) < rng.randint(8, 40):
-            ids += phrase if rng.random() < 0.5 else [rng.randrange(10, 900)]
-        out.append(TokensPrompt(prompt_token_ids=ids))
-    return out
 
 
 def _all_free(llm: LLM) -> bool:
