@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from encdec import LLM, SamplingParams
-from tests.spec_decode.test_engine_spec import (FAMILIES, _all_free, _mixed_params, _prompts, _tokens, check_aborts,
-                                               check_preemption)
+from tests.spec_decode.test_engine_spec import (FAMILIES, _all_free, _mixed_params, _prompts, _tokens, aborted_run,
+                                               preempted_run)
 
 
 def _draft(model: str, k: int, **options) -> dict:
@@ -95,13 +95,15 @@ def target_copy(bart_pair, tmp_path_factory):
 def test_preemption_while_drafting(bart_pair, target_copy, mode, draft):
     target = bart_pair[0]
     if draft == "int8 self-draft":
-        check_preemption(target, _draft(target, 3, quantization="int8"), mode)
+        got, want, preempted, free = preempted_run(target, _draft(target, 3, quantization="int8"), mode)
     else:  # the budget holds both pools: twice the blocks' bytes for the same blocks
-        check_preemption(target, _draft(target_copy, 3), mode, pools=2)
+        got, want, preempted, free = preempted_run(target, _draft(target_copy, 3), mode, pools=2)
+    assert got == want and preempted > 0 and free
 
 
 def test_aborts_while_drafting_free_every_block(bart_pair, target_copy):
-    check_aborts(bart_pair[0], _draft(target_copy, 4))
+    drafts, unfinished, free = aborted_run(bart_pair[0], _draft(target_copy, 4))
+    assert drafts > 0 and not unfinished and free
 
 
 def test_a_draft_with_fewer_positions_is_refused(bart_pair, tmp_path):
@@ -113,16 +115,14 @@ def test_a_draft_with_fewer_positions_is_refused(bart_pair, tmp_path):
         LLM(target, kv_cache_memory=16 << 20, speculative_config=_draft(short, 2))
 
 
-def _whisper_same(model_dir: str, clips: list, k: int, **opts) -> LLM:
-    """Transcribe ``clips`` without and with an int8 self-draft: the same
-    segments (text, tokens, times, temperature). Returns the drafting engine."""
+def _whisper_runs(model_dir: str, clips: list, k: int, **opts) -> tuple[list, list, LLM]:
+    """``clips`` transcribed with an int8 self-draft and without: their
+    segments (text, tokens, times, temperature), and the drafting engine."""
     from tests.spec_decode.test_spec_whisper import KW, _segments
 
     want = _segments(LLM(model_dir, **KW).transcribe(clips, use_tqdm=False, **opts))
     llm = LLM(model_dir, **KW, speculative_config=_draft(model_dir, k, quantization="int8"))
-    assert _segments(llm.transcribe(clips, use_tqdm=False, **opts)) == want
-    assert _all_free(llm)
-    return llm
+    return _segments(llm.transcribe(clips, use_tqdm=False, **opts)), want, llm
 
 
 def test_whisper_int8_self_draft_transcribes_the_same(ct2_dir, speech_clips):
@@ -130,7 +130,8 @@ def test_whisper_int8_self_draft_transcribes_the_same(ct2_dir, speech_clips):
     drafts are mostly the target's tokens, and the segments are the ones
     without speculation."""
     _, _, audio = speech_clips
-    llm = _whisper_same(str(ct2_dir), [(a, 16000) for a in audio[:2]], 4, timestamps=True)
+    got, want, llm = _whisper_runs(str(ct2_dir), [(a, 16000) for a in audio[:2]], 4, timestamps=True)
+    assert got == want and _all_free(llm)
     assert _acceptance(llm) > 0.5
 
 
@@ -141,7 +142,8 @@ def test_whisper_long_form_with_an_int8_self_draft(ct2_dir, speech_clips):
     _, texts, audio = speech_clips
     wav, _ = build_file(audio, texts, seed=0, minutes=1.0)
     for k in (1, 5):
-        _whisper_same(str(ct2_dir), [(wav, 16000)], k)
+        got, want, llm = _whisper_runs(str(ct2_dir), [(wav, 16000)], k)
+        assert got == want and _all_free(llm), k
 
 
 def test_transcribe_stream_with_an_int8_self_draft(ct2_dir, speech_clips):

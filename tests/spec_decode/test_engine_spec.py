@@ -113,23 +113,24 @@ def test_copying_model_accepts_drafts_and_rolls_back_across_blocks(bart_dir, mon
     assert _all_free(llm)
 
 
-def check_preemption(path: str, spec: dict, mode: str, pools: int = 1) -> None:
-    """A cache that holds a few requests at a time: rows are swapped or
-    recomputed mid-speculation; tokens as without speculation, nothing leaks.
-    ``pools``: caches the budget is split over (a draft with a pool of its own: 2)."""
+def preempted_run(path: str, spec: dict, mode: str, pools: int = 1) -> tuple[list, list, int, bool]:
+    """A cache that holds a few requests at a time, so rows are swapped or
+    recomputed mid-speculation: (tokens, tokens without speculation,
+    preemptions, every block free after). ``pools``: caches the budget is split
+    over (a draft with a pool of its own: 2)."""
     prompts = _prompts(12, seed=7)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = _tokens(LLM(path, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
     llm = LLM(path, kv_cache_memory=24 * BLOCK_BYTES * pools, swap_space=0.01 * pools, max_model_len=128,
               preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == want
-    assert llm.llm_engine.stats.num_preempted > 0
-    assert _all_free(llm)
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    return got, want, llm.llm_engine.stats.num_preempted, _all_free(llm)
 
 
-def check_aborts(path: str, spec: dict) -> None:
+def aborted_run(path: str, spec: dict) -> tuple[int, bool, bool]:
     """Requests aborted mid-speculation, half after a few steps, the rest
-    later: every block is free."""
+    later: (drafts verified before the first aborts, any request left, every
+    block free after)."""
     llm = LLM(path, kv_cache_memory=16 << 20, speculative_config=spec)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -137,22 +138,23 @@ def check_aborts(path: str, spec: dict) -> None:
         engine.add_request(f"r{i}", p, params)
     for _ in range(15):
         engine.step()
-    assert engine.get_stats().spec_decode_num_draft_tokens > 0
+    drafts = engine.get_stats().spec_decode_num_draft_tokens
     engine.abort_request([f"r{i}" for i in range(0, 6, 2)])
     for _ in range(5):
         engine.step()
     engine.abort_request([f"r{i}" for i in range(1, 6, 2)])
-    assert not engine.has_unfinished_requests()
-    assert _all_free(llm)
+    return drafts, engine.has_unfinished_requests(), _all_free(llm)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_while_speculating(bart_dir, mode):
-    check_preemption(bart_dir, _spec(3), mode)
+    got, want, preempted, free = preempted_run(bart_dir, _spec(3), mode)
+    assert got == want and preempted > 0 and free
 
 
 def test_aborts_while_speculating_free_every_block(bart_dir):
-    check_aborts(bart_dir, _spec(4))
+    drafts, unfinished, free = aborted_run(bart_dir, _spec(4))
+    assert drafts > 0 and not unfinished and free
 
 
 @pytest.mark.parametrize("spec, match", [
