@@ -36,7 +36,8 @@ def family(request, tmp_path_factory):
     return path, copy, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False), params)
 
 
-@pytest.mark.parametrize("draft, k", [("int8 self-draft", 3), ("own pool", 5)])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("draft", ["int8 self-draft", "own pool"])
 def test_greedy_draft_model_is_token_identical_in_mixed_batches(family, draft, k):
     path, copy, prompts, params, want = family
     spec = _draft(path, k, quantization="int8") if draft == "int8 self-draft" else _draft(copy, k)
