@@ -368,9 +368,8 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_num_gpu_blocks_used = max(self.stats.peak_num_gpu_blocks_used, used)
         # Draft slots grow and trim tables in place: no steady step during or right after them.
-        drafting = bool(self.spec_rows)
-        same = self._metadata.unchanged and not blocks.swap_out and not (drafting or self._drafted_last)
-        self._drafted_last = drafting
+        regrown, self._drafted_last = bool(self.spec_rows) or self._drafted_last, bool(self.spec_rows)
+        same = self._metadata.unchanged and not blocks.swap_out and not regrown
         if same:  # last step's rows (single sequences), one token further
             num_tokens, joined, left = len(metas), [], []
         else:
@@ -392,6 +391,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
             seq_ids_joined=joined,
             seq_ids_left=left,
             same_rows=same,
+            tables_regrown=regrown,
             spec_rows={sid: m for sid, m in self.spec_rows.items() if sid in batch} if self.spec_rows else {},
             token_masks=(self.structured.fill_masks(prefills + decodes)
                          if self.structured and self._num_constrained else None),

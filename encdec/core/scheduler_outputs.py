@@ -40,6 +40,8 @@ class SchedulerOutputs:
     # Speculative decoding: decoder seq_id -> the most draft tokens its row may
     # carry this step (slots given); rows not here carry none.
     spec_rows: dict[int, int] = field(default_factory=dict)
+    # draft slots this step or the last: tables grown and trimmed in place (no reuse of last step's)
+    tables_regrown: bool = False
 
 
 @dataclass

@@ -22,6 +22,7 @@ a swap the pool missed) costs acceptance, never exactness.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -140,7 +141,7 @@ class DraftModel:
             seq_lens, q_lens, enc_lens, slot_mapping, self._tables.get(tables, dev, True),
             self._cross.get(cross, dev, True), tables, cross, self.block_size, dev))
         hidden = self.model(input_ids, pos, self.cache.gpu_cache, md)
-        last = to_device([sum(q_lens[:i + 1]) - 1 for i in range(len(q_lens))], torch.long, dev)
+        last = to_device([end - 1 for end in itertools.accumulate(q_lens)], torch.long, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last)).float()
         if apply_static is not None:
             logits = apply_static(logits)

@@ -114,7 +114,6 @@ class EncoderDecoderModelRunner:
         self._self_tables, self._cross_tables = PaddedTables(), PaddedTables()
         self._steady = SteadyDecode(backend, self.block_size, HOST_SLOTS_MAX_TOKENS)
         self.drafter: DraftProposer | None = None  # speculative decoding's (the worker sets it)
-        self._drafted_last = False  # the last planned step gave rows draft slots
         # The last step's (rows, batch order, gather index, seq_ids, logprobs wanted, any beam row)
         self._rows_of_last: tuple | None = None
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
@@ -260,7 +259,6 @@ class EncoderDecoderModelRunner:
         # A decode-only step batches one token per sequence: num_batched_tokens rows.
         small = self.device.type == "cpu" and n == 0 and sched.num_batched_tokens <= SMALL_STEP_ROWS
         graphs = self.graphs
-        drafted_last, self._drafted_last = self._drafted_last, bool(sched.spec_rows)
         if self.drafter:  # a draft model reads and writes the cache: the step's moves first (no async here)
             self._move_blocks(sched)
         if not metas:
@@ -276,9 +274,8 @@ class EncoderDecoderModelRunner:
             if bucket is not None:
                 return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead), dec], bucket, small,
                                 self.drafter is not None)
-        # Tables changed in place: blocks copied or swapped in, or (draft slots, this step's or the
-        # last's) trimmed back and regrown.
-        moved = bool(sched.blocks_to_copy or sched.blocks_to_swap_in or sched.spec_rows or drafted_last)
+        # Tables changed in place: blocks copied or swapped in, or draft slots trimmed back and regrown.
+        moved = bool(sched.blocks_to_copy or sched.blocks_to_swap_in or sched.tables_regrown)
         inp = self.prepare(metas, moved, ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
         return StepPlan(metas, sched, [inp], bucket, small, self.drafter is not None)
