@@ -16,8 +16,19 @@ E encoder workers, and prints what moved from them to the decoder engines: bytes
 per request (against the cross K/V the engine makes of them) and the time a
 transfer took (an encoder call's round trip less the encoder's own time).
 
+Two kinds of load. Closed loop (``--concurrency``): each client sends its next
+request when its last one ends, so the server runs saturated and every CPU-ms it
+spends outside the engines comes out of their throughput. Open loop (``--load``,
+``--rate``): the requests arrive as a seeded Poisson process at a fixed rate,
+whatever is in flight, the same schedule for every server; at a rate below
+capacity both servers keep up, and the overhead shows as latency and CPU. By
+default the rates are 50% and 80% of the best closed-loop request rate of the
+first server (``encdec serve``). A table at the end puts each server beside
+``encdec serve`` at each load.
+
     python -m benchmarks.serve_bench [--requests 200] [--concurrency 1 16 200] [--model-dir DIR]
                                      [--ray --replicas 2] [--disaggregate encoders=1,decoders=1]
+                                     [--load 0.5 0.8 | --rate R ...]
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from .common import OtherCPUMonitor, timed, warmup_prompts
 
@@ -98,12 +110,53 @@ async def run_clients(port: int, enc, out_lens, concurrency: int) -> tuple[list[
 
     async def client() -> None:
         for i in todo:
-            body = {"prompt": enc[i], "max_tokens": out_lens[i], "temperature": 0, "ignore_eos": True,
-                    "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-            results[i] = await stream_one(port, body)
+            results[i] = await stream_one(port, _body(enc, out_lens, i))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    return [r[1] for r in results], [(r[0], r[2]) for r in results], seconds
+
+
+def _body(enc, out_lens, i: int) -> dict:
+    return {"prompt": enc[i], "max_tokens": out_lens[i], "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds from the start) of ``n`` requests arriving as a Poisson
+    process of ``rate`` a second: exponential gaps from a seeded generator, so
+    that every server compared is offered the very same schedule."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+async def run_open_loop(port: int, enc, out_lens, arrivals: list[float]) -> tuple[list[list[int]], list[tuple], float]:
+    """Open loop: request i is sent ``arrivals[i]`` seconds after the start, however
+    many are still in flight (a closed loop's clients wait for their answers, so
+    a slower server is offered less). TTFT and latency count from the scheduled
+    send time, so a client late to send (its loop busy) is counted against the
+    server too; seconds run from the start to the last answer."""
+    results: list = [None] * len(enc)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        due = t0 + arrivals[i]
+        if due > time.perf_counter():
+            await asyncio.sleep(due - time.perf_counter())
+        lag = time.perf_counter() - due
+        ttft, ids, total = await stream_one(port, _body(enc, out_lens, i))
+        results[i] = (ttft + lag, ids, total + lag)
+
+    await asyncio.gather(*(one(i) for i in range(len(enc))))
     seconds = time.perf_counter() - t0
     return [r[1] for r in results], [(r[0], r[2]) for r in results], seconds
 
@@ -158,6 +211,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
                     help="also through encdec serve --ray --disaggregate (encoder workers + decoder engines)")
+    ap.add_argument("--rate", type=float, nargs="*", default=None, metavar="R",
+                    help="open-loop runs at R requests/s each (Poisson arrivals, seeded; the same schedule "
+                         "for every server); default: --load of encdec serve's best closed-loop rate")
+    ap.add_argument("--load", type=float, nargs="*", default=[0.5, 0.8], metavar="F",
+                    help="open-loop runs at these fractions of encdec serve's best closed-loop request rate")
     args = ap.parse_args(argv)
 
     model_dir = args.model_dir or ensure_model()
@@ -183,34 +241,52 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     if args.disaggregate:
         servers.append((f"encdec serve --ray --disaggregate {args.disaggregate}",
                         [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", "1"]))
+    rows: list[Measured] = []
+    rates = [(r, "given") for r in args.rate] if args.rate else None
     for label, flags in servers:
-        bench_server(label, model_dir, flags, enc, out_lens, ref, offline, args.concurrency)
+        measured, rates = bench_server(label, model_dir, flags, enc, out_lens, ref, offline, args.concurrency,
+                                       rates, args.load, args.seed)
+        rows += measured
+    print_summary(rows)
+
+
+@dataclass
+class Measured:
+    """One run of the workload through one server."""
+    label: str  # the server
+    mode: str  # "16 clients" (closed loop) or "open loop ..." (the offered rate)
+    tokens_per_s: float
+    requests_per_s: float
+    ttft: tuple[float, float]  # p50, p99 seconds
+    latency: tuple[float, float]
+    cpu_seconds: float  # the server's processes (with --ray: the cluster's)
+    cpu_percent: float  # of one core, over the run
+    requests: int
 
 
 def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, ref, offline: float,
-                 concurrency: list[int]) -> None:
-    """Each concurrency through a server started with ``flags``; its CPU counts the
-    processes it started (with --ray: the cluster's)."""
+                 concurrency: list[int], rates: list[tuple[float, str]] | None, load: list[float],
+                 seed: int) -> tuple[list[Measured], list[tuple[float, str]]]:
+    """Each concurrency (closed loop), then each offered rate (open loop, seeded
+    Poisson arrivals), through a server started with ``flags``; its CPU counts the
+    processes it started (with --ray: the cluster's). ``rates`` None: ``load``
+    fractions of this server's best closed-loop request rate, returned for the
+    servers that follow (each server compared is offered the same schedule)."""
     import psutil
 
-    total = sum(out_lens)
     proc, port = start_server(model_dir, flags)
     try:
         asyncio.run(run_clients(port, enc[:2], out_lens[:2], 2))  # warm-up
         server = psutil.Process(proc.pid)
-        for c in concurrency:
-            cpu0 = _tree_cpu(server)
-            with OtherCPUMonitor() as mon:
-                ids, times, seconds = asyncio.run(run_clients(port, enc, out_lens, c))
-            server_cpu = 100 * (_tree_cpu(server) - cpu0) / seconds
-            same = sum(a == b for a, b in zip(ids, ref))
-            served, ttfts, latency = total / seconds, [t[0] for t in times], [t[1] for t in times]
-            print(f"{label}, {c:>3} clients: {total} tokens in {seconds:.2f} s = {served:.1f} tok/s "
-                  f"({100 * served / offline:.0f}% of offline); TTFT p50 {1000 * statistics.median(ttfts):.0f} ms, "
-                  f"p99 {1000 * pct(ttfts, 0.99):.0f} ms; latency p50 {1000 * statistics.median(latency):.0f} ms, "
-                  f"p99 {1000 * pct(latency, 0.99):.0f} ms; {same}/{len(ref)} token-identical to offline; "
-                  f"server CPU {server_cpu:.0f}%, the rest of the machine {mon.mean() - server_cpu:.0f}% "
-                  "(100% = one core)", flush=True)
+        rows = [_measure(label, f"{c} clients", server, run_clients(port, enc, out_lens, c), out_lens, ref, offline)
+                for c in concurrency]
+        if rates is None:
+            best = max((r.requests_per_s for r in rows), default=0.0)
+            rates = [(f * best, f"{100 * f:.0f}% of {label}'s max") for f in load] if best else []
+        for rate, why in rates:
+            arrivals = poisson_arrivals(len(enc), rate, seed)
+            rows.append(_measure(label, f"open loop {rate:.1f} req/s ({why})", server,
+                                 run_open_loop(port, enc, out_lens, arrivals), out_lens, ref, offline))
         if "--disaggregate" in flags:
             from encdec.bench.ray_bench import print_transfers
 
@@ -221,6 +297,49 @@ def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, re
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    return rows, rates
+
+
+def _measure(label: str, mode: str, server, clients, out_lens, ref, offline: float) -> Measured:
+    """Run the ``clients`` coroutine against the server and print what it gave."""
+    total = sum(out_lens)
+    cpu0 = _tree_cpu(server)
+    with OtherCPUMonitor() as mon:
+        ids, times, seconds = asyncio.run(clients)
+    cpu = _tree_cpu(server) - cpu0
+    same = sum(a == b for a, b in zip(ids, ref))
+    ttfts, latency = [t[0] for t in times], [t[1] for t in times]
+    m = Measured(label, mode, total / seconds, len(ids) / seconds, (statistics.median(ttfts), pct(ttfts, 0.99)),
+                 (statistics.median(latency), pct(latency, 0.99)), cpu, 100 * cpu / seconds, len(ids))
+    print(f"{label}, {mode}: {total} tokens in {seconds:.2f} s = {m.tokens_per_s:.1f} tok/s "
+          f"({100 * m.tokens_per_s / offline:.0f}% of offline); TTFT p50 {1000 * m.ttft[0]:.0f} ms, "
+          f"p99 {1000 * m.ttft[1]:.0f} ms; latency p50 {1000 * m.latency[0]:.0f} ms, "
+          f"p99 {1000 * m.latency[1]:.0f} ms; {same}/{len(ref)} token-identical to offline; "
+          f"server CPU {m.cpu_percent:.0f}% ({1000 * cpu / len(ids):.1f} ms a request), the rest of the "
+          f"machine {mon.mean() - m.cpu_percent:.0f}% (100% = one core)", flush=True)
+    return m
+
+
+def print_summary(rows: list[Measured]) -> None:
+    """Each server against the first (``encdec serve``), mode by mode, as a table:
+    closed loop (saturation: every CPU-ms a server spends is taken from its
+    engines) and open loop (the same offered load: the overhead shows as latency
+    and CPU)."""
+    base = {r.mode: r for r in rows if r.label == rows[0].label}
+
+    def vs(a: float, b: float) -> str:
+        return f" ({100 * (a / b - 1):+.0f}%)" if b and not own else ""
+
+    print("\n| load | server | tok/s | TTFT p50 / p99 ms | latency p50 / p99 ms | server CPU | CPU ms a request |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get(r.mode, r)
+        own = b is r
+        print(f"| {r.mode} | {r.label} | {r.tokens_per_s:.0f}{vs(r.tokens_per_s, b.tokens_per_s)} "
+              f"| {1000 * r.ttft[0]:.0f} / {1000 * r.ttft[1]:.0f} "
+              f"| {1000 * r.latency[0]:.0f}{vs(r.latency[0], b.latency[0])} / {1000 * r.latency[1]:.0f}"
+              f"{vs(r.latency[1], b.latency[1])} | {r.cpu_percent:.0f}% "
+              f"| {1000 * r.cpu_seconds / r.requests:.1f}{vs(r.cpu_seconds, b.cpu_seconds)} |", flush=True)
 
 
 def _tree_cpu(proc) -> float:
