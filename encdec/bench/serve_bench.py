@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
                          "for every server); default: --load of encdec serve's best closed-loop rate")
     ap.add_argument("--load", type=float, nargs="*", default=[0.5, 0.8], metavar="F",
                     help="open-loop runs at these fractions of encdec serve's best closed-loop request rate")
+    ap.add_argument("--per-process", action="store_true",
+                    help="print each server process's CPU seconds in each run (with --ray: proxy, replicas, ...)")
     args = ap.parse_args(argv)
 
     model_dir = args.model_dir or ensure_model()
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     rates = [(r, "given") for r in args.rate] if args.rate else None
     for label, flags in servers:
         measured, rates = bench_server(label, model_dir, flags, enc, out_lens, ref, offline, args.concurrency,
-                                       rates, args.load, args.seed)
+                                       rates, args.load, args.seed, args.per_process)
         rows += measured
     print_summary(rows)
 
@@ -266,7 +268,7 @@ class Measured:
 
 def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, ref, offline: float,
                  concurrency: list[int], rates: list[tuple[float, str]] | None, load: list[float],
-                 seed: int) -> tuple[list[Measured], list[tuple[float, str]]]:
+                 seed: int, per_process: bool = False) -> tuple[list[Measured], list[tuple[float, str]]]:
     """Each concurrency (closed loop), then each offered rate (open loop, seeded
     Poisson arrivals), through a server started with ``flags``; its CPU counts the
     processes it started (with --ray: the cluster's). ``rates`` None: ``load``
@@ -278,15 +280,16 @@ def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, re
     try:
         asyncio.run(run_clients(port, enc[:2], out_lens[:2], 2))  # warm-up
         server = psutil.Process(proc.pid)
-        rows = [_measure(label, f"{c} clients", server, run_clients(port, enc, out_lens, c), out_lens, ref, offline)
-                for c in concurrency]
+        rows = [_measure(label, f"{c} clients", server, run_clients(port, enc, out_lens, c), out_lens, ref, offline,
+                         per_process) for c in concurrency]
         if rates is None:
             best = max((r.requests_per_s for r in rows), default=0.0)
             rates = [(f * best, f"{100 * f:.0f}% of {label}'s max") for f in load] if best else []
         for rate, why in rates:
             arrivals = poisson_arrivals(len(enc), rate, seed)
             rows.append(_measure(label, f"open loop {rate:.1f} req/s ({why})", server,
-                                 run_open_loop(port, enc, out_lens, arrivals), out_lens, ref, offline))
+                                 run_open_loop(port, enc, out_lens, arrivals), out_lens, ref, offline,
+                                 per_process))
         if "--disaggregate" in flags:
             from encdec.bench.ray_bench import print_transfers
 
@@ -300,13 +303,16 @@ def bench_server(label: str, model_dir: str, flags: list[str], enc, out_lens, re
     return rows, rates
 
 
-def _measure(label: str, mode: str, server, clients, out_lens, ref, offline: float) -> Measured:
+def _measure(label: str, mode: str, server, clients, out_lens, ref, offline: float,
+             per_process: bool = False) -> Measured:
     """Run the ``clients`` coroutine against the server and print what it gave."""
     total = sum(out_lens)
-    cpu0 = _tree_cpu(server)
+    before = _cpu_by_process(server)
     with OtherCPUMonitor() as mon:
         ids, times, seconds = asyncio.run(clients)
-    cpu = _tree_cpu(server) - cpu0
+    after = _cpu_by_process(server)
+    spent = {f"{name} [{pid}]": cpu - before.get(pid, ("", 0.0))[1] for pid, (name, cpu) in after.items()}
+    cpu = sum(spent.values())
     same = sum(a == b for a, b in zip(ids, ref))
     ttfts, latency = [t[0] for t in times], [t[1] for t in times]
     m = Measured(label, mode, total / seconds, len(ids) / seconds, (statistics.median(ttfts), pct(ttfts, 0.99)),
@@ -316,7 +322,10 @@ def _measure(label: str, mode: str, server, clients, out_lens, ref, offline: flo
           f"p99 {1000 * m.ttft[1]:.0f} ms; latency p50 {1000 * m.latency[0]:.0f} ms, "
           f"p99 {1000 * m.latency[1]:.0f} ms; {same}/{len(ref)} token-identical to offline; "
           f"server CPU {m.cpu_percent:.0f}% ({1000 * cpu / len(ids):.1f} ms a request), the rest of the "
-          f"machine {mon.mean() - m.cpu_percent:.0f}% (100% = one core)", flush=True)
+          f"machine {mon.mean():.0f}% (100% = one core)", flush=True)
+    if per_process:
+        print("  CPU s by process: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])
+                                               if v >= 0.01), flush=True)
     return m
 
 
@@ -344,15 +353,21 @@ def print_summary(rows: list[Measured]) -> None:
 
 def _tree_cpu(proc) -> float:
     """User + system CPU seconds of ``proc`` and its live descendants."""
+    return sum(cpu for _, cpu in _cpu_by_process(proc).values())
+
+
+def _cpu_by_process(proc) -> dict[int, tuple[str, float]]:
+    """pid -> (name, user + system CPU seconds) of ``proc`` and its live
+    descendants; a Ray worker is named by its actor class (``ray::ProxyActor``:
+    Ray retitles a worker with each call, so a run's share is taken by pid)."""
     import psutil
 
-    seconds = 0.0
+    seconds: dict[int, tuple[str, float]] = {}
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            seconds += sum(p.cpu_times()[:2])
+            cmd = p.cmdline()
+            name = cmd[0].split(".")[0] if cmd and cmd[0].startswith("ray::") else p.name()
+            seconds[p.pid] = (name, sum(p.cpu_times()[:2]))
         except psutil.Error:  # exited meanwhile
             pass
     return seconds
-
-if __name__ == "__main__":
-    main()
