@@ -89,12 +89,47 @@ def append_samples(output: ModelRunnerOutput, seqs: dict[int, tuple[Sequence, Se
                     ended[id(group)] = group
                 continue
             appended += _append(seq, group, [t], [], computed, block_manager, stop_checker, structured, ended)
+    quick = rules is not None and structured is None
     for sample in output.samples:
         entry = seqs.get(sample.seq_id)
-        if entry is not None and entry[0].status is SequenceStatus.RUNNING:
+        if entry is None or entry[0].status is not SequenceStatus.RUNNING:
+            continue
+        rule = None
+        if quick and not sample.logprobs:  # a speculating row's kept tokens: as ``single``'s rows
+            rule = rules.get(sample.seq_id, False)
+            if rule is False:
+                rule = rules[sample.seq_id] = stop_checker.quick_rule(entry[0], entry[1].sampling_params)
+        if rule is not None:
+            appended += _append_quick(*entry, sample.sampled_token_ids, rule, computed, block_manager,
+                                      stop_checker, ended)
+        else:
             appended += _append(*entry, sample.sampled_token_ids, sample.logprobs, computed,
                                 block_manager, stop_checker, structured, ended)
     return list(ended.values()), appended
+
+
+def _append_quick(seq: Sequence, group: SequenceGroup, tokens: list[int], rule: tuple[int, frozenset[int], int],
+                  computed: int, block_manager: BlockSpaceManager, stop_checker: StopChecker,
+                  ended: dict[int, SequenceGroup]) -> int:
+    """``_append`` of tokens without log-probs or grammar, for a sequence with a
+    ``StopChecker.quick_rule``: a token the rule passes is appended with no
+    further call; any other goes to ``check`` (several a step where drafts
+    were kept: a check per token cost a speculating row more than its step saved)."""
+    limit, stop_ids, vocab_end = rule
+    if computed:
+        seq.data.update_num_computed_tokens(computed)
+    for i, t in enumerate(tokens):
+        n = seq.append_sampled(t)
+        if n < limit and t < vocab_end and t not in stop_ids:
+            continue
+        stop_checker.check(seq, group.sampling_params, defer_text=True)
+        if seq.is_finished():
+            block_manager.free(seq)
+            ended[id(group)] = group
+            return i + 1
+    if len(tokens) > 1:  # verified drafts: their K/V is computed too (all but the newest token's)
+        seq.data.update_num_computed_tokens(len(tokens) - 1)
+    return len(tokens)
 
 
 def _append(seq: Sequence, group: SequenceGroup, tokens: list[int], logprobs: list, computed: int,
