@@ -25,6 +25,7 @@ import torch
 from encdec.attention.backends.abstract import (AttentionBackend, cache_slots,
                                                 cache_slots_list, packed_slots)
 from encdec.core.scheduler_outputs import SchedulerOutputs
+from encdec.kernels.cpu import decoder_step_cpu
 from encdec.platform.cpu_threads import SMALL_STEP_ROWS, single_thread
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sample.beam_candidates import find_beam_rows
@@ -114,6 +115,9 @@ class EncoderDecoderModelRunner:
         self._self_tables, self._cross_tables = PaddedTables(), PaddedTables()
         self._steady = SteadyDecode(backend, self.block_size, HOST_SLOTS_MAX_TOKENS)
         self.drafter: DraftProposer | None = None  # speculative decoding's (the worker sets it)
+        # A step's decode rows with their drafts stay within the fused CPU decode step's rows
+        # (``draft_rows.row_budget``); a GPU step has no such edge
+        self._draft_rows_max = decoder_step_cpu.MAX_ROWS if device.type == "cpu" else None
         # The last step's (rows, batch order, gather index, seq_ids, logprobs wanted, any beam row)
         self._rows_of_last: tuple | None = None
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
@@ -263,7 +267,8 @@ class EncoderDecoderModelRunner:
             self._move_blocks(sched)
         if not metas:
             return StepPlan(metas, sched, [], None, small, self.drafter is not None)
-        drafts = self.drafter.propose(metas, sched.spec_rows, self.input_batch) if self.drafter else None
+        drafts = (self.drafter.propose(metas, sched.spec_rows, self.input_batch, self._draft_rows_max)
+                  if self.drafter else None)
         if drafts:  # several query rows per sequence: eager (graphs hold one row each)
             inp = self.prepare(metas, True, ahead, False, drafts)
             small = self.device.type == "cpu" and n == 0 and len(inp.input_ids) <= SMALL_STEP_ROWS
