@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--per-process", action="store_true",
                     help="print each server process's CPU seconds in each run (with --ray: proxy, replicas, ...)")
     args = ap.parse_args(argv)
+    for flag, values in (("--rate", args.rate or []), ("--load", args.load)):
+        if not all(v > 0 for v in values):  # checked before any server starts
+            ap.error(f"{flag} values must be > 0, got {values}")
 
     model_dir = args.model_dir or ensure_model()
     with open(os.path.join(model_dir, "config.json")) as f:

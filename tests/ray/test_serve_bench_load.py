@@ -83,3 +83,13 @@ def test_open_loop_sends_on_schedule_without_waiting_for_answers():
     # latency counts from the scheduled time: the first request waited for the last to arrive
     assert times[0][1] >= arrivals[-1] - arrivals[0] - 1e-3
     assert all(0 <= ttft <= total for ttft, total in times) and seconds >= arrivals[-1]
+
+
+@pytest.mark.parametrize("argv", [["--load", "0.5", "0"], ["--rate", "-3"], ["--load", "nan"]])
+def test_bad_open_loop_flags_fail_before_any_server_starts(argv, capsys):
+    from encdec.bench.serve_bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "values must be > 0" in capsys.readouterr().err
