@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None, *, base: TrainOptions | None = None) -> 
     opts = options_from(args, base)
     manifest = train_and_save(args.out, opts, eval_count=args.eval)
     print(f"held-out exact match (HF generate, greedy): {manifest['held_out_exact_match']:.1%} "
-          f"of {manifest['held_out_count']}; weights sha256 {manifest['weights_sha256'][:16]}")
+          f"of {manifest['held_out_count']}; trained in {manifest['train_seconds']:.0f} s on "
+          f"{manifest['options']['threads']} thread(s); weights sha256 {manifest['weights_sha256'][:16]}")
     if args.verify:
         acc, same = check_against_hf(args.out, min(args.eval, 64), opts.threads)
         print(f"our LLM vs HF generate on {min(args.eval, 64)} held-out documents: "
