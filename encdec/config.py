@@ -40,6 +40,12 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = None
     # Decoder prompts are split under max_num_batched_tokens across steps.
     enable_chunked_prefill: bool = False
+    # The model's encoder, for splitting a pass larger than the encoder budget
+    # across steps while others decode (encdec.core.encoder_split): its layers
+    # (0: never split, such a pass runs whole, alone), and the rows of a layer a
+    # piece may stop between (None: whole layers only).
+    encoder_layers: int = 0
+    encoder_row_granule: int | None = None
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -266,6 +266,9 @@ class SequenceGroup:
         # Content key of the encoder input: requests with equal keys share one
         # cross table and one encoder pass. None: this request shares nothing.
         self.encoder_cache_key = encoder_cache_key
+        # Of its encoder pass split by the encoder budget: rows x layers run so far
+        # (encdec.core.encoder_split); 0 when nothing is run, and again once admitted.
+        self.encoder_units_done = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Set when the request can never run (e.g. too long for the cache).
         self.error: str | None = None

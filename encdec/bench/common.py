@@ -203,4 +203,5 @@ def stream_gaps(engine: Any, streams: list[str], stream_tokens: int, arrive: Cal
         seconds = time.perf_counter() - t0
     gaps.sort()
     return dict(tokens=[done[k] for k in sorted(done)], seconds=seconds, median=statistics.median(gaps),
+                mean=statistics.fmean(gaps),
                 p99=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], max=gaps[-1], other_cpu=mon.summary())

@@ -13,6 +13,7 @@ from collections import deque
 from encdec.block_manager import AllocStatus, BlockSpaceManager
 from encdec.config import SchedulerConfig
 from encdec.core.chunked_prefill import chunkable, left_to_prefill
+from encdec.core.encoder_split import EncoderSplit
 from encdec.core.scheduler_outputs import SchedulerStats, StepBlocks
 from encdec.sequence import SequenceGroup, SequenceStatus
 
@@ -20,7 +21,7 @@ from encdec.sequence import SequenceGroup, SequenceStatus
 ADMITTED_HISTORY = 4096
 
 
-class Admission:
+class Admission(EncoderSplit):
     """Mixed into ``Scheduler``: the attributes below are the scheduler's, and so
     are ``_key``, ``_outranks_swapped``, ``_record_admission``'s history and
     (from ``Preemption``) ``_fail``, ``_never_fits`` and ``_num_blocks``."""
@@ -50,7 +51,8 @@ class Admission:
         budget = token_budget if chunked else cfg.max_num_batched_tokens
         # None: no limit. Chunked, the token budget bounds encoder work too unless the
         # encoder has its own: the CUDA profile run sizes memory for that step.
-        encoder_budget = cfg.max_num_encoder_input_tokens or (cfg.max_num_batched_tokens if chunked else None)
+        encoder_budget = full_encoder_budget = (cfg.max_num_encoder_input_tokens
+                                                or (cfg.max_num_batched_tokens if chunked else None))
         admitted: list[SequenceGroup] = []
         if not self._admission_due():
             return admitted
@@ -74,18 +76,30 @@ class Admission:
             tokens = 0 if split else seqs[0].get_len() + (0 if chunked else group.encoder_seq.get_len())
             if admitted and tokens > budget:
                 break
-            # The first admission always goes (an oversize input runs alone: the
-            # budget is then below zero); cache hits cost nothing.
-            encoder_tokens = bm.encoder_tokens_to_run(group) if encoder_budget is not None else 0
-            if admitted and encoder_budget is not None and encoder_tokens > encoder_budget:
-                break
             if num_running + len(seqs) > cfg.max_num_seqs:
                 break
+            # Cache hits cost nothing. Over what is left of the budget while others
+            # run, the pass goes a piece a step (encoder_split.py); else the first
+            # admission always goes (an oversize input runs alone: the budget is
+            # then below zero).
+            encoder_tokens = bm.encoder_tokens_to_run(group)
+            left = self._encoder_left(group, encoder_tokens)
+            if encoder_budget is not None and left > encoder_budget:
+                fresh = encoder_budget == full_encoder_budget
+                units = self._piece_units(group, encoder_tokens, encoder_budget, fresh) if self.running or admitted \
+                    else None
+                if units is not None and units < left * cfg.encoder_layers:
+                    if units:
+                        self._run_piece(group, units)
+                    break
+                if admitted and not (units and fresh):
+                    break
             self.waiting.popleft()
             spent = self._admit(group, seqs, budget if split else None, chunks)
+            self._encoder_admitted(group, encoder_tokens)
             budget -= spent if chunked else tokens
             if encoder_budget is not None:
-                encoder_budget -= encoder_tokens
+                encoder_budget -= left
             num_running += len(seqs)
             admitted.append(group)
             if group.priority < 0 and (urgent is None or group.priority < urgent):

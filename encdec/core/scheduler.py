@@ -40,6 +40,7 @@ from encdec.core.chunked_prefill import ChunkedPrefill, prefill_order
 from encdec.core.preemption import Preemption
 from encdec.core.scheduler_outputs import (
     BeamDecider,
+    EncoderWork,
     ScheduledSequenceGroup,
     SchedulerOutputs,
     SchedulerStats,
@@ -122,6 +123,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
         self._stop_rules: dict[int, tuple[int, frozenset[int], int] | None] = {}
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] | None = None
         self._chunking: set[str] = set()  # request ids admitted with a partial prefill (chunked_prefill.py)
+        self._encoder_work = EncoderWork()  # this step's (encoder_split.py)
 
     # -- queues ----------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -391,7 +393,7 @@ class Scheduler(Admission, ChunkedPrefill, Preemption):
             seq_ids_joined=joined,
             seq_ids_left=left,
             same_rows=same,
-            tables_regrown=regrown,
+            tables_regrown=regrown, encoder=self._take_encoder_work(),
             spec_rows={sid: m for sid, m in self.spec_rows.items() if sid in batch} if self.spec_rows else {},
             token_masks=(self.structured.fill_masks(prefills + decodes)
                          if self.structured and self._num_constrained else None),

@@ -42,6 +42,40 @@ class SchedulerOutputs:
     spec_rows: dict[int, int] = field(default_factory=dict)
     # draft slots this step or the last: tables grown and trimmed in place (no reuse of last step's)
     tables_regrown: bool = False
+    # encoder work this step: the pieces of split passes, and the whole in tokens
+    encoder: EncoderWork = field(default_factory=lambda: EncoderWork())
+
+
+@dataclass
+class EncoderPiece:
+    """Part of one waiting request's encoder pass, for this step: units
+    ``[start, stop)`` of ``rows * layers``, layer after layer (unit ``u`` is row
+    ``u % rows`` of layer ``u // rows``). The pass ends with the piece whose
+    ``stop`` is ``rows * layers``; the request is admitted in that step."""
+
+    request_id: str
+    token_ids: list[int]  # the encoder prompt (rows = its length)
+    features: Any  # model-specific encoder input (audio features), or None
+    start: int
+    stop: int
+    layers: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.rows * self.layers
+
+
+@dataclass
+class EncoderWork:
+    """A step's encoder work: ``pieces`` of split passes, and ``tokens``, all of
+    it in whole-pass tokens (a piece's units / layers), what the budget bounds."""
+
+    pieces: list[EncoderPiece] = field(default_factory=list)
+    tokens: float = 0.0
 
 
 @dataclass

@@ -70,9 +70,14 @@ class EngineStats:
         return 1 + self.spec_decode_num_accepted_tokens / n if n else None
 
 
-def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int) -> SchedulerConfig:
+def scheduler_config_for(args: EngineArgs, max_model_len: int, max_encoder_len: int,
+                         model: Any = None) -> SchedulerConfig:
+    """``model``: the loaded model, whose encoder a budget may split across steps
+    (``num_encoder_layers``, ``encoder_row_granule``); None: passes run whole."""
     one_request = max_model_len + max_encoder_len
     return SchedulerConfig(
+        encoder_layers=getattr(model, "num_encoder_layers", 0),
+        encoder_row_granule=getattr(model, "encoder_row_granule", None),
         max_num_batched_tokens=args.max_num_batched_tokens or max(32768, one_request),
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         max_encoder_len=max_encoder_len, preemption_mode=args.preemption(),
@@ -106,7 +111,7 @@ class LLMEngine:
         self.args = args
         self.worker = Worker(args.load_config(), check_precision=check_precision)
         mc = self.model_config = self.worker.model_config
-        self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len)
+        self.scheduler_config = scheduler_config_for(args, mc.max_model_len, mc.max_encoder_len, self.worker.model)
         spec = args.speculative_config  # a SpeculativeConfig (EngineArgs checked it) or None
         draft = self.worker.load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         self.cache_config = self.worker.init_cache(
@@ -235,7 +240,7 @@ class LLMEngine:
         """Abort unfinished requests (unknown ids are ignored); returns the ids aborted."""
         aborted = []
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            self.worker.model_runner.encoder_outputs.pop(rid, None)
+            self.worker.model_runner.encoder_pieces.drop(rid)  # its encoder output or split pass
         for group in self.scheduler.abort_seq_group(request_id):
             aborted.append(group.request_id)
         self._drop_idle_plan()
@@ -305,8 +310,10 @@ class LLMEngine:
         finished = self.scheduler.update(sched, output)
         self.num_generated_tokens += self.scheduler.num_appended  # a spare row's sample is not one
         now, outs = time.time(), []
+        pieces = self.worker.model_runner.encoder_pieces
         for group in finished:
             group.metrics.finished_time = now
+            pieces.drop(group.request_id)  # an output its prefill never took (its cross K/V was cached)
             outs.append(self.output_processor.make_output(group))
         return outs
 

@@ -28,6 +28,7 @@ from torch import nn
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
+from encdec.models.staged_encoder import EncoderState, run_layers
 from encdec.platform.device_tensors import to_device
 
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -199,11 +200,26 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
         }
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        return run_layers(self, self.encoder_start({"encoder_input_ids": ids, "encoder_positions": positions}, md))
+
+    # -- the encoder pass in pieces (encdec.models.staged_encoder) ----------------
+    encoder_row_granule: int | None = None  # layers run whole: a piece is whole layers
+
+    @property
+    def num_encoder_layers(self) -> int:
+        return len(self.encoder.layers)
+
+    def encoder_start(self, inputs: dict[str, torch.Tensor], md: AttentionMetadata) -> EncoderState:
         # Every encoder token is a prefill token: a whole sequence from position 0.
-        h = self.encoder.embed(ids, self.position_rows(ids, positions, ids.shape[0]))  # (num_encoder_tokens, d)
-        for layer in self.encoder.layers:
-            h = layer(h, md)
-        return self.encoder.close(h)
+        ids = inputs["encoder_input_ids"]
+        return EncoderState(self.encoder.embed(ids, self.position_rows(ids, inputs["encoder_positions"], ids.shape[0])),
+                            md)
+
+    def encoder_advance(self, state: EncoderState, layer: int, r0: int, r1: int) -> None:
+        state.h = self.encoder.layers[layer](state.h, state.md)  # rows: always all of them
+
+    def encoder_finish(self, state: EncoderState) -> torch.Tensor:
+        return self.encoder.close(state.h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,

@@ -242,14 +242,25 @@ class MultiHeadAttention(nn.Module):
             self.attn.impl.use_int8_dense()
 
     def forward_encoder(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d), no mask
-        B, T, d = h.shape
-        qkv = self.qkv_proj(h).view(B, T, 3, self.num_heads, self.head_dim)
-        a = dense_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.scale,
-                            int8=self.int8_attention)  # (B, T, H, D)
+        qkv = self.encoder_qkv(h)
+        return self.encoder_attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+
+    def encoder_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, T, 3, H, D): every row's q, k and v, so that a later
+        call may attend any subset of the rows (an encoder pass split by rows)."""
+        B, T, _ = h.shape
+        return self.qkv_proj(h).view(B, T, 3, self.num_heads, self.head_dim)
+
+    def encoder_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, T_q, H, D) over k, v (B, T_k, H, D), unmasked -> (B, T_q, d)
+        after ``out_proj``. Each query row's result depends on its own row and
+        the keys only (the C kernel quantizes each query row on its own)."""
+        B, T = q.shape[:2]
+        a = dense_attention(q, k, v, self.scale, int8=self.int8_attention)  # (B, T_q, H, D)
         if a is None:  # no C kernel for this machine / dtype / device
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D); 4-D takes torch's flash kernel
-            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-        return self.out_proj(a.reshape(B, T, d))
+            # (B, H, T, D) views; 4-D takes torch's flash kernel
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        return self.out_proj(a.reshape(B, T, -1))
 
 
 def fused_projection(name: str) -> tuple[str, int, int]:

@@ -35,6 +35,7 @@ from encdec.attention.backends.abstract import PositionBias
 from encdec.models.bart import BartForConditionalGeneration
 from encdec.kernels.cpu import decoder_step_cpu
 from encdec.models.layers import FUSED_ACTIVATIONS, FusedDecodeStep, Linear, MultiHeadAttention, load_fused
+from encdec.models.staged_encoder import EncoderState
 
 DEFAULT_MAX_POSITIONS = 512  # T5's training length; a checkpoint's n_positions wins
 # Relative positions have no table to run out of: ``max_model_len`` may exceed the
@@ -263,11 +264,18 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
         unless the config says ``tie_word_embeddings: false``."""
         return bool(getattr(cfg, "scale_decoder_outputs", getattr(cfg, "tie_word_embeddings", True)))
 
-    def encode(self, ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        h = self.shared(ids)  # (num_encoder_tokens, d_model)
-        for layer, bias in zip(self.encoder.layers, self.encoder.layer_biases()):
-            h = layer(h, md, bias)
-        return self.encoder.final_layer_norm(h)
+    encode = BartForConditionalGeneration.encode
+    encoder_row_granule = None  # a piece of a split pass is whole layers
+    num_encoder_layers = BartForConditionalGeneration.num_encoder_layers
+
+    def encoder_start(self, inputs: dict[str, torch.Tensor], md: AttentionMetadata) -> EncoderState:
+        return EncoderState(self.shared(inputs["encoder_input_ids"]), md, biases=self.encoder.layer_biases())
+
+    def encoder_advance(self, state: EncoderState, layer: int, r0: int, r1: int) -> None:
+        state.h = self.encoder.layers[layer](state.h, state.md, state.biases[layer])
+
+    def encoder_finish(self, state: EncoderState) -> torch.Tensor:
+        return self.encoder.final_layer_norm(state.h)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,

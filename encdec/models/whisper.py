@@ -32,6 +32,7 @@ from torch import nn
 
 from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
+from encdec.models.staged_encoder import EncoderState
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
     WhisperSpecialTokens,
     default_decoder_prompt,
@@ -62,6 +63,15 @@ class WhisperEncoderLayer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, 1500, d)
         h = h + self.self_attn.forward_encoder(self.self_attn_layer_norm(h))
         return h + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(h)))
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """What every row's attention reads: q/k/v of all rows (B, 1500, 3, H, D)."""
+        return self.self_attn.encoder_qkv(self.self_attn_layer_norm(h))
+
+    def rows(self, h: torch.Tensor, qkv: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """The layer's output rows r0:r1 (``forward``'s, row by row)."""
+        x = h[:, r0:r1] + self.self_attn.encoder_attend(qkv[:, r0:r1, 0], qkv[:, :, 1], qkv[:, :, 2])
+        return x + self.fc2(self.fc1.forward_gelu(self.final_layer_norm(x)))
 
 
 class WhisperDecoderLayer(nn.Module):
@@ -97,11 +107,14 @@ class WhisperEncoder(nn.Module):
         # Row-major once: an add keeps its input's (transposed) strides, so without
         # this every residual add ran strided and every layer norm copied its input
         # (9 copies of (1500, d) per window; 227 -> 217 ms per tiny.en window, AVX2).
-        x = self.frontend(features).transpose(1, 2).contiguous()  # (B, 1500, d)
-        h = x + self.embed_positions.weight[: x.shape[1]]
+        h = self.start(features)
         for layer in self.layers:
             h = layer(h)
         return self.layer_norm(h)
+
+    def start(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.frontend(features).transpose(1, 2).contiguous()  # (B, 1500, d)
+        return x + self.embed_positions.weight[: x.shape[1]]
 
     def frontend(self, features: torch.Tensor) -> torch.Tensor:
         """gelu(conv2(gelu(conv1(features)))) -> (B, d, 1500), computed only where it varies.
@@ -189,6 +202,32 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
         if each < features.shape[0]:
             outs += [self.encoder(chunk) for chunk in features[each:].split(CPU_WINDOWS_PER_CALL)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- the encoder pass in pieces (encdec.models.staged_encoder) ----------------
+    # Rows of a layer per piece: a multiple of the C kernel's 6-row query blocks;
+    # a tenth of a window's layer (tiny.en, 2 threads: ~5 ms of a ~50 ms layer).
+    encoder_row_granule = 150
+
+    @property
+    def num_encoder_layers(self) -> int:
+        return len(self.encoder.layers)
+
+    def encoder_start(self, inputs: dict[str, torch.Tensor], md: Any = None) -> EncoderState:
+        return EncoderState(self.encoder.start(inputs["encoder_features"].to(self.encoder.conv1.weight.dtype)))
+
+    def encoder_advance(self, state: EncoderState, layer: int, r0: int, r1: int) -> None:
+        block, n = self.encoder.layers[layer], state.h.shape[1]
+        if r0 == 0 and r1 == n:
+            state.h = block(state.h)
+            return
+        if r0 == 0:
+            state.qkv, state.out = block.qkv(state.h), torch.empty_like(state.h)
+        state.out[:, r0:r1] = block.rows(state.h, state.qkv, r0, r1)
+        if r1 == n:
+            state.h, state.qkv, state.out = state.out, None, None
+
+    def encoder_finish(self, state: EncoderState) -> torch.Tensor:
+        return self.encoder.layer_norm(state.h).flatten(0, 1)  # (B * 1500, d)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None,

@@ -36,6 +36,7 @@ from encdec.sequence import SequenceGroupMetadata
 from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
+from encdec.worker.encoder_pieces import EncoderPieces, encoder_kwargs
 from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
 from encdec.worker.draft_rows import DraftProposer, add_draft_decodes, verify_sampled
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
@@ -123,6 +124,7 @@ class EncoderDecoderModelRunner:
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
         # worker: LLMEngine.add_processed_request); taken by its prefill, which then skips the encoder
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.encoder_pieces = EncoderPieces(self.model, self.backend, self.device, self.encoder_outputs)
 
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
@@ -201,19 +203,9 @@ class EncoderDecoderModelRunner:
             self._steady.remember(metas, [r.meta.seq_data[r.seq_id] for r in dec.rows], dec.rows, pos, kw)
         else:
             self._steady.forget()
-        enc_kwargs = self._encoder_kwargs(prompts, enc)
+        enc_kwargs = encoder_kwargs(self.model, self.backend, self.device, prompts, enc, self.encoder_outputs)
         return ModelInput(input_ids=input_ids, positions=pos, attn_metadata=md, encoder_inputs=enc_kwargs,
                           sampled_rows=dec.rows, owed=dec.owed, drafts=dec.drafts)
-
-    def _encoder_kwargs(self, prefills: list[SequenceGroupMetadata], enc: EncoderRows) -> dict[str, Any]:
-        """The model's encoder arguments for the step's prefills: the outputs they
-        brought (``encoder_outputs``) when every prefill that runs the encoder
-        brought one, else the encoder's inputs for all of them (exact either way)."""
-        given = [self.encoder_outputs.pop(m.request_id, None) for m in prefills]  # each taken once
-        given = [g for g, m in zip(given, prefills) if not m.cross_kv_cached]
-        if given and all(g is not None for g in given):
-            return {"encoder_hidden": torch.cat(given).to(self.device, non_blocking=True)}
-        return self.model.build_encoder_inputs(enc.tokens, enc.features, self.device) if enc.tokens else {}
 
     # -- persistent batch ----------------------------------------------------
     def _update_batch(self, sched: SchedulerOutputs, rows: list[SampledRow]) -> list[int]:
@@ -258,6 +250,7 @@ class EncoderDecoderModelRunner:
         launches again). Anything else (no graphs, CPU) runs the packed step
         eagerly (``small``: on one thread). ``ahead``: sequences whose token of
         the step running now is not appended yet (async scheduling)."""
+        self.encoder_pieces.run(sched.encoder.pieces)  # before any prefill reads their outputs
         n = sched.num_prefill_groups  # the scheduler puts prefills first
         # Small decode steps: one thread, except the LM head (see SMALL_STEP_ROWS).
         # A decode-only step batches one token per sequence: num_batched_tokens rows.

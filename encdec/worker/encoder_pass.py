@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from encdec.engine.arg_utils import EngineArgs
+from encdec.worker.encoder_pieces import encode_batch
 from encdec.worker.worker import Worker
 
 
@@ -44,38 +45,9 @@ class EncoderPass:
         output, (len(ids), d_model) on the CPU."""
         if not batch:
             return []
-        ids = [list(i) for i, _ in batch]
-        features = [f for _, f in batch]
-        kwargs = self.model.build_encoder_inputs(ids, features, self.device)
-        if "encoder_features" in kwargs:  # audio: (B, n_mels, frames) -> (B, enc_len, d)
-            out = self.model.encode(kwargs["encoder_features"]).flatten(0, 1)
-        else:
-            md = encoder_metadata(self.worker.backend, [len(i) for i in ids], self.device)
-            out = self.model.encode(kwargs["encoder_input_ids"], kwargs["encoder_positions"], md)
-        return [t.to("cpu") for t in out.split([len(i) for i in ids])]
-
-
-def encoder_metadata(backend: Any, enc_lens: list[int], device: torch.device) -> Any:
-    """Attention metadata for an encoder-only call: ``len(enc_lens)`` prefills of one
-    placeholder decoder token each (never run), whose encoder tokens are packed
-    one request after another; only the encoder's self-attention reads it."""
-    n = len(enc_lens)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    e_start = [0]
-    for e in enc_lens:
-        e_start.append(e_start[-1] + e)
-    tables = torch.zeros(n, 1, dtype=torch.int32, device=device)
-    return backend.make_metadata(
-        num_prefills=n, num_prefill_tokens=n, num_decode_tokens=0,
-        slot_mapping=torch.zeros(n, dtype=torch.long, device=device),
-        seq_lens=[1] * n, seq_lens_tensor=i32([1] * n), max_prefill_seq_len=1,
-        max_decode_seq_len=0, max_query_len=1, query_start_loc=i32(list(range(n + 1))),
-        seq_start_loc=i32(list(range(n + 1))), context_lens_tensor=i32([0] * n), block_tables=tables,
-        encoder_seq_lens=list(enc_lens), encoder_seq_lens_tensor=i32(enc_lens),
-        encoder_seq_start_loc=i32(e_start), max_encoder_seq_len=max(enc_lens),
-        num_encoder_tokens=e_start[-1], cross_slot_mapping=torch.zeros(e_start[-1], dtype=torch.long, device=device),
-        cross_block_tables=tables, block_size=1,
-        block_tables_list=[[0]] * n, cross_block_tables_list=[[0]] * n)
+        out = encode_batch(self.model, self.worker.backend, [list(i) for i, _ in batch], [f for _, f in batch],
+                           self.device)
+        return [t.to("cpu") for t in out]
 
 
 def encoder_transfer_bytes(hf_config: Any, enc_len: int, dtype_bytes: int) -> tuple[int, int]:

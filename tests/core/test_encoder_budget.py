@@ -134,16 +134,22 @@ def test_cli_option():
 OFF = 10**9  # no budget in effect
 
 
-def _engine_steps(llm: LLM) -> list[tuple[int, int]]:
-    """Wraps the scheduler: (admitted groups, encoder tokens run) of every step."""
+def _engine_steps(llm: LLM, pieces: list | None = None) -> list[tuple[int, float]]:
+    """Wraps the scheduler: (admitted groups, encoder work in whole-pass tokens)
+    of every step: the prefills that run their encoder whole, plus the pieces of
+    split passes (a split pass's prefill runs none of it; ``pieces`` collects them)."""
     sched = llm.llm_engine.scheduler
     schedule, seen = sched.schedule, []
 
     def counted(*args, **kwargs):
         metas, out = schedule(*args, **kwargs)
         prefills = metas[: out.num_prefill_groups]
-        seen.append((len(prefills), sum(m.encoder_seq_data.get_len() for m in prefills
-                                        if not m.cross_kv_cached)))
+        split = {p.request_id for p in out.encoder.pieces}
+        whole = sum(m.encoder_seq_data.get_len() for m in prefills
+                    if not m.cross_kv_cached and m.request_id not in split)
+        seen.append((len(prefills), whole + sum((p.stop - p.start) / p.layers for p in out.encoder.pieces)))
+        if pieces is not None:
+            pieces.extend(out.encoder.pieces)
         return metas, out
 
     sched.schedule = counted
@@ -195,3 +201,92 @@ def test_whisper_budget_of_one_window_matches_off(ct2_dir, speech_clips):
         else:
             assert admitting == [(1, 1500)] * len(wavs)  # one 30 s window per step
     assert got[1500] == got[OFF]
+
+
+# -- a pass split across steps (encdec.core.encoder_split) ------------------------
+
+
+def split_scheduler(budget: int, layers: int, granule: int | None) -> Scheduler:
+    cache = CacheConfig(block_size=BS)
+    cache.num_gpu_blocks, cache.num_cpu_blocks = 512, 64
+    cfg = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64, max_model_len=256,
+                          max_num_encoder_input_tokens=budget, encoder_layers=layers, encoder_row_granule=granule)
+    return Scheduler(cfg, cache)
+
+
+def run_split_steps(sched: Scheduler, max_steps: int = 300) -> list[tuple[list[str], float, list]]:
+    """As ``run_steps``, each step's (admitted ids, encoder work in whole-pass
+    tokens counted from the prefills and pieces, the pieces as (id, start, stop))."""
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_seqs():
+            return steps
+        metas, out = sched.schedule()
+        prefills = metas[: out.num_prefill_groups]
+        pieces = out.encoder.pieces
+        split = {p.request_id for p in pieces}
+        work = sum(m.encoder_seq_data.get_len() for m in prefills if not m.cross_kv_cached
+                   and m.request_id not in split) + sum((p.stop - p.start) / p.layers for p in pieces)
+        assert work == pytest.approx(out.encoder.tokens)
+        steps.append(([m.request_id for m in prefills], work, [(p.request_id, p.start, p.stop) for p in pieces]))
+        for s in out.scheduled_seq_groups:
+            s.seq_group.update_num_computed_tokens(s.token_chunk_size)
+            for seq in s.seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.append_token_id(7)
+                if seq.get_output_len() >= s.seq_group.sampling_params.max_tokens:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        sched.free_finished_seq_groups()
+    raise AssertionError("requests left after max_steps")
+
+
+def test_a_pass_over_the_budget_goes_a_layer_a_step_while_others_run():
+    sched = split_scheduler(100, layers=4, granule=None)
+    sched.add_seq_group(make_group("run", 20, arrival=0.0, max_tokens=30))
+    sched.add_seq_group(make_group("big", 300, arrival=1.0))
+    sched.add_seq_group(make_group("after", 20, arrival=2.0))
+    steps = run_split_steps(sched)
+    # 100 tokens x 4 layers = 400 units a step, in whole layers of 300 rows: one
+    # layer a step (the first beside "run"'s 20: 80 left, 320 units)
+    assert steps[0] == (["run"], 95, [("big", 0, 300)])
+    assert [p for _, _, p in steps[1:4]] == [[("big", 300, 600)], [("big", 600, 900)], [("big", 900, 1200)]]
+    assert [ids for ids, _, _ in steps[1:4]] == [[], [], ["big", "after"]]  # with its last piece; the order holds
+    assert all(work <= 100 for _, work, _ in steps)
+
+
+def test_rows_of_a_layer_per_piece_and_a_pass_alone_runs_whole():
+    sched = split_scheduler(40, layers=4, granule=50)
+    sched.add_seq_group(make_group("run", 20, arrival=0.0, max_tokens=8))
+    sched.add_seq_group(make_group("big", 300, arrival=1.0))
+    steps = run_split_steps(sched)
+    pieces = [p for _, _, ps in steps for p in ps]
+    # beside "run"'s 20 tokens: 80 units -> 1 x 50 rows; then 160 units -> 3 x 50 rows a step
+    assert pieces[:3] == [("big", 0, 50), ("big", 50, 200), ("big", 200, 350)]
+    assert all(work <= 40 for _, work, _ in steps[1:8])
+    # "run" finishes after 8 tokens; nothing runs then: the rest of the pass goes whole
+    last = next(k for k, (ids, _, _) in enumerate(steps) if ids == ["big"])
+    done = pieces[-2][2]
+    assert steps[last][2] == [("big", done, 1200)] and steps[last][1] == (1200 - done) / 4
+    assert all(p[1] % 50 == 0 and p[2] % 50 == 0 for p in pieces)
+
+
+def test_a_granule_over_the_budget_moves_in_a_step_of_its_own():
+    sched = split_scheduler(10, layers=2, granule=None)  # a layer of 100 rows = 50 tokens > 10
+    sched.add_seq_group(make_group("run", 20, arrival=0.0, max_tokens=30))
+    sched.add_seq_group(make_group("big", 100, arrival=1.0))
+    sched.add_seq_group(make_group("small", 4, arrival=2.0))
+    steps = run_split_steps(sched)
+    assert steps[1][2] == [("big", 0, 100)] and steps[1][0] == []
+    assert steps[2][2] == [("big", 100, 200)] and steps[2][0] == ["big"]  # its last piece: admitted
+    assert steps[3][0] == ["small"]
+    assert max(work for _, work, _ in steps[1:]) == 50
+
+
+def test_encoder_cache_hit_after_a_split_pass_costs_nothing():
+    sched = split_scheduler(50, layers=3, granule=None)
+    sched.add_seq_group(make_group("run", 20, arrival=0.0, max_tokens=30))
+    sched.add_seq_group(make_group("a", 90, arrival=1.0, key="doc"))
+    sched.add_seq_group(make_group("b", 90, arrival=2.0, key="doc"))
+    steps = run_split_steps(sched)
+    first = {r: k for k, (ids, _, _) in enumerate(steps) for r in ids}
+    assert [p for _, _, ps in steps for p in ps] == [("a", 0, 90), ("a", 90, 180), ("a", 180, 270)]
+    assert first["b"] == first["a"] and steps[first["a"]][1] == 30  # b reads a's cross table

@@ -1,0 +1,75 @@
+"""An encoder pass split across steps by the encoder budget. A part of
+``Scheduler`` (through ``Admission``), kept apart so each file reads as one
+concern. No torch here.
+
+Why: a waiting request whose encoder input is larger than what is left of the
+step's encoder budget (``max_num_encoder_input_tokens``) used to run its whole
+encoder pass in one step while others decode, and their next token waited for
+it. Now, while any group runs, such a pass runs a piece per step: rows x layers
+of it (``EncoderPiece``), at most the budget's worth (``budget * layers`` units),
+in whole layers, or for models that split a layer by rows in multiples of
+``encoder_row_granule`` rows; never less than one such granule in a step that
+had no other encoder work. The request stays first in the queue meanwhile (the
+queue's order holds), and is admitted in the step whose piece ends its pass; the
+worker keeps the pass's state between pieces (``encdec.worker.encoder_pieces``).
+With nothing running, the budget protects no one: the pass runs whole.
+"""
+from __future__ import annotations
+
+from encdec.config import SchedulerConfig
+from encdec.core.scheduler_outputs import EncoderPiece, EncoderWork
+from encdec.sequence import SequenceGroup
+
+
+class EncoderSplit:
+    """Mixed into ``Scheduler``: ``scheduler_config`` is the scheduler's;
+    ``_encoder_work`` collects this step's encoder work."""
+
+    scheduler_config: SchedulerConfig
+    _encoder_work: EncoderWork
+
+    def _take_encoder_work(self) -> EncoderWork:
+        """This step's encoder work, handed out once (a fresh record for the next)."""
+        work, self._encoder_work = self._encoder_work, EncoderWork()
+        return work
+
+    def _encoder_left(self, group: SequenceGroup, tokens: int) -> float:
+        """What the group's encoder pass has still to run, in whole-pass tokens
+        (``tokens``: its encoder tokens to run, 0 when its cross K/V is cached)."""
+        layers = self.scheduler_config.encoder_layers
+        return tokens - group.encoder_units_done / layers if tokens and layers else tokens
+
+    def _piece_units(self, group: SequenceGroup, tokens: int, budget: float, fresh: bool) -> int | None:
+        """Units of the group's next piece within ``budget`` (whole-pass tokens
+        left this step; ``fresh``: nothing spent it yet); None where this model's
+        passes cannot be split. At most what is left of the pass."""
+        cfg = self.scheduler_config
+        if not cfg.encoder_layers:
+            return None
+        granule = min(cfg.encoder_row_granule or tokens, tokens)
+        units = max(0, int(budget * cfg.encoder_layers) // granule * granule)  # spent below 0: none
+        if not units and fresh:
+            units = granule  # one granule over the budget: the least a pass can move
+        return min(units, tokens * cfg.encoder_layers - group.encoder_units_done)
+
+    def _run_piece(self, group: SequenceGroup, units: int) -> None:
+        """Record a piece of ``units`` of the group's pass in this step's work."""
+        layers = self.scheduler_config.encoder_layers
+        start = group.encoder_units_done
+        enc = group.encoder_seq
+        self._encoder_work.pieces.append(EncoderPiece(
+            group.request_id, enc.data.prompt_token_ids, enc.inputs.get("encoder_features"),
+            start, start + units, layers))
+        self._encoder_work.tokens += units / layers
+        group.encoder_units_done = start + units
+
+    def _encoder_admitted(self, group: SequenceGroup, tokens: int) -> None:
+        """The group is admitted with ``tokens`` encoder tokens to run: a split
+        pass's last piece runs in this step (its prefill reads the output), an
+        unsplit one runs whole in the prefill."""
+        done = group.encoder_units_done
+        if done and tokens:
+            self._run_piece(group, tokens * self.scheduler_config.encoder_layers - done)
+        else:
+            self._encoder_work.tokens += tokens
+        group.encoder_units_done = 0  # a recomputed group's pass starts over

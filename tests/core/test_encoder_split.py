@@ -1,0 +1,198 @@
+"""An encoder pass over the encoder budget split across steps while others
+decode (``encdec.core.encoder_split``, ``encdec.worker.encoder_pieces``, the
+models' staged encoder): the staged encoder is ``encode``'s arithmetic exactly
+(BART-shaped and T5 by layers, Whisper by rows of a layer, float32 and int8);
+engines with small budgets give the unbudgeted engine's tokens on BART, T5
+(chunked prefill, beams and n > 1 beside) and Whisper tiny.en, with every step's
+encoder work within the budget; an abort mid-pass leaves no state and no block."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from encdec import LLM, SamplingParams, TextPrompt, TokensPrompt
+from encdec.sampling_params import BeamSearchParams
+from encdec.worker.encoder_pieces import encoder_metadata
+
+OFF = 10**9
+
+
+def _staged(model, inputs: dict, md, granule: int) -> torch.Tensor:
+    """The pass in pieces of ``granule`` rows (whole layers where the model has no row granule)."""
+    state = model.encoder_start(inputs, md)
+    rows = state.h.shape[-2]
+    for layer in range(model.num_encoder_layers):
+        for r0 in range(0, rows, granule if model.encoder_row_granule else rows):
+            model.encoder_advance(state, layer, r0, min(rows, r0 + (granule if model.encoder_row_granule else rows)))
+    return model.encoder_finish(state)
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "m2m100"])
+def test_token_families_staged_encoder_is_encode_exactly(tmp_path, family):
+    import encdec.testing as t
+
+    make = {"bart": t.make_random_bart, "t5": t.make_random_t5, "m2m100": t.make_random_m2m100}[family]
+    llm = LLM(make(str(tmp_path / family)), kv_cache_memory=16 << 20, num_threads=1)
+    worker = llm.llm_engine.worker
+    model, ids = worker.model, [[0] + list(range(5, 60)) + [2], [0, 7, 9, 2]]
+    with torch.inference_mode():
+        for one in ids:
+            inputs = model.build_encoder_inputs([one], [None], worker.device)
+            md = encoder_metadata(worker.backend, [len(one)], worker.device)
+            whole = model.encode(inputs["encoder_input_ids"], inputs["encoder_positions"], md)
+            assert torch.equal(_staged(model, inputs, md, 1), whole)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_whisper_rows_of_a_layer_are_its_whole_pass_exactly(ct2_dir, speech_clips, quantization):
+    from encdec.kernels.cpu.build import cpu_isa
+
+    llm = LLM(ct2_dir, kv_cache_memory=64 << 20, num_threads=2, quantization=quantization)
+    worker = llm.llm_engine.worker
+    model = worker.model
+    feats = llm.llm_engine.process_request(
+        TextPrompt(prompt="<|startoftranscript|>", multi_modal_data={"audio": (speech_clips[2][0], 16000)}),
+        None)[0]["encoder_features"]
+    with torch.inference_mode():
+        inputs = model.build_encoder_inputs([[0] * 1500], [feats], worker.device)
+        whole = model.encode(inputs["encoder_features"]).flatten(0, 1)
+        for granule in (150, 450, 1500):
+            assert torch.equal(_staged(model, inputs, None, granule), whole), (granule, cpu_isa())
+
+
+def _steps(engine, pieces: list) -> list[tuple[int, float]]:
+    """Wraps the scheduler: each step's (running groups, encoder work in whole-pass
+    tokens from its prefills and pieces); ``pieces`` collects the pieces."""
+    sched = engine.scheduler
+    schedule, seen = sched.schedule, []
+
+    def counted(*args, **kwargs):
+        running = len(sched.running)
+        metas, out = schedule(*args, **kwargs)
+        split = {p.request_id for p in out.encoder.pieces}
+        whole = sum(m.encoder_seq_data.get_len() for m in metas[: out.num_prefill_groups]
+                    if not m.cross_kv_cached and m.request_id not in split)
+        seen.append((running, whole + sum((p.stop - p.start) / p.layers for p in out.encoder.pieces)))
+        pieces.extend(out.encoder.pieces)
+        return metas, out
+
+    sched.schedule = counted
+    return seen
+
+
+def _arrive_and_run(engine, first: list, later: list, after: int) -> dict[str, list[int]]:
+    """Queue ``first`` [(id, prompt, params)], step ``after`` times, queue ``later``, run to the end."""
+    done: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            done[out.request_id] = [list(o.token_ids) for o in out.outputs]
+
+    for rid, prompt, params in first:
+        engine.add_request(rid, prompt, params)
+    for _ in range(after):
+        step()
+    for rid, prompt, params in later:
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        step()
+    return done
+
+
+def _assert_clean(engine) -> None:
+    runner = engine.worker.model_runner
+    assert not runner.encoder_pieces.partial and not runner.encoder_outputs
+    assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+
+
+def _doc(rng: random.Random, n: int) -> TokensPrompt:
+    return TokensPrompt(prompt_token_ids=[0] + [rng.randrange(4, 90) for _ in range(n)] + [2])
+
+
+@pytest.mark.parametrize("budget", [8, 30])
+def test_bart_split_passes_match_unbudgeted(tiny_bart, budget):
+    rng = random.Random(3)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = [(f"run{i}", _doc(rng, 10), greedy) for i in range(3)]
+    later = [(f"doc{i}", _doc(rng, 80 + 7 * i), SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True))
+             for i in range(5)]
+    later.append(("beam", _doc(rng, 70), BeamSearchParams(2, 5, num_return_sequences=2)))
+    later.append(("n2", _doc(rng, 75), SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=5, ignore_eos=True)))
+    got, pieces = {}, []
+    for on in (OFF, budget):
+        engine = LLM(tiny_bart, max_num_seqs=16, kv_cache_memory=64 << 20, num_threads=1,
+                     max_num_encoder_input_tokens=on).llm_engine
+        steps = _steps(engine, pieces if on != OFF else [])
+        got[on] = _arrive_and_run(engine, first, later, after=2)
+        _assert_clean(engine)
+    assert got[budget] == got[OFF]
+    assert pieces and {p.request_id for p in pieces} >= {"doc0", "beam", "n2"}
+    # within the budget, or one layer of one pass (the least a split pass moves), or alone
+    limit = max(budget, max(p.rows / p.layers for p in pieces))
+    assert all(work <= limit or running == 0 for running, work in steps), steps
+    assert any(running and work > budget for running, work in steps) == (limit > budget)
+
+
+def test_t5_split_passes_with_chunked_prefill_match(tmp_path):
+    from encdec.testing import make_random_t5
+
+    path = make_random_t5(str(tmp_path / "t5"))
+    rng = random.Random(5)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = [(f"run{i}", _doc(rng, 8), greedy) for i in range(2)]
+    later = [(f"doc{i}", {"encoder_prompt": _doc(rng, 60 + i), "decoder_prompt": _doc(rng, 9)}, greedy)
+             for i in range(3)]
+    got, pieces = {}, []
+    for on in (OFF, 12):
+        engine = LLM(path, kv_cache_memory=64 << 20, num_threads=1, enable_chunked_prefill=True,
+                     max_num_batched_tokens=8, max_num_encoder_input_tokens=on).llm_engine
+        _steps(engine, pieces if on != OFF else [])
+        got[on] = _arrive_and_run(engine, first, later, after=1)
+        _assert_clean(engine)
+    assert got[12] == got[OFF] and pieces
+
+
+def _whisper(wav) -> TextPrompt:
+    return TextPrompt(prompt="<|startoftranscript|><|notimestamps|>", multi_modal_data={"audio": (wav, 16000)})
+
+
+def test_whisper_rows_split_matches_unbudgeted(ct2_dir, speech_clips):
+    wavs = speech_clips[2]
+    stream = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = [(f"s{i}", _whisper(wavs[i]), stream) for i in range(2)]
+    later = [(f"u{i}", _whisper(wavs[2 + i]), SamplingParams(temperature=0.0, max_tokens=8)) for i in range(3)]
+    got, pieces = {}, []
+    for on in (OFF, 150):
+        engine = LLM(ct2_dir, kv_cache_memory=256 << 20, swap_space=0.05, num_threads=2,
+                     max_num_encoder_input_tokens=on).llm_engine
+        steps = _steps(engine, pieces if on != OFF else [])
+        got[on] = _arrive_and_run(engine, first, later, after=3)
+        _assert_clean(engine)
+        if on != OFF:
+            assert all(work <= 150 or running == 0 for running, work in steps[3:]), steps
+    assert got[150] == got[OFF]
+    assert {p.request_id for p in pieces} >= {"u0", "u1"}
+    assert all(p.start % 150 == 0 and p.stop % 150 == 0 for p in pieces)
+    assert any(p.start % 1500 for p in pieces)  # pieces that start inside a layer
+
+
+def test_abort_mid_pass_leaves_no_state_and_no_block(tiny_bart):
+    rng = random.Random(7)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine = LLM(tiny_bart, kv_cache_memory=64 << 20, num_threads=1, max_num_encoder_input_tokens=4).llm_engine
+    partial = engine.worker.model_runner.encoder_pieces.partial
+    engine.add_request("run", _doc(rng, 10), greedy)
+    engine.step()
+    engine.add_request("big", _doc(rng, 90), greedy)
+    engine.add_request("next", _doc(rng, 12), greedy)
+    engine.step()
+    assert "big" in partial
+    assert engine.abort_request("big") == ["big"]
+    assert not partial
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    assert set(done) == {"run", "next"}
+    _assert_clean(engine)
