@@ -78,22 +78,20 @@ class Admission(EncoderSplit):
                 break
             if num_running + len(seqs) > cfg.max_num_seqs:
                 break
-            # Cache hits cost nothing. Over what is left of the budget while others
-            # run, the pass goes a piece a step (encoder_split.py); else the first
-            # admission always goes (an oversize input runs alone: the budget is
-            # then below zero).
+            # Cache hits cost nothing. A pass over what is left of the budget while
+            # others run goes a piece a step, and its request in the step after its
+            # last piece (encoder_split.py); else the first admission always goes (an
+            # oversize input runs alone: the budget is then below zero).
             encoder_tokens = bm.encoder_tokens_to_run(group)
             left = self._encoder_left(group, encoder_tokens)
-            if encoder_budget is not None and left > encoder_budget:
+            if self._splits(group, left, encoder_budget, bool(self.running or admitted)):
                 fresh = encoder_budget == full_encoder_budget
-                units = self._piece_units(group, encoder_tokens, encoder_budget, fresh) if self.running or admitted \
-                    else None
-                if units is not None and units < left * cfg.encoder_layers:
-                    if units:
-                        self._run_piece(group, units)
-                    break
-                if admitted and not (units and fresh):
-                    break
+                units = self._piece_units(group, encoder_tokens, encoder_budget, fresh)
+                if units:
+                    self._run_piece(group, units)
+                break
+            if admitted and encoder_budget is not None and left > encoder_budget:
+                break
             self.waiting.popleft()
             spent = self._admit(group, seqs, budget if split else None, chunks)
             self._encoder_admitted(group, encoder_tokens)

@@ -10,9 +10,12 @@ of it (``EncoderPiece``), at most the budget's worth (``budget * layers`` units)
 in whole layers, or for models that split a layer by rows in multiples of
 ``encoder_row_granule`` rows; never less than one such granule in a step that
 had no other encoder work. The request stays first in the queue meanwhile (the
-queue's order holds), and is admitted in the step whose piece ends its pass; the
-worker keeps the pass's state between pieces (``encdec.worker.encoder_pieces``).
-With nothing running, the budget protects no one: the pass runs whole.
+queue's order holds), and is admitted in the step after the piece that ends its
+pass, so that its prefill (whose cross K/V projection over every encoder token
+costs about a layer of the pass) is not in the same step as a piece. The worker
+keeps the pass's state and then its output between steps
+(``encdec.worker.encoder_pieces``). With nothing running, the budget protects
+no one: the rest of the pass runs whole, with the prefill.
 """
 from __future__ import annotations
 
@@ -39,13 +42,19 @@ class EncoderSplit:
         layers = self.scheduler_config.encoder_layers
         return tokens - group.encoder_units_done / layers if tokens and layers else tokens
 
-    def _piece_units(self, group: SequenceGroup, tokens: int, budget: float, fresh: bool) -> int | None:
+    def _splits(self, group: SequenceGroup, left: float, budget: float | None, busy: bool) -> bool:
+        """Whether the group's pass goes (on) in pieces this step: a budget, a model
+        that splits, others running or admitted (``busy``), and a pass begun or
+        over what is left of the budget. A pass run to its end waits no more."""
+        if budget is None or not busy or not left or not self.scheduler_config.encoder_layers:
+            return False
+        return bool(group.encoder_units_done) or left > budget
+
+    def _piece_units(self, group: SequenceGroup, tokens: int, budget: float, fresh: bool) -> int:
         """Units of the group's next piece within ``budget`` (whole-pass tokens
-        left this step; ``fresh``: nothing spent it yet); None where this model's
-        passes cannot be split. At most what is left of the pass."""
+        left this step; ``fresh``: nothing spent it yet), at most what is left of
+        the pass; 0: none this step."""
         cfg = self.scheduler_config
-        if not cfg.encoder_layers:
-            return None
         granule = min(cfg.encoder_row_granule or tokens, tokens)
         units = max(0, int(budget * cfg.encoder_layers) // granule * granule)  # spent below 0: none
         if not units and fresh:
@@ -68,8 +77,10 @@ class EncoderSplit:
         pass's last piece runs in this step (its prefill reads the output), an
         unsplit one runs whole in the prefill."""
         done = group.encoder_units_done
-        if done and tokens:
-            self._run_piece(group, tokens * self.scheduler_config.encoder_layers - done)
+        if done and tokens:  # nothing runs now (nobody to protect): the rest of the pass whole
+            rest = tokens * self.scheduler_config.encoder_layers - done
+            if rest:
+                self._run_piece(group, rest)
         else:
             self._encoder_work.tokens += tokens
         group.encoder_units_done = 0  # a recomputed group's pass starts over

@@ -139,12 +139,12 @@ def _engine_steps(llm: LLM, pieces: list | None = None) -> list[tuple[int, float
     of every step: the prefills that run their encoder whole, plus the pieces of
     split passes (a split pass's prefill runs none of it; ``pieces`` collects them)."""
     sched = llm.llm_engine.scheduler
-    schedule, seen = sched.schedule, []
+    schedule, seen, split = sched.schedule, [], set()
 
     def counted(*args, **kwargs):
         metas, out = schedule(*args, **kwargs)
         prefills = metas[: out.num_prefill_groups]
-        split = {p.request_id for p in out.encoder.pieces}
+        split.update(p.request_id for p in out.encoder.pieces)  # passes run by pieces
         whole = sum(m.encoder_seq_data.get_len() for m in prefills
                     if not m.cross_kv_cached and m.request_id not in split)
         seen.append((len(prefills), whole + sum((p.stop - p.start) / p.layers for p in out.encoder.pieces)))
@@ -217,14 +217,14 @@ def split_scheduler(budget: int, layers: int, granule: int | None) -> Scheduler:
 def run_split_steps(sched: Scheduler, max_steps: int = 300) -> list[tuple[list[str], float, list]]:
     """As ``run_steps``, each step's (admitted ids, encoder work in whole-pass
     tokens counted from the prefills and pieces, the pieces as (id, start, stop))."""
-    steps = []
+    steps, split = [], set()
     for _ in range(max_steps):
         if not sched.has_unfinished_seqs():
             return steps
         metas, out = sched.schedule()
         prefills = metas[: out.num_prefill_groups]
         pieces = out.encoder.pieces
-        split = {p.request_id for p in pieces}
+        split.update(p.request_id for p in pieces)  # passes run by pieces
         work = sum(m.encoder_seq_data.get_len() for m in prefills if not m.cross_kv_cached
                    and m.request_id not in split) + sum((p.stop - p.start) / p.layers for p in pieces)
         assert work == pytest.approx(out.encoder.tokens)
@@ -249,7 +249,9 @@ def test_a_pass_over_the_budget_goes_a_layer_a_step_while_others_run():
     # layer a step (the first beside "run"'s 20: 80 left, 320 units)
     assert steps[0] == (["run"], 95, [("big", 0, 300)])
     assert [p for _, _, p in steps[1:4]] == [[("big", 300, 600)], [("big", 600, 900)], [("big", 900, 1200)]]
-    assert [ids for ids, _, _ in steps[1:4]] == [[], [], ["big", "after"]]  # with its last piece; the order holds
+    # admitted in the step after its last piece (its prefill not beside a piece); the order holds
+    assert [ids for ids, _, _ in steps[1:5]] == [[], [], [], ["big", "after"]]
+    assert steps[4][1] == 20  # the split pass costs its prefill's step nothing
     assert all(work <= 100 for _, work, _ in steps)
 
 
@@ -276,8 +278,8 @@ def test_a_granule_over_the_budget_moves_in_a_step_of_its_own():
     sched.add_seq_group(make_group("small", 4, arrival=2.0))
     steps = run_split_steps(sched)
     assert steps[1][2] == [("big", 0, 100)] and steps[1][0] == []
-    assert steps[2][2] == [("big", 100, 200)] and steps[2][0] == ["big"]  # its last piece: admitted
-    assert steps[3][0] == ["small"]
+    assert steps[2][2] == [("big", 100, 200)] and steps[2][0] == []  # its last piece
+    assert steps[3][0] == ["big", "small"]
     assert max(work for _, work, _ in steps[1:]) == 50
 
 
@@ -289,4 +291,4 @@ def test_encoder_cache_hit_after_a_split_pass_costs_nothing():
     steps = run_split_steps(sched)
     first = {r: k for k, (ids, _, _) in enumerate(steps) for r in ids}
     assert [p for _, _, ps in steps for p in ps] == [("a", 0, 90), ("a", 90, 180), ("a", 180, 270)]
-    assert first["b"] == first["a"] and steps[first["a"]][1] == 30  # b reads a's cross table
+    assert first["b"] == first["a"] and steps[first["a"]][1] == 0  # b reads a's cross table

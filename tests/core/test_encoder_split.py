@@ -66,12 +66,12 @@ def _steps(engine, pieces: list) -> list[tuple[int, float]]:
     """Wraps the scheduler: each step's (running groups, encoder work in whole-pass
     tokens from its prefills and pieces); ``pieces`` collects the pieces."""
     sched = engine.scheduler
-    schedule, seen = sched.schedule, []
+    schedule, seen, split = sched.schedule, [], set()
 
     def counted(*args, **kwargs):
         running = len(sched.running)
         metas, out = schedule(*args, **kwargs)
-        split = {p.request_id for p in out.encoder.pieces}
+        split.update(p.request_id for p in out.encoder.pieces)  # passes run by pieces
         whole = sum(m.encoder_seq_data.get_len() for m in metas[: out.num_prefill_groups]
                     if not m.cross_kv_cached and m.request_id not in split)
         seen.append((running, whole + sum((p.stop - p.start) / p.layers for p in out.encoder.pieces)))
