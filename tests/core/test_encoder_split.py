@@ -196,3 +196,32 @@ def test_abort_mid_pass_leaves_no_state_and_no_block(tiny_bart):
         done.update((o.request_id, o) for o in engine.step())
     assert set(done) == {"run", "next"}
     _assert_clean(engine)
+
+
+@pytest.mark.parametrize("mode", ["async", "priority", "swap", "recompute", "speculative"])
+def test_split_passes_under_async_priority_preemption_and_speculation(tiny_bart, mode):
+    """Split passes beside async scheduling (steps planned ahead run their pieces
+    at planning), the priority policy, preemption (a small cache: groups swapped
+    or recomputed; a recomputed group's pass starts over) and speculation: the
+    unbudgeted engine's tokens, nothing left behind."""
+    rng = random.Random(11)
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    first = [(f"run{i}", _doc(rng, 12), greedy) for i in range(4)]
+    later = [(f"doc{i}", _doc(rng, 85), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+             for i in range(4)]
+    extra = {"async": dict(async_scheduling=True), "priority": dict(scheduling_policy="priority"),
+             "swap": dict(kv_cache_memory=1 << 19, preemption_mode="swap", swap_space=0.2),
+             "recompute": dict(kv_cache_memory=1 << 19, preemption_mode="recompute", swap_space=0.2),
+             "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})}[mode]
+    got, pieces = {}, []
+    for on in (OFF, 10):
+        engine = LLM(tiny_bart, **{"kv_cache_memory": 64 << 20, "num_threads": 1, "max_num_encoder_input_tokens": on,
+                                   **extra}).llm_engine
+        _steps(engine, pieces if on != OFF else [])
+        got[on] = _arrive_and_run(engine, first, later, after=2)
+        _assert_clean(engine)
+        if mode == "async" and on != OFF:
+            assert engine.steps_planned_ahead > 0
+        if mode in ("swap", "recompute") and on != OFF:
+            assert engine.scheduler.stats.num_preempted > 0
+    assert got[10] == got[OFF] and pieces
