@@ -88,6 +88,15 @@ def test_training_is_deterministic_and_a_matching_manifest_is_reused(tmp_path, m
         train_and_save(str(tmp_path / "a"), dataclasses.replace(TINY, steps=4), eval_count=4, log=None)
 
 
+def test_two_threads_train_the_same_weights_twice(tmp_path):
+    """The default trains on two threads: at the default dims (ops large enough
+    to be split between threads) two runs give the same weights."""
+    opts = dataclasses.replace(TrainOptions(), steps=3, threads=2)
+    first = train_and_save(str(tmp_path / "a"), opts, eval_count=2, log=None)
+    second = train_and_save(str(tmp_path / "b"), opts, eval_count=2, log=None)
+    assert first["weights_sha256"] == second["weights_sha256"]
+
+
 def test_the_saved_tokenizer_reads_a_document_as_its_token_ids(tmp_path):
     from transformers import AutoTokenizer
 
