@@ -225,3 +225,22 @@ def test_split_passes_under_async_priority_preemption_and_speculation(tiny_bart,
         if mode in ("swap", "recompute") and on != OFF:
             assert engine.scheduler.stats.num_preempted > 0
     assert got[10] == got[OFF] and pieces
+
+
+def test_a_thousand_mixed_requests_with_aborts_under_every_budget_leak_nothing(tiny_bart):
+    """Issue 53's churn: 1000 requests (greedy, sampled n = 2; documents x prompts
+    sharing prefixes), aborts among them, with split encoder passes, chunked
+    prefill and the prefix cache all on: every block free, no pass state left."""
+    from tests.core.test_prefix_cache_engine import churn, documents_x_prompts
+
+    engine = LLM(tiny_bart, kv_cache_memory=2 << 20, swap_space=0.05, max_num_seqs=16, num_threads=1,
+                 enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                 max_num_encoder_input_tokens=6).llm_engine
+    pieces: list = []
+    _steps(engine, pieces)
+    churn(engine, documents_x_prompts(5, 6, 18, seed=12), random.Random(13), step_chance=0.5, count=1000)
+    bm = engine.scheduler.block_manager
+    assert pieces and bm.prefix_cache_stats()[1] > 0
+    assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)
+    assert not bm.block_tables and not bm.cross_block_tables
+    _assert_clean(engine)
