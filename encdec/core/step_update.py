@@ -123,13 +123,9 @@ def _append_quick(seq: Sequence, group: SequenceGroup, tokens: list[int], rule: 
         if n < limit and t < vocab_end and t not in stop_ids:
             continue
         stop_checker.check(seq, group.sampling_params, defer_text=True)
-        if seq.is_finished():
-            block_manager.free(seq)
-            ended[id(group)] = group
+        if _ended(seq, group, block_manager, ended):
             return i + 1
-    if len(tokens) > 1:  # verified drafts: their K/V is computed too (all but the newest token's)
-        seq.data.update_num_computed_tokens(len(tokens) - 1)
-    return len(tokens)
+    return _all_kept(seq, tokens)
 
 
 def _append(seq: Sequence, group: SequenceGroup, tokens: list[int], logprobs: list, computed: int,
@@ -144,11 +140,25 @@ def _append(seq: Sequence, group: SequenceGroup, tokens: list[int], logprobs: li
         if structured is not None and structured.accept(seq, token_id) and not seq.is_finished():
             seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is done (ignore_eos kept it going)
             stop_checker.settle_text(seq, group.sampling_params)  # a finished sequence's text is never owed
-        if seq.is_finished():
-            block_manager.free(seq)
-            ended[id(group)] = group
+        if _ended(seq, group, block_manager, ended):
             return i + 1
-    if len(tokens) > 1:  # verified drafts: their K/V is computed too (all but the newest token's)
+    return _all_kept(seq, tokens)
+
+
+def _ended(seq: Sequence, group: SequenceGroup, block_manager: BlockSpaceManager,
+           ended: dict[int, SequenceGroup]) -> bool:
+    """Whether the token just appended finished the sequence; if so its blocks
+    are freed and its group noted."""
+    if not seq.is_finished():
+        return False
+    block_manager.free(seq)
+    ended[id(group)] = group
+    return True
+
+
+def _all_kept(seq: Sequence, tokens: list[int]) -> int:
+    """Every token was appended: verified drafts' K/V is computed too (all but the newest token's)."""
+    if len(tokens) > 1:
         seq.data.update_num_computed_tokens(len(tokens) - 1)
     return len(tokens)
 
