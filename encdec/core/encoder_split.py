@@ -73,9 +73,10 @@ class EncoderSplit:
         group.encoder_units_done = start + units
 
     def _encoder_admitted(self, group: SequenceGroup, tokens: int) -> None:
-        """The group is admitted with ``tokens`` encoder tokens to run: a split
-        pass's last piece runs in this step (its prefill reads the output), an
-        unsplit one runs whole in the prefill."""
+        """The group is admitted with ``tokens`` encoder tokens to run: the rest
+        of a split pass (only where nothing ran to split it further) as a piece
+        of this step, whose output its prefill reads; an unsplit pass whole in
+        the prefill; a pass run to its end (or one computed elsewhere) nothing."""
         done = group.encoder_units_done
         if done and tokens:  # nothing runs now (nobody to protect): the rest of the pass whole
             rest = tokens * self.scheduler_config.encoder_layers - done

@@ -218,6 +218,8 @@ class LLMEngine:
         key = self.encoder_key(inputs)
         group = SequenceGroup(request_id, seqs, arrival_time or time.time(), params,
                               encoder_seq=encoder_seq, priority=priority, encoder_cache_key=key)
+        if encoder_output is not None:  # its pass is run: the encoder budget neither counts nor splits it
+            group.encoder_units_done = encoder_seq.get_len() * self.scheduler_config.encoder_layers
         self.scheduler.add_seq_group(group)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

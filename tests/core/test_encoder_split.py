@@ -244,3 +244,37 @@ def test_a_thousand_mixed_requests_with_aborts_under_every_budget_leak_nothing(t
     assert engine.num_free_blocks() == (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks)
     assert not bm.block_tables and not bm.cross_block_tables
     _assert_clean(engine)
+
+
+def test_an_output_computed_elsewhere_is_neither_counted_nor_split(tiny_bart):
+    """A request that brings its encoder output (an encoder worker's) costs the
+    encoder budget nothing and runs no piece; its tokens are the engine's own."""
+    from encdec.worker.encoder_pass import EncoderPass
+
+    rng = random.Random(17)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    run, doc = _doc(rng, 10), _doc(rng, 90)
+    want = [list(o.outputs[0].token_ids) for o in
+            LLM(tiny_bart, kv_cache_memory=64 << 20, num_threads=1).generate([run, doc], greedy, use_tqdm=False)]
+    engine = LLM(tiny_bart, kv_cache_memory=64 << 20, num_threads=1, max_num_encoder_input_tokens=4).llm_engine
+    sched, work = engine.scheduler, []
+    schedule = sched.schedule
+
+    def counted(*args, **kwargs):
+        metas, out = schedule(*args, **kwargs)
+        work.append((out.encoder.tokens, out.encoder.pieces))
+        return metas, out
+
+    sched.schedule = counted
+    inp, params = engine.process_request(doc, greedy)
+    (out,) = EncoderPass(engine.args)([(inp["encoder_prompt_token_ids"], None)])
+    engine.add_request("run", run, greedy)
+    engine.step()
+    engine.add_processed_request("doc", inp, params, encoder_output=out)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step())
+    assert [done["run"], done["doc"]] == want
+    # "run" alone ran its pass whole (nobody to protect); "doc" brought its output: 0 work, no piece
+    assert work[0] == (12, []) and all(w == (0, []) for w in work[1:])
+    _assert_clean(engine)
