@@ -36,7 +36,8 @@ class SchedulerConfig:
     # Encoder input tokens the waiting requests admitted in one step may run
     # through the encoder (encoder cache hits count 0), so a burst of arrivals
     # spreads its encoder passes over steps beside running decodes. A larger
-    # input than this still runs, alone in its step. None: no limit.
+    # input runs its pass in pieces across steps while others run
+    # (encdec.core.encoder_split), else whole, alone in its step. None: no limit.
     max_num_encoder_input_tokens: int | None = None
     # Decoder prompts are split under max_num_batched_tokens across steps.
     enable_chunked_prefill: bool = False

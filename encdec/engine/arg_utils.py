@@ -88,8 +88,9 @@ class EngineArgs:
     # Encoder input tokens the requests admitted in one step may run through the
     # encoder (encoder cache hits count 0; vLLM's name): a burst of arrivals has its
     # encoder passes spread over steps while running requests keep decoding. An input
-    # larger than this still runs, alone in its step. Default None: no limit (serving
-    # Whisper on CPU: 3000, two 30 s windows a step; docs/scheduler-budgets.md).
+    # larger than this runs its pass a piece a step (by layers; Whisper by rows of a
+    # layer) while others run. Default None: no limit (serving Whisper on CPU: 375,
+    # a layer of a 30 s window a step; docs/scheduler-budgets.md).
     max_num_encoder_input_tokens: int | None = None
     # What a preempted request gives up: swap (its KV blocks go to CPU) or recompute; default: swap.
     preemption_mode: str | None = field(default=None, metadata={"choices": ("swap", "recompute")})
