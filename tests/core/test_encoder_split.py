@@ -278,3 +278,22 @@ def test_an_output_computed_elsewhere_is_neither_counted_nor_split(tiny_bart):
     # "run" alone ran its pass whole (nobody to protect); "doc" brought its output: 0 work, no piece
     assert work[0] == (12, []) and all(w == (0, []) for w in work[1:])
     _assert_clean(engine)
+
+
+def test_whisper_long_form_of_two_files_with_split_passes_matches(ct2_dir, speech_clips):
+    """Two long files transcribed together (each window conditioned on the text
+    before it): one file's windows decode while the other's arrive, so their
+    passes go in pieces; the segments are the unbudgeted engine's."""
+    import numpy as np
+
+    wavs, gap = speech_clips[2], np.zeros(16000, np.float32)
+    files = [np.concatenate([x for w in wavs[a:a + 8] for x in (w, gap)])[: 16000 * 45] for a in (0, 8)]
+    got, pieces = {}, []
+    for on in (OFF, 150):
+        llm = LLM(ct2_dir, kv_cache_memory=256 << 20, swap_space=0.1, num_threads=2, max_num_encoder_input_tokens=on)
+        _steps(llm.llm_engine, pieces if on != OFF else [])
+        results = llm.transcribe([(f, 16000) for f in files], timestamps=True, use_tqdm=False)
+        got[on] = [[(s.start, s.end, s.text) for s in r.segments] for r in results]
+        _assert_clean(llm.llm_engine)
+    assert got[150] == got[OFF] and all(len(g) > 2 for g in got[OFF])
+    assert pieces
