@@ -16,37 +16,6 @@ class ScheduledSequenceGroup:
 
 
 @dataclass
-class SchedulerOutputs:
-    scheduled_seq_groups: list[ScheduledSequenceGroup]  # prefills first, then decodes
-    num_prefill_groups: int
-    num_batched_tokens: int  # decoder tokens this step
-    blocks_to_swap_in: list[tuple[int, int]]  # CPU -> device block number
-    blocks_to_swap_out: list[tuple[int, int]]  # device -> CPU block number
-    blocks_to_copy: list[tuple[int, int]]  # device -> device (copy-on-write)
-    preempted: int  # groups preempted this step
-    ignored_seq_groups: list[SequenceGroup]  # can never run; finished with an error
-    # The persistent batch's joins and leaves, by decoder seq_id, against the
-    # previous step: sequences scheduled now and not then, and the reverse
-    # (finished, freed, preempted, aborted or dropped beams). Joins in the order
-    # of the step's metadata.
-    seq_ids_joined: list[int] = field(default_factory=list)
-    seq_ids_left: list[int] = field(default_factory=list)
-    # the tokens each constrained sequence may sample this step (structured
-    # outputs' grammar state); None: no scheduled request is constrained
-    token_masks: TokenMasks | None = None
-    # The same decode rows, in the same order, as the step before, which had no
-    # prefill: each row is one token further, nothing joined or left.
-    same_rows: bool = False
-    # Speculative decoding: decoder seq_id -> the most draft tokens its row may
-    # carry this step (slots given); rows not here carry none.
-    spec_rows: dict[int, int] = field(default_factory=dict)
-    # draft slots this step or the last: tables grown and trimmed in place (no reuse of last step's)
-    tables_regrown: bool = False
-    # encoder work this step: the pieces of split passes, and the whole in tokens
-    encoder: EncoderWork = field(default_factory=lambda: EncoderWork())
-
-
-@dataclass
 class EncoderPiece:
     """Part of one waiting request's encoder pass, for this step: units
     ``[start, stop)`` of ``rows * layers``, layer after layer (unit ``u`` is row
@@ -76,6 +45,37 @@ class EncoderWork:
 
     pieces: list[EncoderPiece] = field(default_factory=list)
     tokens: float = 0.0
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[ScheduledSequenceGroup]  # prefills first, then decodes
+    num_prefill_groups: int
+    num_batched_tokens: int  # decoder tokens this step
+    blocks_to_swap_in: list[tuple[int, int]]  # CPU -> device block number
+    blocks_to_swap_out: list[tuple[int, int]]  # device -> CPU block number
+    blocks_to_copy: list[tuple[int, int]]  # device -> device (copy-on-write)
+    preempted: int  # groups preempted this step
+    ignored_seq_groups: list[SequenceGroup]  # can never run; finished with an error
+    # The persistent batch's joins and leaves, by decoder seq_id, against the
+    # previous step: sequences scheduled now and not then, and the reverse
+    # (finished, freed, preempted, aborted or dropped beams). Joins in the order
+    # of the step's metadata.
+    seq_ids_joined: list[int] = field(default_factory=list)
+    seq_ids_left: list[int] = field(default_factory=list)
+    # the tokens each constrained sequence may sample this step (structured
+    # outputs' grammar state); None: no scheduled request is constrained
+    token_masks: TokenMasks | None = None
+    # The same decode rows, in the same order, as the step before, which had no
+    # prefill: each row is one token further, nothing joined or left.
+    same_rows: bool = False
+    # Speculative decoding: decoder seq_id -> the most draft tokens its row may
+    # carry this step (slots given); rows not here carry none.
+    spec_rows: dict[int, int] = field(default_factory=dict)
+    # draft slots this step or the last: tables grown and trimmed in place (no reuse of last step's)
+    tables_regrown: bool = False
+    # encoder work this step: the pieces of split passes, and the whole in tokens
+    encoder: EncoderWork = field(default_factory=EncoderWork)
 
 
 @dataclass

@@ -312,10 +312,9 @@ class LLMEngine:
         finished = self.scheduler.update(sched, output)
         self.num_generated_tokens += self.scheduler.num_appended  # a spare row's sample is not one
         now, outs = time.time(), []
-        pieces = self.worker.model_runner.encoder_pieces
         for group in finished:
             group.metrics.finished_time = now
-            pieces.drop(group.request_id)  # an output its prefill never took (its cross K/V was cached)
+            self.worker.model_runner.encoder_pieces.drop(group.request_id)  # an output its prefill never took
             outs.append(self.output_processor.make_output(group))
         return outs
 
