@@ -16,6 +16,13 @@ has prefills on the step's packed inputs (its own encoder included), mirrors
 the cache's swaps and copies, and before proposing feeds the tokens it has no
 K/V for yet (``_Fed``: a row whose drafts were all kept owes the last one).
 
+On CPU, where the target's cache is float32, a self-draft reads and writes a
+bfloat16 copy of its rows' K/V instead (``DraftKV``: half the bytes a draft
+step streams); rows that do not fit in the copy draft from the target's cache.
+A row stops drafting after it proposes one of its stop tokens: the target
+either ends the sequence there or rejects that draft, so drafts past it are
+never kept.
+
 Only the rows' drafts depend on the draft model: the target decides every
 kept token, so a draft's K/V that is stale (a block another request filled,
 a swap the pool missed) costs acceptance, never exactness.
@@ -30,7 +37,12 @@ import torch
 from encdec.attention.backends.abstract import cache_slots_list
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sequence import SequenceGroupMetadata
+from encdec.worker.draft_kv import DraftKV
 from encdec.worker.steady_decode import PaddedTables
+
+# The most a self-draft's bfloat16 copy of its rows' K/V holds (DraftKV): tiny.en
+# 12 MB a sequence of a 30-second window, base 23 MB.
+DRAFT_KV_BYTES = 256 << 20
 
 
 class DraftRow(NamedTuple):
@@ -77,6 +89,24 @@ class _Fed:
             self._fed.pop(sid, None)
 
 
+class _Tables(NamedTuple):
+    """Where a proposal's rows read and write K/V: the target's (or an own
+    pool's, same block ids) tables, or the bfloat16 copy's (``copy``)."""
+
+    copy: DraftKV | None
+
+    def self_table(self, r: DraftRow) -> list[int]:
+        return r.meta.block_tables[r.seq_id] if self.copy is None else self.copy.self_table(r.seq_id)
+
+    def cross_table(self, r: DraftRow) -> list[int]:
+        return r.meta.cross_block_table if self.copy is None else self.copy.cross_table(r.seq_id)
+
+
+def _stop_ids(meta: SequenceGroupMetadata) -> Any:
+    """The tokens that end ``meta``'s sequences (its stop ids and eos, unless ignored)."""
+    return getattr(meta.sampling_params, "all_stop_token_ids", None) or ()
+
+
 class DraftModel:
     """``model``: the draft, loaded (``Worker``); ``kv_caches``: the target's
     cache tensors (a self-draft) or the draft's own ``CacheEngine``
@@ -89,16 +119,20 @@ class DraftModel:
         self.cache = own_cache if own_cache is not None else target_cache
         self._fed = _Fed() if own_cache is not None else None
         self._tables, self._cross = PaddedTables(), PaddedTables()
+        self._copy = (DraftKV(target_cache.gpu_cache, block_size, DRAFT_KV_BYTES)
+                      if own_cache is None and DraftKV.wanted(target_cache.gpu_cache) else None)
 
     # -- proposing ---------------------------------------------------------------
     def propose_rows(self, rows: list[DraftRow], apply_static: Any = None) -> dict[int, list[int]]:
         """Each row's drafts: the draft's greedy tokens after its last, ``k`` of
-        them (its first step also feeds the tokens an own pool lacks).
-        ``apply_static``: the processors' row-independent part (suppressed
-        tokens), so drafts the target could never pick are not proposed."""
+        them, fewer after a stop token (its first step also feeds the tokens an
+        own pool lacks). ``apply_static``: the processors' row-independent part
+        (suppressed tokens), so drafts the target could never pick are not proposed."""
         out: dict[int, list[int]] = {r.seq_id: [] for r in rows}
         starts = {r.seq_id: (self._fed.start(r.seq_id, r.token_ids) if self._fed else len(r.token_ids) - 1)
                   for r in rows}
+        kv = _Tables(self._copy if self._copy is not None and self._copy.prepare(rows) else None)
+        stops = {r.seq_id: _stop_ids(r.meta) for r in rows}
         live = list(rows)
         step = 0
         while live:
@@ -110,18 +144,18 @@ class DraftModel:
                     feeds.append((r, s, r.token_ids[s:]))
                 else:
                     feeds.append((r, n - 1 + step, [out[r.seq_id][-1]]))
-            tokens = self._greedy(feeds, apply_static)
+            tokens = self._greedy(feeds, apply_static, kv)
             for (r, _, _), tok in zip(feeds, tokens):
                 out[r.seq_id].append(tok)
             step += 1
-            live = [r for r in live if len(out[r.seq_id]) < r.k]
+            live = [r for r in live if len(out[r.seq_id]) < r.k and out[r.seq_id][-1] not in stops[r.seq_id]]
         if self._fed:
             for r in rows:
                 s, d = starts[r.seq_id], out[r.seq_id]
                 self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
         return out
 
-    def _greedy(self, feeds: list[tuple[DraftRow, int, list[int]]], apply_static: Any) -> list[int]:
+    def _greedy(self, feeds: list[tuple[DraftRow, int, list[int]]], apply_static: Any, kv: _Tables) -> list[int]:
         """One decode step of the draft: each row's tokens ``feed`` at positions
         ``first ..`` (causal among themselves), the argmax after the last."""
         tokens, positions, table_rows, seq_lens, q_lens, tables, cross, enc_lens = [], [], [], [], [], [], [], []
@@ -131,16 +165,18 @@ class DraftModel:
             table_rows += [i] * len(feed)
             seq_lens.append(first + len(feed))
             q_lens.append(len(feed))
-            tables.append(r.meta.block_tables[r.seq_id])
-            cross.append(r.meta.cross_block_table)
+            tables.append(kv.self_table(r))
+            cross.append(kv.cross_table(r))
             enc_lens.append(len(r.meta.encoder_seq_data.prompt_token_ids))
         dev = self.device
         slots = cache_slots_list(tables, table_rows, positions, self.block_size)
         input_ids, pos, slot_mapping = split_to_device([tokens, positions, slots], torch.long, dev)
+        moved = kv.copy is None  # the target's tables change in place (copy-on-write, swap-in); the copy's only grow
         md = self.backend.make_metadata(**decode_metadata_fields(
-            seq_lens, q_lens, enc_lens, slot_mapping, self._tables.get(tables, dev, True),
-            self._cross.get(cross, dev, True), tables, cross, self.block_size, dev))
-        hidden = self.model(input_ids, pos, self.cache.gpu_cache, md)
+            seq_lens, q_lens, enc_lens, slot_mapping, self._tables.get(tables, dev, moved),
+            self._cross.get(cross, dev, moved), tables, cross, self.block_size, dev))
+        caches = kv.copy.caches if kv.copy is not None else self.cache.gpu_cache
+        hidden = self.model(input_ids, pos, caches, md)
         last = to_device([end - 1 for end in itertools.accumulate(q_lens)], torch.long, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last)).float()
         if apply_static is not None:
@@ -158,6 +194,8 @@ class DraftModel:
     def forget(self, seq_ids: Any) -> None:
         if self._fed is not None:
             self._fed.forget(seq_ids)
+        if self._copy is not None:
+            self._copy.forget(seq_ids)
 
     def mirror(self, parts: list[Any], metas: list[SequenceGroupMetadata]) -> None:
         """An own pool: run the draft on a step with prefills (``parts``: the
