@@ -10,7 +10,9 @@ request to the first text chunk and to the end of the stream.
 
 ``--ray --replicas N`` also runs the same clients against ``encdec serve --ray``
 (a local Ray cluster: N engine replicas of one torch thread behind the Ray Serve
-ingress), to measure what the Ray path costs against one ``encdec serve``.
+ingress), to measure what the Ray path costs against one ``encdec serve``;
+``--ingress serve haproxy`` runs it once behind each front door (Serve's Python
+proxy, Serve's HAProxy ingress), in the same run.
 ``--disaggregate encoders=E,decoders=D`` does the same with the encoder passes on
 E encoder workers, and prints what moved from them to the decoder engines: bytes
 per request (against the cross K/V the engine makes of them) and the time a
@@ -28,6 +30,7 @@ first server (``encdec serve``). A table at the end puts each server beside
 
     python -m benchmarks.serve_bench [--requests 200] [--concurrency 1 16 200] [--model-dir DIR]
                                      [--ray --replicas 2] [--disaggregate encoders=1,decoders=1]
+                                     [--ingress serve haproxy]
                                      [--load 0.5 0.8 | --rate R ...]
 """
 from __future__ import annotations
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
                     help="also through encdec serve --ray --disaggregate (encoder workers + decoder engines)")
+    ap.add_argument("--ingress", nargs="+", choices=["serve", "haproxy"], default=["serve"],
+                    help="the Ray servers' front door(s): each one given is a server of its own in the run "
+                         "(Serve's Python proxy, Serve's HAProxy ingress)")
     ap.add_argument("--rate", type=float, nargs="*", default=None, metavar="R",
                     help="open-loop runs at R requests/s each (Poisson arrivals, seeded; the same schedule "
                          "for every server); default: --load of encdec serve's best closed-loop rate")
@@ -240,12 +246,16 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     engine = ["--kv-cache-memory", str(opts["kv_cache_memory"]), "--swap-space", str(opts["swap_space"]),
               "--max-num-seqs", str(opts["max_num_seqs"])]
     servers = [("encdec serve", engine)]
-    if args.ray:
-        servers.append((f"encdec serve --ray --replicas {args.replicas}",
-                        [*engine, "--ray", "--replicas", str(args.replicas), "--num-threads", "1"]))
-    if args.disaggregate:
-        servers.append((f"encdec serve --ray --disaggregate {args.disaggregate}",
-                        [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", "1"]))
+    for ingress in args.ingress:
+        # the label names a non-default front door; the flag goes to every Ray server
+        door = ([], "") if ingress == "serve" else (["--ingress", ingress], f" --ingress {ingress}")
+        if args.ray:
+            servers.append((f"encdec serve --ray --replicas {args.replicas}{door[1]}",
+                            [*engine, "--ray", "--replicas", str(args.replicas), "--num-threads", "1", *door[0]]))
+        if args.disaggregate:
+            servers.append((f"encdec serve --ray --disaggregate {args.disaggregate}{door[1]}",
+                            [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", "1",
+                             *door[0]]))
     rows: list[Measured] = []
     rates = [(r, "given") for r in args.rate] if args.rate else None
     for label, flags in servers:

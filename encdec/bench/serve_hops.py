@@ -7,10 +7,13 @@ its time is the path's own cost per request) and a streamed completion
     app       encdec serve's app called in this process (``run_asgi``): no HTTP, no Ray
     http      one ``encdec serve`` process over HTTP on 127.0.0.1
     ray http  the Ray path: Serve's HTTP proxy -> the engine replica (the ingress)
+    haproxy   the Ray path behind Serve's HAProxy ingress: HAProxy -> the replica's own
+              HTTP server (with ``--ingress serve haproxy``, each in the same run)
 
 A hop's cost is the difference of medians.
 
     python -m benchmarks.serve_hops [--requests 30] [--max-tokens 32] [--disaggregate encoders=1,decoders=1]
+                                    [--ingress serve haproxy]
 """
 from __future__ import annotations
 
@@ -86,8 +89,9 @@ def _time_http(port: int, bodies: list[bytes]) -> tuple[list[float], list[float]
     return asyncio.run(run())
 
 
-def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> tuple[list, list]:
-    """(echo seconds, stream seconds) through Serve's proxy on a local 2-CPU cluster."""
+def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None,
+              ingress: str = "serve") -> tuple[list, list]:
+    """(echo seconds, stream seconds) through ``ingress`` on a local 2-CPU cluster."""
     import ray
     from ray import serve
 
@@ -99,14 +103,31 @@ def _time_ray(model_dir: str, bodies: list[bytes], disaggregate: str | None) -> 
              _temp_dir=tempfile.mkdtemp(prefix="encdec-hops-"))
     port = _free_port()
     try:
-        start_serve("127.0.0.1", port)
+        start_serve("127.0.0.1", port, ingress)
         config = {"model": model_dir, "num_threads": 1, "kv_cache_memory": 256 << 20, "swap_space": 0.1}
         config.update({"disaggregate": disaggregate, "replica_cpus": 0.5} if disaggregate else {"replicas": 1})
         serve.run(build(config), name=APP_NAME, route_prefix="/")
+        _wait_ok(port)
         return _time_http(port, bodies)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _wait_ok(port: int, seconds: float = 120) -> None:
+    """Until ``GET /v1/models`` answers 200 (HAProxy learns of a replica up to a second
+    after Serve reports the app running)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(b"GET /v1/models HTTP/1.1\r\nHost: hops\r\nConnection: close\r\n\r\n")
+                if b" 200 " in c.recv(100):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the Ray path did not answer GET /v1/models in {seconds} s")
 
 
 def _free_port() -> int:
@@ -123,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--model-dir", default=None, help="default: serve_bench's random BART")
     ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D")
+    ap.add_argument("--ingress", nargs="+", choices=["serve", "haproxy"], default=["serve"],
+                    help="the Ray path's front door(s), each measured in turn")
     args = ap.parse_args(argv)
     from encdec.bench.serve_bench import ensure_model, start_server
 
@@ -137,16 +160,19 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    ray_echo, ray_s = _time_ray(model_dir, bodies, args.disaggregate)
     med = lambda xs: 1000 * statistics.median(xs[2:])  # noqa: E731 - the first two warm up
-    print(f"{args.requests} requests one at a time, medians (ms): echo: http {med(http_echo):.2f}, "
-          f"ray http {med(ray_echo):.2f}; stream of {args.max_tokens} tokens: app {med(app_s):.1f} "
-          f"({statistics.median(app_lists[2:]):.0f} message lists), http {med(http_s):.1f}, "
-          f"ray http {med(ray_s):.1f}{' (' + args.disaggregate + ')' if args.disaggregate else ''}")
-    print(f"per request: HTTP server {med(http_s) - med(app_s):+.1f}; the Ray path's own cost (echo) "
-          f"{med(ray_echo) - med(http_echo):+.2f}; stream through Ray vs encdec serve "
-          f"{med(ray_s) - med(http_s):+.1f} ({100 * (med(ray_s) / med(http_s) - 1):+.0f}%); "
-          f"host load {os.getloadavg()[0]:.1f}", flush=True)
+    split = f" ({args.disaggregate})" if args.disaggregate else ""
+    for ingress in args.ingress:
+        ray_echo, ray_s = _time_ray(model_dir, bodies, args.disaggregate, ingress)
+        name = "ray http" if ingress == "serve" else ingress
+        print(f"{args.requests} requests one at a time, medians (ms): echo: http {med(http_echo):.2f}, "
+              f"{name} {med(ray_echo):.2f}; stream of {args.max_tokens} tokens: app {med(app_s):.1f} "
+              f"({statistics.median(app_lists[2:]):.0f} message lists), http {med(http_s):.1f}, "
+              f"{name} {med(ray_s):.1f}{split}")
+        print(f"per request: HTTP server {med(http_s) - med(app_s):+.1f}; the Ray path's own cost (echo, "
+              f"{name}) {med(ray_echo) - med(http_echo):+.2f}; stream through Ray vs encdec serve "
+              f"{med(ray_s) - med(http_s):+.1f} ({100 * (med(ray_s) / med(http_s) - 1):+.0f}%); "
+              f"host load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

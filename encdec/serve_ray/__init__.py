@@ -20,6 +20,10 @@ Serve's proxy (``proxy_errors``), which needs its environment
 variable in the proxy's process (``serve_ray`` sets it for the cluster it
 starts or joins). Serve starts a new replica; the other replicas keep serving.
 
+``--ingress haproxy`` puts Serve's HAProxy ingress in front instead of its
+Python proxy: each replica serves HTTP itself and HAProxy forwards to it, no Ray
+call on the request path (``encdec.serve_ray.ingress``, which says what changes).
+
 ``--disaggregate encoders=E,decoders=D`` puts the encoder passes on E encoder
 workers and makes the D replicas decoder engines fed by them
 (``encdec.serve_ray.disaggregate``).
@@ -182,21 +186,28 @@ def _replica_deployment(args: argparse.Namespace) -> Any:
 def build_application(args: argparse.Namespace) -> Any:
     """The Serve application for ``encdec serve``'s parsed flags (``--ray``)."""
     from encdec.entrypoints.openai.api_server import check_server_flags
+    from encdec.serve_ray.ingress import check_ingress
 
     check_server_flags(args)  # a bad flag fails here, not in every replica
+    check_ingress(getattr(args, "ingress", "serve"))
     return _replica_deployment(args)
 
 
-def start_serve(host: str, port: int) -> None:
-    """Start Serve on the cluster ``ray`` is connected to, with what the replicas
-    need of its proxy (``proxy_errors``), HTTP on ``host``:``port``, and no
-    per-request access log (a log line per request costs the proxy and the
+def start_serve(host: str, port: int, ingress: str = "serve") -> None:
+    """Start Serve on the cluster ``ray`` is connected to, with HTTP on
+    ``host``:``port`` through ``ingress`` (``encdec.serve_ray.ingress``: Serve's
+    Python proxy, with what the replicas need of it, ``proxy_errors``; or HAProxy),
+    and no per-request access log (a log line per request costs the proxy and the
     replica CPU the engines need). A Serve already running keeps its options."""
     _, serve = _ray()
+    from encdec.serve_ray.ingress import ingress_env
     from encdec.serve_ray.proxy_errors import proxy_env
 
+    # HAProxy mode has no Python proxy on the request path: the middleware would only wrap
+    # each replica's own server (Serve applies the proxy's middlewares there too)
+    env = {**SERVE_ENV, **(ingress_env(ingress) if ingress != "serve" else proxy_env())}
     serve.start(http_options={"host": host, "port": port},
-                controller_options={"runtime_env": {"env_vars": {**SERVE_ENV, **proxy_env()}}},
+                controller_options={"runtime_env": {"env_vars": env}},
                 logging_config=REPLICA_LOGGING)
 
 
@@ -246,7 +257,7 @@ def serve_ray(args: argparse.Namespace) -> int:
     stopping: list[int] = []  # a flag only: a lock taken in a handler can deadlock its own thread
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
-    start_serve(args.host, args.port)
+    start_serve(args.host, args.port, getattr(args, "ingress", "serve"))
     serve.run(application, name=APP_NAME, route_prefix="/")
     what = (f"{args.replicas} replica(s)" if not args.disaggregate
             else f"disaggregated ({args.disaggregate}): decoder replica(s)")

@@ -48,6 +48,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                        help="serve through Ray Serve: --replicas engine replicas, each running the whole OpenAI "
                             "app, Serve's HTTP proxy spreading requests over them (joins the cluster at "
                             "RAY_ADDRESS, or starts a local one)")
+    scale.add_argument("--ingress", choices=["serve", "haproxy"], default="serve",
+                       help="the front door (with --ray): Serve's Python HTTP proxy, or Serve's HAProxy ingress "
+                            "(Ray >= 2.60 and an HAProxy binary; each replica then serves HTTP itself and "
+                            "HAProxy forwards to it, no Ray call on the request path)")
     scale.add_argument("--replicas", type=int, default=1,
                        help="engine replicas behind Serve's proxy (with --ray); each is one engine")
     scale.add_argument("--replica-cpus", type=float, default=1.0,
