@@ -420,3 +420,36 @@ void kv_write_bf16(const float *src, int64_t n, int64_t d, int64_t row_stride, c
     kv_write_t job = {src, n, d, row_stride, slots, cache, widened, {0, 0, counters, counters + 1}};
     team_run(kv_write_job, &job, num_threads);
 }
+
+/* A self-draft's bfloat16 copy of the K/V it reads (encdec/worker/draft_kv.py):
+ * units src_units[i] of a float32 cache (unit floats each: a block, or a slot
+ * of every head) rounded as torch rounds (vm_f32_to_bf16) into units
+ * dst_units[i] of a bfloat16 one, in one pass. Why: torch's index_select, its
+ * conversion and index_copy_ took ~3 ms a layer for one Whisper window's cross
+ * K/V, three passes over them. Units taken by whichever thread is free. */
+typedef struct {
+    const float *src;
+    uint16_t *dst;
+    const int64_t *src_units, *dst_units;
+    int64_t n, unit;
+    team_t team;
+} kv_round_t;
+
+static void kv_round_unit(const kv_round_t *j, int64_t i) {
+    const float *s = j->src + j->src_units[i] * j->unit;
+    uint16_t *d = j->dst + j->dst_units[i] * j->unit;
+    for (int64_t k = 0; k < j->unit; k++) d[k] = vm_f32_to_bf16(s[k]);
+}
+
+static void kv_round_job(void *arg, int tid) {
+    kv_round_t *j = arg;
+    (void)tid;
+    TEAM_PHASE(&j->team, 0, j->n, kv_round_unit(j, i));
+}
+
+void kv_round_bf16(const float *src, uint16_t *dst, const int64_t *src_units, const int64_t *dst_units, int64_t n,
+                   int64_t unit, int num_threads) {
+    atomic_int counters[2] = {0, 0};
+    kv_round_t job = {src, dst, src_units, dst_units, n, unit, {0, 0, counters, counters + 1}};
+    team_run(kv_round_job, &job, num_threads);
+}

@@ -96,3 +96,27 @@ def write_bf16(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> tor
     kernel(x.data_ptr(), n, x.shape[1] * x.shape[2], x.stride(0), slots.data_ptr(), cache.data_ptr(),
            out.data_ptr(), kernel_threads())
     return out
+
+
+_ROUND = build.Kernel("paged_attention_cpu.c", "kv_round_bf16", [_P, _P, _P, _P, _I64, _I64, ctypes.c_int],
+                      None, "a draft's bfloat16 copy of K/V is made by torch (three passes)",
+                      path_symbol="paged_attention_path")
+
+
+def round_units_bf16(src: torch.Tensor, dst: torch.Tensor, src_units: torch.Tensor, dst_units: torch.Tensor,
+                     unit: int, *, isa: str | None = None) -> torch.Tensor | None:
+    """Units ``src_units`` (int64) of ``src`` (float32, contiguous, ``unit``
+    values each) rounded to bfloat16 as torch rounds into units ``dst_units``
+    of ``dst`` (bfloat16, contiguous); returns ``dst``, or None, nothing
+    written, where the kernel cannot take them (no build, other dtypes or
+    layouts). Indices are not checked here: the caller's must lie within both."""
+    kernel = _ROUND.function(isa)
+    if (kernel is None or src.dtype != torch.float32 or dst.dtype != torch.bfloat16
+            or not (src.is_contiguous() and dst.is_contiguous()) or src.device.type != "cpu"
+            or dst.device.type != "cpu" or src_units.dtype != torch.int64 or dst_units.dtype != torch.int64
+            or not (src_units.is_contiguous() and dst_units.is_contiguous())
+            or src_units.shape != dst_units.shape or src.numel() % unit or dst.numel() % unit):
+        return None
+    kernel(src.data_ptr(), dst.data_ptr(), src_units.data_ptr(), dst_units.data_ptr(), src_units.shape[0], unit,
+           kernel_threads())
+    return dst
