@@ -43,19 +43,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serves_and_stops_on_sigint(tiny_bart, tmp_path):
-    """``encdec serve MODEL --ray`` (its own local cluster, in a subprocess) answers a
-    completion, and SIGINT stops it with exit status 0 (it runs before this module's
-    cluster starts)."""
+@pytest.mark.parametrize("ingress", ["serve", "haproxy"])
+def test_cli_serves_and_stops_on_sigint(tiny_bart, tmp_path, ingress):
+    """``encdec serve MODEL --ray [--ingress haproxy]`` (its own local cluster, in a
+    subprocess) answers a completion, and SIGINT stops it with exit status 0 (it runs
+    before this module's cluster starts)."""
     import subprocess
     import sys
 
+    from encdec.serve_ray.ingress import check_ingress
+
+    try:
+        check_ingress(ingress)
+    except ValueError as e:
+        pytest.skip(f"no HAProxy ingress here: {e}")
     port, log = _free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "encdec.entrypoints.cli", "serve", tiny_bart, "--ray",
-                                 "--replicas", "1", "--port", str(port), "--num-threads", "1",
+                                 "--replicas", "1", "--port", str(port), "--num-threads", "1", "--ingress", ingress,
                                  "--kv-cache-memory", str(BART_KW["kv_cache_memory"]), "--swap-space", "0.05"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -1,0 +1,167 @@
+"""``encdec serve --ray --ingress haproxy`` on a local Ray cluster (2 CPUs,
+127.0.0.1, no dashboard): ``test_serve``'s checks run again behind Serve's HAProxy
+ingress (the same test functions, collected here with this module's ``cluster``):
+64 concurrent completions and 16 transcriptions equal offline ``LLM`` with both
+replicas serving, ``encdec serve``'s error shapes, a stream, a Realtime session
+through HAProxy. Then what a killed replica does behind HAProxy, which differs
+from Serve's proxy (no Python middleware sees the loss): the streams it had
+started end cut short, a request it held unanswered is sent again to the other
+replica (or gets HAProxy's bare 500, or a closed connection), the other replica's requests complete, and
+the next requests succeed.
+
+Skipped, saying why, without an HAProxy binary or a Ray without the ingress."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from encdec.serve_ray import start_serve  # noqa: E402
+from encdec.serve_ray.ingress import check_ingress  # noqa: E402
+
+try:
+    check_ingress("haproxy")
+except ValueError as e:
+    pytest.skip(f"no HAProxy ingress here: {e}", allow_module_level=True)
+
+from tests.ray import local_cluster  # noqa: E402
+from tests.ray.local_cluster import BART_KW, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
+from tests.ray.test_serve import (  # noqa: E402
+    _complete_all,
+    _deploy,
+    _free_port,
+    _prompts,
+    _replica_actors,
+    _wait_replicas_running,
+    test_concurrent_completions_equal_offline_on_both_replicas,
+    test_errors_keep_encdec_serve_shapes,
+    test_stream_through_the_ingress,
+)
+
+# Collected here again, behind HAProxy (their fixtures resolve to this module's cluster),
+# in the order of the names here: the BART app's tests, then the speech app's (imported
+# at the end), as each app replaces the one before.
+__all__ = ["whisper_llm", "test_concurrent_completions_equal_offline_on_both_replicas",
+           "test_concurrent_transcriptions_equal_offline", "test_errors_keep_encdec_serve_shapes",
+           "test_realtime_session_through_the_ingress", "test_stream_through_the_ingress"]
+
+pytestmark = [pytest.mark.ray]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A quiet local cluster with Serve behind HAProxy on a free loopback port; yields
+    its base URL. Teardown checks that all its processes exit."""
+    import psutil
+
+    temp_dir = local_cluster.start("encdec-haproxy-")
+    ours = psutil.Process().children(recursive=True)
+    port = _free_port()
+    try:
+        with deadline(120, "serve.start"):
+            start_serve("127.0.0.1", port, "haproxy")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
+            serve.shutdown()
+        local_cluster.stop(ours, temp_dir)
+
+
+def _wait_routed(base: str, replicas: int) -> None:
+    """Until HAProxy has routed to ``replicas`` replicas: Serve reports the app running
+    when its replicas are, and HAProxy's configuration follows a moment later (Serve
+    sends it the replicas' ports, and it reloads)."""
+    seen: set[str] = set()
+    end = time.monotonic() + STEP_SECONDS
+    while len(seen) < replicas:
+        assert time.monotonic() < end, f"HAProxy routed only to {seen} in {STEP_SECONDS} s"
+        seen.add(httpx.get(base + "/v1/models", timeout=60).headers.get("x-encdec-replica", ""))
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def bart_app(cluster, tiny_bart):
+    _deploy(tiny_bart, "tiny-bart", BART_KW)
+    _wait_routed(cluster, 2)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def whisper_app(cluster, ct2_dir):
+    _deploy(str(ct2_dir), "tiny.en", WHISPER_KW)
+    _wait_routed(cluster, 2)
+    return cluster
+
+
+async def _one(client, base: str, i: int, stream: bool, seen: dict) -> tuple:
+    """A long completion (8 choices of 400 tokens); (replica, status, outcome) where
+    the outcome is the last SSE line, the body, or the exception's class name. A
+    stream's replica goes into ``seen`` as soon as its headers arrive."""
+    body = {"model": "tiny-bart", "prompt": _prompts(8)[i % 8], "max_tokens": 400, "n": 8,
+            "ignore_eos": True, "stream": stream}
+    try:
+        if not stream:
+            r = await client.post(base + "/v1/completions", json=body)
+            return r.headers.get("x-encdec-replica"), r.status_code, r.text
+        async with client.stream("POST", base + "/v1/completions", json=body) as r:
+            seen[i] = r.headers.get("x-encdec-replica")
+            lines = [line async for line in r.aiter_lines() if line]
+            return seen[i], r.status_code, lines[-1]
+    except httpx.HTTPError as e:
+        return seen.get(i), None, type(e).__name__
+
+
+def test_killed_replica_behind_haproxy(bart_app):
+    """8 long requests, streamed and not, over both replicas; the replica of the
+    first stream is killed once streams have started on both. Its started streams
+    end cut short (an incomplete body: no error event, no Python in between), its
+    unanswered requests are sent to the other replica, or get HAProxy's 500, or
+    (a request HAProxy had sent on a kept-alive connection to it) a connection
+    closed without an answer, which clients retry; the other replica's streams
+    complete; Serve restarts it and the next requests succeed."""
+    actors = _replica_actors()
+    seen: dict[int, str] = {}
+
+    async def main() -> tuple[str, list]:
+        async with httpx.AsyncClient(timeout=STEP_SECONDS) as client:
+            tasks = [asyncio.ensure_future(_one(client, bart_app, i, i % 2 == 0, seen)) for i in range(8)]
+            end = time.monotonic() + STEP_SECONDS
+            while len(set(seen.values())) < 2 and time.monotonic() < end and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.02)
+            assert len(set(seen.values())) == 2, f"streams did not start on both replicas: {seen}"
+            victim = seen[min(seen)]
+            await asyncio.to_thread(ray.kill, actors[victim], no_restart=True)
+            return victim, await asyncio.gather(*tasks)
+
+    with deadline(STEP_SECONDS, "requests with a replica killed"):
+        victim, results = asyncio.run(main())
+    streams, plain = results[0::2], results[1::2]
+    assert any(r[2] == "RemoteProtocolError" for r in streams), f"no stream of {victim} was cut: {results}"
+    for replica, status, outcome in streams:
+        if replica == victim:  # cut short, or ended before the kill
+            assert outcome in ("RemoteProtocolError", "data: [DONE]"), results
+        else:
+            assert (status, outcome) == (200, "data: [DONE]"), results
+    for replica, status, outcome in plain:  # sent again and answered, or one of HAProxy's two failures
+        assert (status == 200 and replica != victim and '"text"' in outcome) or \
+            (status, outcome) in ((500, "Internal Server Error"), (None, "RemoteProtocolError")), results
+    _wait_replicas_running(2, STEP_SECONDS)
+    with deadline(STEP_SECONDS, "requests after the restart"):
+        after = asyncio.run(_complete_all(bart_app, _prompts(8), max_tokens=8, temperature=0.0))
+    assert not [r for r in after if isinstance(r, BaseException)], after
+    assert victim not in _replica_actors()
+
+
+from tests.ray.test_serve import (  # noqa: E402 - after the BART app's tests (see __all__)
+    test_concurrent_transcriptions_equal_offline,
+    test_realtime_session_through_the_ingress,
+    whisper_llm,
+)
