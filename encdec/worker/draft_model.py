@@ -107,6 +107,38 @@ def _stop_ids(meta: SequenceGroupMetadata) -> Any:
     return getattr(meta.sampling_params, "all_stop_token_ids", None) or ()
 
 
+class _StepInputs:
+    """A draft step's packed inputs and metadata fields. The next step of the
+    same rows, one token each at one position further, is this one advanced in
+    place on CPU (``advance``: a few stores into the same tensors, no lists or
+    tensors built, the tables' tensors kept: a proposal's blocks were all
+    there before its first step)."""
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 fields: dict[str, Any], last: torch.Tensor | None):
+        self.input_ids, self.positions, self.slots, self.fields = input_ids, positions, slots, fields
+        self.last = last  # each row's last token among the step's; None: one token a row
+
+    def advances_to(self, feeds: list[tuple[DraftRow, int, list[int]]]) -> bool:
+        """Whether ``feeds`` are this step's rows one token further (live rows
+        only leave, so the same count is the same rows)."""
+        return self.last is None and self.input_ids.device.type == "cpu" and len(feeds) == self.input_ids.shape[0]
+
+    def advance(self, tokens: list[int], backend: Any, block_size: int) -> Any:
+        """The inputs one position further, with ``tokens`` as the rows'
+        inputs, in place; returns the step's attention metadata."""
+        f = self.fields
+        f["seq_lens"] = seq_lens = [n + 1 for n in f["seq_lens"]]
+        f["max_decode_seq_len"] += 1
+        self.positions += 1
+        f["seq_lens_tensor"] += 1
+        f["context_lens_tensor"] += 1
+        self.input_ids.numpy()[:] = tokens
+        self.slots.numpy()[:] = cache_slots_list(f["block_tables_list"], range(len(tokens)),
+                                                 [n - 1 for n in seq_lens], block_size)
+        return backend.make_metadata(**f)
+
+
 class DraftModel:
     """``model``: the draft, loaded (``Worker``); ``kv_caches``: the target's
     cache tensors (a self-draft) or the draft's own ``CacheEngine``
@@ -134,7 +166,7 @@ class DraftModel:
         kv = _Tables(self._copy if self._copy is not None and self._copy.prepare(rows) else None)
         stops = {r.seq_id: _stop_ids(r.meta) for r in rows}
         live = list(rows)
-        step = 0
+        step, inputs = 0, None
         while live:
             feeds = []
             for r in live:
@@ -144,7 +176,11 @@ class DraftModel:
                     feeds.append((r, s, r.token_ids[s:]))
                 else:
                     feeds.append((r, n - 1 + step, [out[r.seq_id][-1]]))
-            tokens = self._greedy(feeds, apply_static, kv)
+            if inputs is not None and inputs.advances_to(feeds):
+                md = inputs.advance([f[2][0] for f in feeds], self.backend, self.block_size)
+            else:
+                inputs, md = self._inputs(feeds, kv)
+            tokens = self._greedy(inputs, md, apply_static, kv)
             for (r, _, _), tok in zip(feeds, tokens):
                 out[r.seq_id].append(tok)
             step += 1
@@ -155,9 +191,9 @@ class DraftModel:
                 self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
         return out
 
-    def _greedy(self, feeds: list[tuple[DraftRow, int, list[int]]], apply_static: Any, kv: _Tables) -> list[int]:
-        """One decode step of the draft: each row's tokens ``feed`` at positions
-        ``first ..`` (causal among themselves), the argmax after the last."""
+    def _inputs(self, feeds: list[tuple[DraftRow, int, list[int]]], kv: _Tables) -> tuple[_StepInputs, Any]:
+        """A draft step's inputs and attention metadata: each row's tokens
+        ``feed`` at positions ``first ..`` (causal among themselves)."""
         tokens, positions, table_rows, seq_lens, q_lens, tables, cross, enc_lens = [], [], [], [], [], [], [], []
         for i, (r, first, feed) in enumerate(feeds):
             tokens += feed
@@ -172,13 +208,20 @@ class DraftModel:
         slots = cache_slots_list(tables, table_rows, positions, self.block_size)
         input_ids, pos, slot_mapping = split_to_device([tokens, positions, slots], torch.long, dev)
         moved = kv.copy is None  # the target's tables change in place (copy-on-write, swap-in); the copy's only grow
-        md = self.backend.make_metadata(**decode_metadata_fields(
+        fields = decode_metadata_fields(
             seq_lens, q_lens, enc_lens, slot_mapping, self._tables.get(tables, dev, moved),
-            self._cross.get(cross, dev, moved), tables, cross, self.block_size, dev))
+            self._cross.get(cross, dev, moved), tables, cross, self.block_size, dev)
+        last = (None if len(tokens) == len(feeds)
+                else to_device([e - 1 for e in itertools.accumulate(q_lens)], torch.long, dev))
+        return _StepInputs(input_ids, pos, slot_mapping, fields, last), self.backend.make_metadata(**fields)
+
+    def _greedy(self, inputs: _StepInputs, md: Any, apply_static: Any, kv: _Tables) -> list[int]:
+        """One decode step of the draft: the argmax after each row's last token."""
         caches = kv.copy.caches if kv.copy is not None else self.cache.gpu_cache
-        hidden = self.model(input_ids, pos, caches, md)
-        last = to_device([end - 1 for end in itertools.accumulate(q_lens)], torch.long, dev)
-        logits = self.model.compute_logits(hidden.index_select(0, last)).float()
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, md)
+        if inputs.last is not None:
+            hidden = hidden.index_select(0, inputs.last)
+        logits = self.model.compute_logits(hidden).float()
         if apply_static is not None:
             logits = apply_static(logits)
         return logits.argmax(dim=-1).tolist()

@@ -73,22 +73,42 @@ def test_rows_past_the_cap_draft_from_the_target_and_leaving_frees_their_blocks(
 
 
 class _Counter(torch.nn.Module):
-    """A draft whose greedy token after t is t + 1: hidden states one-hot at input + 1."""
+    """A draft whose greedy token after t is t + 1 (hidden states one-hot at
+    input + 1); it records each step's inputs and metadata."""
 
     vocab = 16
 
+    def __init__(self):
+        super().__init__()
+        self.steps: list[tuple] = []
+
     def forward(self, input_ids, positions, kv_caches, md):
         assert kv_caches[0].dtype == torch.bfloat16  # the copy, not the target's cache
+        rows = md.decode_rows
+        self.steps.append((input_ids.tolist(), positions.tolist(), md.slot_mapping.tolist(), md.seq_lens,
+                           md.seq_lens_tensor.tolist(), md.context_lens_tensor.tolist(), md.max_decode_seq_len,
+                           rows.self_lens.tolist(), rows.cross_lens.tolist()))
         return torch.nn.functional.one_hot((input_ids + 1) % self.vocab, self.vocab).float()
 
     def compute_logits(self, hidden):
         return hidden
 
 
-def test_a_row_stops_drafting_after_a_stop_token():
-    target = _target()
-    draft = DraftModel(_Counter(), TorchSDPABackend, torch.device("cpu"), BS,
-                       target_cache=SimpleNamespace(gpu_cache=target))
-    rows = [_row(1, 6, 5, [0, 1, 2], [10, 11, 12], stop=(8,)), _row(2, 6, 5, [3, 4, 5], [13, 14, 15])]
+def test_a_row_stops_drafting_after_a_stop_token_and_each_step_has_its_rows_inputs():
+    """Steps after the first advance the first's inputs in place while the rows
+    stay; a step with fewer rows packs them anew: either way each step's inputs
+    are its rows' tokens, positions, slots and lengths."""
+    target, model = _target(), _Counter()
+    draft = DraftModel(model, TorchSDPABackend, torch.device("cpu"), BS, target_cache=SimpleNamespace(gpu_cache=target))
+    rows = [_row(1, 6, 5, [0, 1, 2], [10, 11, 12], stop=(8,)), _row(2, 9, 5, [3, 4, 5, 6], [13, 14, 15])]
     # Row 1's last token is 5: drafts 6, 7, 8 and no more; row 2 drafts all 5.
-    assert draft.propose_rows(rows) == {1: [6, 7, 8], 2: [6, 7, 8, 9, 10]}
+    assert draft.propose_rows(rows) == {1: [6, 7, 8], 2: [9, 10, 11, 12, 13]}
+    tables = {sid: draft._copy.self_table(sid) for sid in (1, 2)}
+    want = []
+    for step in range(5):
+        live = [(1, 6), (2, 9)] if step < 3 else [(2, 9)]
+        pos = [n - 1 + step for _, n in live]
+        lens = [p + 1 for p in pos]
+        want.append((pos, pos, [_slots(tables[sid], range(p, p + 1))[0] for (sid, _), p in zip(live, pos)], lens,
+                     lens, [n - 1 for n in lens], max(lens), lens, [11] * len(live)))
+    assert model.steps == want  # a row's input token at position p is token p: the counter's drafts
