@@ -13,7 +13,13 @@ rounds; the best round and the median of per-round ratios are reported. Outputs 
 without speculation.
 
     python -m benchmarks.spec_bench [--requests 1 8 64] [--k 3 5] [--repeats 3]
+                                    [--admission waves continuous]
                                     [--model-dir DIR] [--threads N] [--no-spec]
+
+``--admission``: ``waves`` decodes the documents in ``generate`` calls of
+``--requests`` each (a wave drains before the next starts); ``continuous`` in one
+call with at most ``--requests`` running, a request joining as one finishes (a
+server with that many clients in flight). Both by default.
 
 Prints the host ISA header, then per level and side: tok/s (generated tokens over
 wall time), the ratio to no speculation, the acceptance rate (accepted over proposed
@@ -115,9 +121,13 @@ def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool,
     return sides
 
 
-def copy_workload(model_dir: str, docs: int, concurrency: int, max_tokens: int | None = None) -> Workload:
+def copy_workload(model_dir: str, docs: int, concurrency: int, max_tokens: int | None = None,
+                  continuous: bool = False) -> Workload:
     """Held-out documents of the copy model's task (its manifest says which task and
-    seed), greedy, in ``generate`` calls of ``concurrency`` requests."""
+    seed), greedy, in ``generate`` calls of ``concurrency`` requests (waves: each
+    call's batch drains before the next starts), or, ``continuous``, in one call
+    with at most ``concurrency`` running (``max_num_seqs``): a request joins as one
+    finishes, as a server with that many clients in flight sees them."""
     from encdec import SamplingParams, TokensPrompt
     from encdec.bench.copy_model import held_out, read_manifest, source_ids, task_from_manifest
 
@@ -129,8 +139,12 @@ def copy_workload(model_dir: str, docs: int, concurrency: int, max_tokens: int |
     examples = held_out(task, docs, manifest["options"]["seed"])
     prompts = [TokensPrompt(prompt_token_ids=source_ids(d)) for d, _ in examples]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens or task.max_summary_len())
-    batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
-    return Workload(f"copy BART, {docs} held-out documents, {concurrency} concurrent", batches, params,
+    if continuous:
+        batches, how = [prompts], f"{concurrency} in flight, continuous admission"
+    else:
+        batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+        how = f"{concurrency} concurrent, in waves"
+    return Workload(f"copy BART, {docs} held-out documents, {how}", batches, params,
                     dict(max_num_seqs=max(concurrency, 1), enable_encoder_cache=False),
                     references=[s + [2] for _, s in examples])
 
@@ -286,6 +300,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR,
                     help="the copy model (benchmarks.train_copy_model's --out; default %(default)s)")
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64], help="concurrency levels")
+    ap.add_argument("--admission", nargs="+", default=["waves", "continuous"], choices=("waves", "continuous"),
+                    help="waves: generate calls of --requests prompts each, each drained before the next; "
+                         "continuous: one call, at most --requests running, a request joining as one finishes")
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens per side")
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
@@ -327,13 +344,16 @@ def main(argv: list[str] | None = None) -> dict[Any, dict[str, list[Result]]]:
         print("\n".join(lines))
         return results
     sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), args.model_dir)
-    results: dict[int, dict[str, list[Result]]] = {}
+    results: dict[tuple[int, str], dict[str, list[Result]]] = {}
     lines: list[str] = []
     for c in args.requests:
-        work = copy_workload(args.model_dir, args.docs, c, args.max_tokens)
-        print(work.label, flush=True)
-        results[c] = compare(args.model_dir, work, sides, args.repeats, args.threads)
-        lines += report(work, sides, results[c])
+        for admission in args.admission:
+            if admission == "continuous" and c >= args.docs:
+                continue  # one wave: the same run
+            work = copy_workload(args.model_dir, args.docs, c, args.max_tokens, admission == "continuous")
+            print(work.label, flush=True)
+            results[(c, admission)] = compare(args.model_dir, work, sides, args.repeats, args.threads)
+            lines += report(work, sides, results[(c, admission)])
     print(f"\n{args.repeats} rounds per side:")
     print("\n".join(lines))
     return results

@@ -324,17 +324,22 @@ class FusedDecodeStep:
     _fused_weights: Any = None  # decoder_step_cpu.DecoderWeights, or None: the kernel cannot run these weights
     _fused_checked: bool = False
 
-    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata,
-                           position_bias: PositionBias | None = None) -> bool:
-        """``h`` updated in place by every decoder layer (T5: ``position_bias`` in
-        self-attention); False, having done nothing, where that does not apply."""
-        if not self.fused_decode or md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu":
+    def fuses_decode_steps(self) -> bool:
+        """Whether a decode-only CPU step runs as one C call (the runner splits a
+        step that admits requests so that its decode rows still do)."""
+        if not self.fused_decode:
             return False
         if not self._fused_checked:
             self._fused_weights = decoder_step_cpu.decoder_weights(list(self.decoder.layers), self.fused_activation,
                                                                    post_norm=self.fused_post_norm)
             self._fused_checked = True
-        if self._fused_weights is None:
+        return self._fused_weights is not None
+
+    def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata,
+                           position_bias: PositionBias | None = None) -> bool:
+        """``h`` updated in place by every decoder layer (T5: ``position_bias`` in
+        self-attention); False, having done nothing, where that does not apply."""
+        if md.num_prefill_tokens or md.num_encoder_tokens or h.device.type != "cpu" or not self.fuses_decode_steps():
             return False
         table = None
         if position_bias is not None:

@@ -248,7 +248,8 @@ class EncoderDecoderModelRunner:
         on its own: ``prepare`` packs prefills first, so the two concatenate into
         the whole step's layout (eagerly, those rows would pay every layer's
         launches again). Anything else (no graphs, CPU) runs the packed step
-        eagerly (``small``: on one thread). ``ahead``: sequences whose token of
+        eagerly (``small``: on one thread), except that on CPU a step admitting
+        requests runs its decode rows apart (``_splits``). ``ahead``: sequences whose token of
         the step running now is not appended yet (async scheduling)."""
         self.encoder_pieces.run(sched.encoder.pieces)  # before any prefill reads their outputs
         n = sched.num_prefill_groups  # the scheduler puts prefills first
@@ -262,6 +263,10 @@ class EncoderDecoderModelRunner:
             return StepPlan(metas, sched, [], None, small, self.drafter is not None)
         drafts = (self.drafter.propose(metas, sched.spec_rows, self.input_batch, self._draft_rows_max)
                   if self.drafter else None)
+        if self._splits(metas, n, drafts):
+            return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead),
+                                           self.prepare(metas[n:], True, ahead, False, drafts)],
+                            None, False, self.drafter is not None)
         if drafts:  # several query rows per sequence: eager (graphs hold one row each)
             inp = self.prepare(metas, True, ahead, False, drafts)
             small = self.device.type == "cpu" and n == 0 and len(inp.input_ids) <= SMALL_STEP_ROWS
@@ -277,6 +282,20 @@ class EncoderDecoderModelRunner:
         inp = self.prepare(metas, moved, ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
         return StepPlan(metas, sched, [inp], bucket, small, self.drafter is not None)
+
+    def _splits(self, metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> bool:
+        """Whether a CPU step that admits requests beside decoding ones runs as two
+        parts: its prefills op by op, then its decode rows (and drafts) as the
+        one C call of a decode-only step (``fuses_decode_steps``). Packed as one,
+        every row ran op by op: under continuous admission (requests finishing
+        and joining every few steps) nearly every step is such a step."""
+        if self.device.type != "cpu" or not 0 < n < len(metas):
+            return False
+        fuses = getattr(self.model, "fuses_decode_steps", None)
+        if fuses is None or not fuses():
+            return False
+        rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
+        return rows <= decoder_step_cpu.MAX_ROWS
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:
@@ -302,7 +321,11 @@ class EncoderDecoderModelRunner:
         # Prompt positions some prefills ask about ride in the same LM-head call
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = asked_prompt_positions(metas)
-        drafts = plan.parts[0].drafts  # a step with drafts is one part
+        # drafts ride the last part (the decode rows), after the prefills' rows
+        offset = len(plan.parts[0].input_ids) if len(plan.parts) == 2 else 0
+        drafts = plan.parts[-1].drafts
+        if offset and drafts:
+            drafts = [(sid, first + offset, d) for sid, first, d in drafts]
         if same:  # the last step's rows (SteadyDecode): its gather, ids and wants
             _, _, index, seq_ids, wanted, any_beam = self._rows_of_last
         else:
@@ -364,7 +387,8 @@ class EncoderDecoderModelRunner:
             pre, dec = plan.parts
             offset = len(pre.input_ids)
             rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
-            tail = graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket)
+            tail = (self._eager(dec) if bucket is None
+                    else graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket))
             return rows, torch.cat([self._eager(pre), tail])
         inp = plan.parts[0]
         if bucket is not None:

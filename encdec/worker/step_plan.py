@@ -44,7 +44,7 @@ class StepPlan:
 
     metas: list[SequenceGroupMetadata]
     sched: SchedulerOutputs
-    parts: list[ModelInput]  # one packed step, or (prefills eager, decode rows replayed by a graph)
+    parts: list[ModelInput]  # one packed step, or (prefills, decode rows: a graph's or the CPU's fused step)
     bucket: int | None  # the CUDA graph the (last) part replays; None: eager
     small: bool  # a small CPU decode step: one thread
     blocks_moved: bool = False  # the step's swaps and copies done while planning (a draft model reads the cache)

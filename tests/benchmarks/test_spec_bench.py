@@ -60,8 +60,11 @@ def test_the_workload_splits_held_out_documents_by_concurrency(tiny_copy_model):
 def test_a_no_spec_run_times_the_side_without_speculation_only(tiny_copy_model, capsys):
     results = spec_bench.main(["--model-dir", tiny_copy_model, "--no-spec", "--requests", "1", "3",
                                "--docs", "3", "--repeats", "1", "--threads", "1"])
-    assert sorted(results) == [1, 3] and all(list(r) == ["off"] for r in results.values())
-    assert results[1]["off"][0].outputs == results[3]["off"][0].outputs  # concurrency changes no token
+    # 3 of 3 documents in flight is one wave: no continuous run of its own
+    assert sorted(results) == [(1, "continuous"), (1, "waves"), (3, "waves")]
+    assert all(list(r) == ["off"] for r in results.values())
+    outs = [r["off"][0].outputs for r in results.values()]
+    assert outs[0] == outs[1] == outs[2]  # neither concurrency nor admission changes a token
     assert all(r["off"][0].tokens > 0 and len(r["off"]) == 1 for r in results.values())
     out = capsys.readouterr().out
     assert "host ISA:" in out and "held-out exact match" in out and "ngram" not in out
@@ -69,8 +72,8 @@ def test_a_no_spec_run_times_the_side_without_speculation_only(tiny_copy_model, 
 
 def test_a_spec_run_reports_acceptance_and_identical_outputs(tiny_copy_model, capsys):
     results = spec_bench.main(["--model-dir", tiny_copy_model, "--requests", "2", "--k", "1", "3",
-                               "--docs", "4", "--repeats", "2", "--threads", "1"])
-    sides = {name: spec_bench.best_of(rounds) for name, rounds in results[2].items()}
+                               "--docs", "4", "--repeats", "2", "--threads", "1", "--admission", "waves"])
+    sides = {name: spec_bench.best_of(rounds) for name, rounds in results[(2, "waves")].items()}
     assert list(sides) == ["off", "ngram k=1", "ngram k=3"]
     for name in ("ngram k=1", "ngram k=3"):
         assert sides[name].outputs == sides["off"].outputs
@@ -78,6 +81,12 @@ def test_a_spec_run_reports_acceptance_and_identical_outputs(tiny_copy_model, ca
     assert sides["ngram k=3"].drafted > 0  # the tiny model repeats itself, so drafts are proposed
     out = capsys.readouterr().out
     assert "acceptance" in out and "median per round" in out
+
+
+def test_continuous_admission_is_one_call_capped_at_the_concurrency(tiny_copy_model):
+    work = spec_bench.copy_workload(tiny_copy_model, 5, 2, continuous=True)
+    assert [len(b) for b in work.batches] == [5] and work.engine_options["max_num_seqs"] == 2
+    assert "2 in flight, continuous admission" in work.label
 
 
 def test_round_ratios_pair_each_round():

@@ -1,0 +1,90 @@
+"""A CPU step that admits requests beside decoding ones runs in two parts: the
+prefills op by op, then the decode rows (and their drafts) as the one C call
+of a decode-only step (``EncoderDecoderModelRunner._splits``). Under
+continuous admission (``max_num_seqs`` below the number of requests) nearly
+every step is such a step. The split changes no token: greedy stays HF's,
+speculation stays equal to no speculation, and every block comes back."""
+from __future__ import annotations
+
+import pytest
+
+from encdec import LLM, SamplingParams
+from encdec.kernels.cpu import decoder_step_cpu
+from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner
+from tests.models.test_bart_parity import hf_greedy, mixed_prompts
+
+pytestmark = pytest.mark.skipif(not decoder_step_cpu.available(), reason="no C build of the fused decode step")
+
+
+@pytest.fixture
+def split_steps(monkeypatch):
+    """Counts two-part steps, and fused decode steps while one runs."""
+    seen = {"split": 0, "fused_in_split": 0, "mixed": []}  # mixed: (decode rows, split) per step admitting
+    real_splits, real_step = EncoderDecoderModelRunner._splits, decoder_step_cpu.decode_step
+    state = {"in": False}
+
+    def splits(self, metas, n, drafts):
+        out = real_splits(self, metas, n, drafts)
+        if 0 < n < len(metas):
+            seen["mixed"].append((sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values())),
+                                  out))
+        seen["split"] += out
+        state["in"] = out
+        return out
+
+    def step(*a, **k):
+        out = real_step(*a, **k)
+        seen["fused_in_split"] += bool(state["in"] and out is not None)
+        return out
+
+    monkeypatch.setattr(EncoderDecoderModelRunner, "_splits", splits)
+    monkeypatch.setattr(decoder_step_cpu, "decode_step", step)
+    return seen
+
+
+def _free(llm: LLM) -> bool:
+    free_gpu, _ = llm.llm_engine.num_free_blocks()
+    return free_gpu == llm.llm_engine.cache_config.num_gpu_blocks
+
+
+def test_continuous_admission_matches_hf(tiny_bart, hf_bart, split_steps):
+    llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
+    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=14, seed=3)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens],
+                        use_tqdm=False)
+    for out, m in zip(outs, max_tokens):
+        ref = hf_greedy(hf_bart, out.encoder_prompt_token_ids, out.prompt_token_ids, m)
+        assert out.outputs[0].token_ids == ref, f"request {out.request_id}"
+    assert split_steps["split"] >= 5 and split_steps["fused_in_split"] == split_steps["split"]
+    assert _free(llm)
+
+
+def test_a_step_past_the_fused_rows_runs_as_one(tiny_bart, split_steps, monkeypatch):
+    monkeypatch.setattr(decoder_step_cpu, "MAX_ROWS", 2)  # 3 running rows: more than the step takes
+    llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=4)
+    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=10, seed=4)
+    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens], use_tqdm=False)
+    mixed = split_steps["mixed"]
+    assert any(rows > 2 for rows, _ in mixed), "no step past the fused rows: the test proves nothing"
+    assert all(split == (rows <= 2) for rows, split in mixed)
+    assert _free(llm)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int8"},
+], ids=["ngram", "int8-self-draft"])
+def test_drafts_ride_the_decode_part(tiny_bart, split_steps, spec):
+    spec = dict(spec, model=tiny_bart) if spec["method"] == "draft_model" else spec
+    plain = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
+    spec_llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3, speculative_config=spec)
+    prompts, max_tokens = mixed_prompts(plain.get_tokenizer(), n=12, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    split_steps["split"] = 0
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert split_steps["split"] >= 3
+    stats = spec_llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert _free(spec_llm)
