@@ -3,11 +3,11 @@
 ingress (the same test functions, collected here with this module's ``cluster``):
 64 concurrent completions and 16 transcriptions equal offline ``LLM`` with both
 replicas serving, ``encdec serve``'s error shapes, a stream, a Realtime session
-through HAProxy. Then what a killed replica does behind HAProxy, which differs
-from Serve's proxy (no Python middleware sees the loss): the streams it had
-started end cut short, a request it held unanswered is sent again to the other
-replica (or gets HAProxy's bare 500, or a closed connection), the other replica's requests complete, and
-the next requests succeed.
+through HAProxy; and disaggregated mode. Then what a killed replica does behind
+HAProxy, which differs from Serve's proxy (no Python middleware sees the loss):
+the streams it had started end cut short, a request it held unanswered is sent
+again to the other replica (or gets HAProxy's bare 500, or a closed connection),
+the other replica's requests complete, and the next requests succeed.
 
 Skipped, saying why, without an HAProxy binary or a Ray without the ingress."""
 from __future__ import annotations
@@ -75,29 +75,32 @@ def cluster():
         local_cluster.stop(ours, temp_dir)
 
 
-def _wait_routed(base: str, replicas: int) -> None:
-    """Until HAProxy has routed to ``replicas`` replicas: Serve reports the app running
-    when its replicas are, and HAProxy's configuration follows a moment later (Serve
-    sends it the replicas' ports, and it reloads)."""
+def _wait_routed(base: str, replicas: int, model: str) -> None:
+    """Until HAProxy has routed to ``replicas`` replicas serving ``model``: Serve reports
+    the app running when its replicas are, and HAProxy's configuration follows a moment
+    later (Serve sends it the replicas' ports, and it reloads; until then the app
+    deployed before may still answer)."""
     seen: set[str] = set()
     end = time.monotonic() + STEP_SECONDS
     while len(seen) < replicas:
-        assert time.monotonic() < end, f"HAProxy routed only to {seen} in {STEP_SECONDS} s"
-        seen.add(httpx.get(base + "/v1/models", timeout=60).headers.get("x-encdec-replica", ""))
+        assert time.monotonic() < end, f"HAProxy routed to {seen} serving {model} in {STEP_SECONDS} s"
+        r = httpx.get(base + "/v1/models", timeout=60)
+        if r.status_code == 200 and r.json()["data"][0]["id"] == model:
+            seen.add(r.headers["x-encdec-replica"])
         time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
 def bart_app(cluster, tiny_bart):
     _deploy(tiny_bart, "tiny-bart", BART_KW)
-    _wait_routed(cluster, 2)
+    _wait_routed(cluster, 2, "tiny-bart")
     return cluster
 
 
 @pytest.fixture(scope="module")
 def whisper_app(cluster, ct2_dir):
     _deploy(str(ct2_dir), "tiny.en", WHISPER_KW)
-    _wait_routed(cluster, 2)
+    _wait_routed(cluster, 2, "tiny.en")
     return cluster
 
 
@@ -158,6 +161,17 @@ def test_killed_replica_behind_haproxy(bart_app):
         after = asyncio.run(_complete_all(bart_app, _prompts(8), max_tokens=8, temperature=0.0))
     assert not [r for r in after if isinstance(r, BaseException)], after
     assert victim not in _replica_actors()
+
+
+def test_disaggregated_behind_haproxy_equals_offline(cluster, tiny_bart):
+    """1 encoder worker + 1 decoder engine behind HAProxy: completions equal offline
+    (the encoder calls go between replicas as behind Serve's proxy)."""
+    from tests.ray.test_disaggregate import _check_completions
+    from tests.ray.test_disaggregate import _deploy as _deploy_split
+
+    _deploy_split(cluster, tiny_bart, "tiny-bart-split", BART_KW, 1, 1)
+    _wait_routed(cluster, 1, "tiny-bart-split")
+    _check_completions(cluster, tiny_bart, "tiny-bart-split", 8)
 
 
 from tests.ray.test_serve import (  # noqa: E402 - after the BART app's tests (see __all__)
