@@ -38,11 +38,12 @@ PORT_ENVS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PO
 DRAIN_SECONDS = "2"
 # A request HAProxy has sent to a replica that dies before answering a byte (the
 # replica was killed, or closed a kept-alive connection as the request went out) is
-# sent once more, to another replica ("redispatch"): Ray's default retries connection
-# failures only, so such a request would get HAProxy's bare 500. Sending an inference
-# request again is safe: the first try's answer was lost with its replica. HAProxy
-# keeps a copy only of a request that fits its buffer (16 KiB): a larger one (an
-# audio upload) is not sent again.
+# sent again, each time to a server picked anew ("redispatch"; the dead one can be
+# picked again until HAProxy marks it down, hence 3 tries, not 1): Ray's default
+# retries connection failures only, so such a request would get HAProxy's bare 500.
+# Sending an inference request again is safe: the first try's answer was lost with its
+# replica. HAProxy keeps a copy only of a request that fits its buffer (16 KiB): a
+# larger one (an audio upload) is not sent again.
 RETRY = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response", "RAY_SERVE_HAPROXY_RETRIES": "3"}
 
 
