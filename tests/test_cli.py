@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from encdec.entrypoints.cli import main
 
 
@@ -212,3 +214,10 @@ def test_llm_takes_engine_options_by_keyword_and_names_an_unknown_one(tiny_bart)
     llm = LLM(tiny_bart, dtype="float32", kv_cache_memory=16 << 20, swap_space=0.01, max_num_seqs=4)
     assert llm.engine_args.kv_cache_memory == 16 << 20 and llm.engine_args.max_num_seqs == 4
     assert llm.llm_engine.cache_config.kv_cache_memory == 16 << 20
+
+
+@pytest.mark.parametrize("flags", [["--ingress", "haproxy"], ["--replicas", "2"], ["--replica-cpus", "2"]])
+def test_ray_flags_without_ray_are_refused(flags, capsys):
+    rc = main(["serve", "some-model", *flags])
+    assert rc == 2
+    assert f"{flags[0]} take effect with --ray only" in capsys.readouterr().err

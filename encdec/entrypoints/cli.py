@@ -120,7 +120,17 @@ def _measure_bfloat16() -> None:
     print(f"dtype='bfloat16' on this CPU: {ratio:.2f}x float32's time, {verdict} ({took}; {precision.cache_file()})")
 
 
+# Flags of the Ray path and their defaults: given without --ray they would do nothing.
+_RAY_ONLY = (("--ingress", "ingress", "serve"), ("--replicas", "replicas", 1), ("--replica-cpus", "replica_cpus", 1.0),
+             ("--replica-gpus", "replica_gpus", 0.0))
+
+
 def _serve(args: argparse.Namespace) -> int:
+    stray = [flag for flag, name, default in _RAY_ONLY if getattr(args, name) != default]
+    if stray and not (args.ray or args.disaggregate):
+        print(f"encdec serve: {', '.join(stray)} take effect with --ray only; add --ray, or drop them",
+              file=sys.stderr)
+        return 2
     if args.ray or args.disaggregate:  # the same app on Ray Serve (encdec.serve_ray)
         try:
             from encdec.serve_ray import serve_ray
