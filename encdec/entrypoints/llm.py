@@ -59,6 +59,10 @@ class LLM:
 
             configure_cpu_runtime(num_threads, retain_freed_memory=False)
         self.llm_engine = LLMEngine(self.engine_args)
+        if self.llm_engine.worker.device.type == "cpu":
+            from encdec.platform.cpu_runtime import warn_if_openmp_spins
+
+            warn_if_openmp_spins()
         self._lock = threading.RLock()
 
     def get_tokenizer(self):
