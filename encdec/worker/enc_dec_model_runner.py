@@ -40,7 +40,7 @@ from encdec.worker.encoder_pieces import EncoderPieces, encoder_kwargs
 from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
 from encdec.worker.draft_rows import DraftProposer, add_draft_decodes, verify_sampled
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
-from encdec.worker.step_plan import ModelInput, StepPlan
+from encdec.worker.step_plan import ModelInput, StepPlan, one_thread_prefills, splits_admission
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
 
 
@@ -124,6 +124,7 @@ class EncoderDecoderModelRunner:
         # request id -> its encoder output (enc_len, d_model), computed elsewhere (an encoder
         # worker: LLMEngine.add_processed_request); taken by its prefill, which then skips the encoder
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self._d_model = getattr(getattr(model, "config", None), "d_model", None)  # one_thread_prefills
         self.encoder_pieces = EncoderPieces(self.model, self.backend, self.device, self.encoder_outputs)
 
     # -- inputs --------------------------------------------------------------
@@ -281,21 +282,12 @@ class EncoderDecoderModelRunner:
         moved = bool(sched.blocks_to_copy or sched.blocks_to_swap_in or sched.tables_regrown)
         inp = self.prepare(metas, moved, ahead, sched.same_rows)
         bucket = graphs.bucket(inp.attn_metadata, len(inp.input_ids)) if graphs is not None else None
+        if self.device.type == "cpu" and n == len(metas):  # prefills alone: small ones on one thread too
+            small = one_thread_prefills(inp, self._d_model)
         return StepPlan(metas, sched, [inp], bucket, small, self.drafter is not None)
 
     def _splits(self, metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> bool:
-        """Whether a CPU step that admits requests beside decoding ones runs as two
-        parts: its prefills op by op, then its decode rows (and drafts) as the
-        one C call of a decode-only step (``fuses_decode_steps``). Packed as one,
-        every row ran op by op: under continuous admission (requests finishing
-        and joining every few steps) nearly every step is such a step."""
-        if self.device.type != "cpu" or not 0 < n < len(metas):
-            return False
-        fuses = getattr(self.model, "fuses_decode_steps", None)
-        if fuses is None or not fuses():
-            return False
-        rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
-        return rows <= decoder_step_cpu.MAX_ROWS
+        return splits_admission(self.device, self.model, metas, n, drafts, decoder_step_cpu.MAX_ROWS)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:
@@ -389,7 +381,9 @@ class EncoderDecoderModelRunner:
             rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
             tail = (self._eager(dec) if bucket is None
                     else graphs.replay(dec.input_ids, dec.positions, dec.attn_metadata, bucket))
-            return rows, torch.cat([self._eager(pre), tail])
+            with single_thread(self.device.type == "cpu" and one_thread_prefills(pre, self._d_model)):
+                head = self._eager(pre)
+            return rows, torch.cat([head, tail])
         inp = plan.parts[0]
         if bucket is not None:
             return inp.sampled_rows, graphs.replay(inp.input_ids, inp.positions, inp.attn_metadata, bucket)

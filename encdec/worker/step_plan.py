@@ -48,3 +48,38 @@ class StepPlan:
     bucket: int | None  # the CUDA graph the (last) part replays; None: eager
     small: bool  # a small CPU decode step: one thread
     blocks_moved: bool = False  # the step's swaps and copies done while planning (a draft model reads the cache)
+
+
+# A split step's prefills run on one thread where their tokens x d_model^2 is at most
+# this: each op's parallel region then costs more than its work (under
+# OMP_WAIT_POLICY=PASSIVE every region wakes the sleeping workers). Measured (the
+# copy-task BART, d_model 128, 60-token documents, AMD EPYC AVX-512, 2 threads): a
+# prefill step of 1 document 2.3 -> 1.9 ms on one thread, 3 documents 4.2 -> 3.2 ms,
+# 64 documents 36 -> 32 ms (4M to 63M); Whisper's window (1500 x 384^2, 221M) and a
+# bart-base document (768^2 a token) are compute-bound: two threads.
+ONE_THREAD_PREFILL_WORK = 1 << 23
+
+
+def splits_admission(device: torch.device, model: Any, metas: list[SequenceGroupMetadata], n: int,
+                     drafts: dict[int, list[int]] | None, max_rows: int) -> bool:
+    """Whether a CPU step that admits requests (its first ``n`` metas) beside
+    decoding ones runs as two parts: its prefills op by op, then its decode
+    rows (and drafts) as the one C call of a decode-only step
+    (``fuses_decode_steps``), at most ``max_rows`` of them. Packed as one, every
+    row ran op by op: under continuous admission (requests finishing and joining
+    every few steps) nearly every step is such a step."""
+    if device.type != "cpu" or not 0 < n < len(metas):
+        return False
+    fuses = getattr(model, "fuses_decode_steps", None)
+    if fuses is None or not fuses():
+        return False
+    rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
+    return rows <= max_rows
+
+
+def one_thread_prefills(inp: ModelInput, d_model: int | None) -> bool:
+    """Whether a split step's prefill part (``inp``) runs on one thread
+    (``ONE_THREAD_PREFILL_WORK``); False where the model's width is unknown."""
+    md = inp.attn_metadata
+    return bool(d_model) and (md.num_encoder_tokens + md.num_prefill_tokens) * d_model ** 2 <= ONE_THREAD_PREFILL_WORK
+
