@@ -61,3 +61,25 @@ def stop(ours: list, temp_dir: str) -> list:
     _, left = psutil.wait_procs(alive, timeout=10)
     shutil.rmtree(temp_dir, ignore_errors=True)
     return left
+
+
+def serving(prefix: str, port: int, ingress: str = "serve"):
+    """A generator for a module fixture: a local cluster with Serve (``ingress``:
+    its front door) on ``port`` of the loopback; yields its base URL, then
+    shuts Serve down and checks that the cluster's processes end."""
+    import psutil
+    from ray import serve
+
+    from encdec.serve_ray import start_serve
+
+    temp_dir = start(prefix)
+    ours = psutil.Process().children(recursive=True)
+    try:
+        with deadline(120, "serve.start"):
+            start_serve("127.0.0.1", port, ingress)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
+            serve.shutdown()
+        stop(ours, temp_dir)
+

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import signal
 import socket
@@ -28,7 +27,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from encdec import LLM, SamplingParams  # noqa: E402
-from encdec.serve_ray import APP_NAME, build, start_serve  # noqa: E402
+from encdec.serve_ray import APP_NAME, build  # noqa: E402
 from tests.ray import local_cluster  # noqa: E402
 from tests.ray.local_cluster import BART_KW, SPEECH, STEP_SECONDS, WHISPER_KW, deadline  # noqa: E402
 
@@ -88,19 +87,7 @@ def test_cli_serves_and_stops_on_sigint(tiny_bart, tmp_path, ingress):
 def cluster():
     """A quiet local cluster with Serve on a free loopback port; yields its base URL.
     Teardown checks that all its processes exit."""
-    import psutil
-
-    temp_dir = local_cluster.start("encdec-serve-")
-    ours = psutil.Process().children(recursive=True)
-    port = _free_port()
-    try:
-        with deadline(120, "serve.start"):
-            start_serve("127.0.0.1", port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
-            serve.shutdown()
-        local_cluster.stop(ours, temp_dir)
+    yield from local_cluster.serving("encdec-serve-", _free_port())
 
 
 def _deploy(model: str, served_name: str, kv: dict) -> None:

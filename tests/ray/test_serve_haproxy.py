@@ -13,7 +13,6 @@ Skipped, saying why, without an HAProxy binary or a Ray without the ingress."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
@@ -24,7 +23,6 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from encdec.serve_ray import start_serve  # noqa: E402
 from encdec.serve_ray.ingress import check_ingress  # noqa: E402
 
 try:
@@ -60,19 +58,7 @@ pytestmark = [pytest.mark.ray]
 def cluster():
     """A quiet local cluster with Serve behind HAProxy on a free loopback port; yields
     its base URL. Teardown checks that all its processes exit."""
-    import psutil
-
-    temp_dir = local_cluster.start("encdec-haproxy-")
-    ours = psutil.Process().children(recursive=True)
-    port = _free_port()
-    try:
-        with deadline(120, "serve.start"):
-            start_serve("127.0.0.1", port, "haproxy")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(Exception), deadline(60, "serve.shutdown"):
-            serve.shutdown()
-        local_cluster.stop(ours, temp_dir)
+    yield from local_cluster.serving("encdec-haproxy-", _free_port(), "haproxy")
 
 
 def _wait_routed(base: str, replicas: int, model: str) -> None:
