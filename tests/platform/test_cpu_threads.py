@@ -51,8 +51,8 @@ def test_set_aside_count_is_per_python_thread(two_threads):
 
 def test_runner_threads_per_step_kind(tiny_bart, two_threads):
     """Record the thread count the model's forward and the LM head see: one
-    thread for small decode steps, two for prefills, decode steps of more than
-    SMALL_STEP_ROWS rows and every LM head."""
+    thread for small decode steps and small prefills, two for decode steps of
+    more than SMALL_STEP_ROWS rows and every LM head."""
     llm = LLM(tiny_bart)
     runner = llm.llm_engine.model_runner
     model = runner.model
