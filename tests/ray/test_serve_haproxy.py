@@ -108,6 +108,7 @@ async def _one(client, base: str, i: int, stream: bool, seen: dict) -> tuple:
         return seen.get(i), None, type(e).__name__
 
 
+@pytest.mark.slow  # timing-bound fault injection: streams must be running on both replicas at the kill
 def test_killed_replica_behind_haproxy(bart_app):
     """8 long requests, streamed and not, over both replicas; the replica of the
     first stream is killed once streams have started on both. Its started streams
