@@ -145,13 +145,14 @@ class DraftModel:
     (``own_cache``), with the target's block size and block ids."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, device: torch.device, block_size: int, *,
-                 target_cache: Any, own_cache: Any = None):
+                 target_cache: Any, own_cache: Any = None,
+                 copy_bytes: int = DRAFT_KV_BYTES):  # the most its K/V copy holds (CacheConfig.draft_kv_bytes)
         self.model, self.backend, self.device, self.block_size = model, backend, device, block_size
         self.own_cache = own_cache
         self.cache = own_cache if own_cache is not None else target_cache
         self._fed = _Fed() if own_cache is not None else None
         self._tables, self._cross = PaddedTables(), PaddedTables()
-        self._copy = (DraftKV(target_cache.gpu_cache, block_size, DRAFT_KV_BYTES)
+        self._copy = (DraftKV(target_cache.gpu_cache, block_size, copy_bytes)
                       if own_cache is None and DraftKV.wanted(target_cache.gpu_cache) else None)
 
     # -- proposing ---------------------------------------------------------------
