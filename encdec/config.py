@@ -73,6 +73,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
     num_warm_gpu_blocks: int | None = None  # written at start (CPU prefault; all on CUDA)
+    # bytes of the budget a CPU self-draft's bfloat16 copy of its rows' K/V may take (DraftKV);
+    # the device blocks above hold the rest; 0: no copy
+    draft_kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

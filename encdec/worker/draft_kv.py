@@ -18,10 +18,13 @@ cache::
 Rules that must hold: only drafts read the copy (the target verifies every
 token on its own cache), so a copy that rounds, or is stale (a sequence
 recomputed after preemption), costs acceptance, never exactness. Its memory
-is capped (``max_bytes``, not counted in the engine's cache budget): per
-sequence, half the bytes the target's cache holds for it; a proposal whose
-rows do not fit drafts from the target's cache, as a self-draft without a
-copy does. No torch state outside the copy's own tensors.
+is capped (``max_bytes``): per sequence, half the bytes the target's cache
+holds for it; a proposal whose rows do not fit drafts from the target's
+cache, as a self-draft without a copy does. The cap comes out of the
+engine's KV budget (``kv_cache_memory``) beside the target's cache:
+``copy_budget`` says how much, the worker sizes the target's cache from the
+rest, so the two together never exceed it. No torch state outside the
+copy's own tensors.
 """
 from __future__ import annotations
 
@@ -32,6 +35,20 @@ import torch
 
 from encdec.attention.backends.abstract import cache_slots_list
 from encdec.kernels.cpu import paged_attention_cpu
+
+
+def copy_budget(kv_bytes: int, ceiling: int) -> int:
+    """The bytes a self-draft's copy may take of a KV budget of ``kv_bytes``
+    (where it ``pays``): a third, at most ``ceiling``; the target's cache gets
+    the rest, so the two never exceed the budget. Why a third: bfloat16 is half
+    of float32, so a third copies every block the other two thirds can hold;
+    more could never be filled, less leaves rows drafting from the float32 cache."""
+    return min(ceiling, kv_bytes // 3)
+
+
+def budget_with_copy(target_bytes: int) -> int:
+    """The budget whose ``copy_budget`` split leaves ``target_bytes`` (even) to the target."""
+    return target_bytes + target_bytes // 2
 
 
 class _Seq:
@@ -64,8 +81,12 @@ class DraftKV:
     def wanted(target_caches: list[torch.Tensor]) -> bool:
         """A copy pays where the target's cache is float32 on CPU (a draft step
         streams it); a bfloat16 cache is already what the copy would be."""
-        return bool(target_caches) and all(c.device.type == "cpu" and c.dtype == torch.float32
-                                           for c in target_caches)
+        return bool(target_caches) and all(DraftKV.pays(c.device, c.dtype) for c in target_caches)
+
+    @staticmethod
+    def pays(device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a target cache of ``dtype`` on ``device`` gets a copy (``wanted``)."""
+        return torch.device(device).type == "cpu" and dtype == torch.float32
 
     # -- the rows of a proposal ---------------------------------------------------
     def prepare(self, rows: list[Any]) -> bool:

@@ -44,7 +44,8 @@ from encdec.worker.cache_engine import (
     typical_decoder_len,
 )
 from encdec.worker.cuda_graphs import DecodeGraphs, graphs_wanted
-from encdec.worker.draft_model import DraftModel
+from encdec.worker.draft_kv import DraftKV, budget_with_copy, copy_budget
+from encdec.worker.draft_model import DRAFT_KV_BYTES, DraftModel
 from encdec.worker.enc_dec_model_runner import EncoderDecoderModelRunner, StepPlan
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.step_output import AsyncModelRunnerOutput
@@ -168,24 +169,29 @@ class Worker:
         decoder sequence, a cross table for the longest encoder input and the
         block manager's admission watermark. ``draft``: a draft model loaded
         (``load_draft``): its weights count, and a block costs its own pool's
-        bytes too (a self-draft's: none)."""
+        bytes too (a self-draft's: none; on CPU its K/V copy takes a third, ``copy_budget``)."""
         model, mc = self.model, self.model_config
         kv_dtype = quantization.kv_cache_dtype(cfg.cache_dtype, self.dtype, self.device, self.backend.get_name())
         block_bytes = cache_block_bytes(model.num_cache_layers, cfg.block_size,
                                         model.num_kv_heads, model.head_size, kv_dtype)
         block_bytes += self._draft_block_bytes(draft, cfg)  # a block of each pool
-        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, block_bytes, max_num_batched_tokens,
+        # a CPU self-draft's bfloat16 copy of its rows' K/V (DraftKV) is in the budget; a default one holds both
+        copies = draft is not None and self.is_self_draft(draft) and DraftKV.pays(self.device, kv_dtype)
+        kv_bytes, prefault_bytes = self._kv_bytes(cfg, max_num_seqs, budget_with_copy(block_bytes) if copies
+                                                  else block_bytes, max_num_batched_tokens,
                                                   () if draft is None else (draft.model,))
-        cfg.num_gpu_blocks = kv_bytes // block_bytes
+        cfg.draft_kv_bytes = copy_budget(kv_bytes, DRAFT_KV_BYTES) if copies else 0
+        copy = f", less {cfg.draft_kv_bytes} for the self-draft's bfloat16 K/V copy" if cfg.draft_kv_bytes else ""
+        cfg.num_gpu_blocks = (kv_bytes - cfg.draft_kv_bytes) // block_bytes
         if cfg.num_gpu_blocks < 1:
-            raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block "
+            raise ValueError(f"kv_cache_memory={kv_bytes} bytes holds no KV block{copy} "
                              f"(one block is {block_bytes} bytes)")
         dec_blocks, cross_blocks, watermark = longest_request_blocks(
             mc.max_model_len, mc.max_encoder_len, cfg.block_size, cfg.num_gpu_blocks)
         needed = dec_blocks + cross_blocks + watermark
         if cfg.num_gpu_blocks < needed:
             raise ValueError(
-                f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes, {block_bytes} bytes "
+                f"the KV cache holds {cfg.num_gpu_blocks} blocks ({kv_bytes} bytes{copy}, {block_bytes} bytes "
                 f"per block of {cfg.block_size} tokens) but one request needs {needed} blocks "
                 f"({needed * block_bytes} bytes): {dec_blocks} for a max_model_len={mc.max_model_len} "
                 f"decoder sequence, {cross_blocks} for its cross-attention table of "
@@ -328,7 +334,8 @@ class Worker:
         own with this cache's blocks (``init_cache`` sized both)."""
         tc = self.cache_engine
         if self.is_self_draft(draft):
-            return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc)
+            return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc,
+                              copy_bytes=cache_config.draft_kv_bytes)
         m = draft.model
         own = CacheEngine(
             num_layers=m.num_cache_layers, num_kv_heads=m.num_kv_heads, head_size=m.head_size,

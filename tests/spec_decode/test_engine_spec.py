@@ -113,7 +113,7 @@ def test_copying_model_accepts_drafts_and_rolls_back_across_blocks(bart_dir, mon
     assert _all_free(llm)
 
 
-def preempted_run(path: str, spec: dict, mode: str, pools: int = 1) -> tuple[list, list, int, bool]:
+def preempted_run(path: str, spec: dict, mode: str, pools: float = 1) -> tuple[list, list, int, bool]:
     """A cache that holds a few requests at a time, so rows are swapped or
     recomputed mid-speculation: (tokens, tokens without speculation,
     preemptions, every block free after). ``pools``: caches the budget is split
@@ -121,7 +121,7 @@ def preempted_run(path: str, spec: dict, mode: str, pools: int = 1) -> tuple[lis
     prompts = _prompts(12, seed=7)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = _tokens(LLM(path, kv_cache_memory=16 << 20).generate(prompts, params, use_tqdm=False))
-    llm = LLM(path, kv_cache_memory=24 * BLOCK_BYTES * pools, swap_space=0.01 * pools, max_model_len=128,
+    llm = LLM(path, kv_cache_memory=int(24 * BLOCK_BYTES * pools), swap_space=0.01 * pools, max_model_len=128,
               preemption_mode=mode, speculative_config=spec, max_num_seqs=12)
     got = _tokens(llm.generate(prompts, params, use_tqdm=False))
     return got, want, llm.llm_engine.stats.num_preempted, _all_free(llm)
