@@ -33,10 +33,14 @@ the shipped clips (``benchmarks.whisper_longform.build_file``, seed 0), float32 
 int8 (``--compute-types``), each side's end-to-end seconds, the ratio and the
 acceptance; each file's text and tokens must be identical across sides.
 ``--method``: ``ngram`` (default) and/or ``draft_model`` (an int8 self-draft of the
-target, ``{"method": "draft_model", "model": <target>, "quantization": "int8"}``).
+target, ``{"method": "draft_model", "model": <target>, "quantization": "int8"}``);
+``--draft-vocab-size``: one draft side per value, ``full`` (the whole LM head) or N
+(``"draft_vocab_size": N``: the draft's head keeps the N lowest ids and the special
+ones), so the acceptance each costs shows beside its speed.
 
     python -m benchmarks.spec_bench --whisper [--whisper-models tiny base]
         [--compute-types float32 int8] [--minutes 6] [--method ngram draft_model] [--k 3]
+        [--draft-vocab-size full 8192 16384]
 
 A workload is a ``Workload`` (prompts, sampling parameters, engine options, a label);
 the timing loop knows nothing else about it (``decode``: how a batch runs, e.g.
@@ -101,10 +105,12 @@ class Result:
 
 
 def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool,
-              methods: tuple[str, ...] = ("ngram",), model_dir: str | None = None) -> list[Side]:
+              methods: tuple[str, ...] = ("ngram",), model_dir: str | None = None,
+              draft_vocab_sizes: tuple[int | None, ...] = (None,)) -> list[Side]:
     """No speculation first, then one side per method and k (none with
     ``no_spec``). ``draft_model`` drafts with an int8 copy of the target itself
-    (``model_dir``): the int8 self-draft."""
+    (``model_dir``): the int8 self-draft, one side per ``draft_vocab_sizes``
+    (None: the full LM head)."""
     sides = [Side("off", None)]
     if no_spec:
         return sides
@@ -114,8 +120,12 @@ def sides_for(ks: list[int], lookup_max: int, lookup_min: int, no_spec: bool,
                 sides.append(Side(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
                                                    "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}))
             elif method == "draft_model":
-                sides.append(Side(f"int8 draft k={k}", {"method": "draft_model", "model": model_dir,
-                                                        "num_speculative_tokens": k, "quantization": "int8"}))
+                for n in draft_vocab_sizes:
+                    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": k,
+                            "quantization": "int8"}
+                    if n is not None:
+                        spec["draft_vocab_size"] = n
+                    sides.append(Side(f"int8 draft k={k}" + ("" if n is None else f" V={n}"), spec))
             else:
                 raise ValueError(f"--method: unknown {method!r} (ngram, draft_model)")
     return sides
@@ -185,7 +195,8 @@ def whisper_runs(args: argparse.Namespace) -> tuple[dict[str, dict[str, list[Res
         except (ImportError, SystemExit, OSError) as e:  # base: its weights packages may be absent
             lines.append(f"Whisper {name}: skipped ({e})")
             continue
-        sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), model_dir)
+        sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), model_dir,
+                          tuple(args.draft_vocab_size))
         for quant in args.compute_types:
             work = whisper_workload(name, model_dir, wav, warm, None if quant == "float32" else quant)
             print(work.label, flush=True)
@@ -294,6 +305,19 @@ def report(work: Workload, sides: list[Side], rounds: dict[str, list[Result]]) -
     return lines
 
 
+def _vocab_size(text: str) -> int | None:
+    """``--draft-vocab-size``'s values: "full" (None) or an int >= 1."""
+    if text == "full":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'full' or an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'full' or an int >= 1, got {n}")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.spec_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-spec", action="store_true", help="time the side without speculation only")
     ap.add_argument("--method", nargs="+", default=["ngram"], choices=("ngram", "draft_model"),
                     help="speculation methods (draft_model: an int8 self-draft of the target)")
+    ap.add_argument("--draft-vocab-size", nargs="+", type=_vocab_size, default=[None], metavar="full|N",
+                    help="draft_model: one side per value, the draft's LM head restricted to N ids "
+                         "(speculative_config.draft_vocab_size) or full (default)")
     ap.add_argument("--whisper", action="store_true",
                     help="Whisper sequential long-form instead of the copy model")
     ap.add_argument("--whisper-models", nargs="+", default=["tiny", "base"], choices=("tiny", "base"))
@@ -343,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict[Any, dict[str, list[Result]]]:
         print(f"\n{args.repeats} rounds per side:")
         print("\n".join(lines))
         return results
-    sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), args.model_dir)
+    sides = sides_for(args.k, args.lookup_max, args.lookup_min, args.no_spec, tuple(args.method), args.model_dir,
+                      tuple(args.draft_vocab_size))
     results: dict[tuple[int, str], dict[str, list[Result]]] = {}
     lines: list[str] = []
     for c in args.requests:

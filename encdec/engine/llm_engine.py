@@ -137,7 +137,7 @@ class LLMEngine:
                                    speculation=Speculation(spec, mc.max_model_len) if spec else None)
         if spec:
             self.worker.model_runner.drafter = DraftProposer(
-                self.worker.draft_model(draft, self.cache_config) if draft is not None
+                self.worker.draft_model(draft, self.cache_config, spec.draft_vocab_size) if draft is not None
                 else NgramProposer.from_config(spec))
         self._num_request_ids = 0  # next id new_request_id() gives
         self.num_generated_tokens = 0

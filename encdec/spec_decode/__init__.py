@@ -5,6 +5,8 @@
   checkpoint against its target, from configs and tokenizers.
 - ``NgramProposer`` (``ngram``): drafts copied from the encoder input and the
   decoder's own tokens (numpy).
+- ``draft_vocab_ids`` (``draft_vocab``): the token ids a draft's LM head keeps
+  under ``draft_vocab_size`` (torch-free).
 - ``accept_greedy``, ``rejection_sample`` (``acceptance``): the tokens each
   request keeps from a verification step, per request, batched (torch).
 

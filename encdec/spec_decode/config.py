@@ -5,7 +5,7 @@ Two methods, vLLM's names::
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_max": n, "prompt_lookup_min": m}
     {"method": "draft_model", "model": DIR_OR_ID, "num_speculative_tokens": k,
-     "quantization": None | "int8"}
+     "quantization": None | "int8", "draft_vocab_size": None | N}
 
 Every check here runs before anything loads: a bad value is a ``ValueError``
 (a wrong type a ``TypeError``) naming the field. Whether a draft checkpoint
@@ -26,7 +26,7 @@ DRAFT_QUANTIZATIONS = (None, "int8")
 # vLLM's default n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 _NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
-_DRAFT_ONLY = ("model", "quantization")
+_DRAFT_ONLY = ("model", "quantization", "draft_vocab_size")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -47,6 +47,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: the shortest, <= prompt_lookup_max
     model: str | None = None  # draft_model: checkpoint directory or hub id (may be the target itself)
     quantization: str | None = None  # draft_model: None or "int8" (an int8 self-draft of a float32 target)
+    # draft_model: the draft's LM head keeps the rows of the N lowest token ids and the
+    # ids the decoding rules need (spec_decode.draft_vocab); None (or N >= the vocabulary): all rows
+    draft_vocab_size: int | None = None
     # vLLM's: no drafts in a step whose running requests are more than this many
     # (a big batch's step is compute-bound: scoring drafts costs more than it saves)
     disable_by_batch_size: int | None = None
@@ -89,6 +92,8 @@ class SpeculativeConfig:
         object.__setattr__(self, "model", os.fspath(self.model))
         if self.quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"speculative_config.quantization must be None or 'int8', got {self.quantization!r}")
+        if self.draft_vocab_size is not None:
+            _positive_int("draft_vocab_size", self.draft_vocab_size)
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:

@@ -37,6 +37,7 @@ import torch
 from encdec.attention.backends.abstract import cache_slots_list
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sequence import SequenceGroupMetadata
+from encdec.worker.draft_head import DraftHead
 from encdec.worker.draft_kv import DraftKV
 from encdec.worker.steady_decode import PaddedTables
 
@@ -142,12 +143,14 @@ class _StepInputs:
 class DraftModel:
     """``model``: the draft, loaded (``Worker``); ``kv_caches``: the target's
     cache tensors (a self-draft) or the draft's own ``CacheEngine``
-    (``own_cache``), with the target's block size and block ids."""
+    (``own_cache``), with the target's block size and block ids;
+    ``head_ids``: the token ids the draft's LM head keeps (``DraftHead``), None for all."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, device: torch.device, block_size: int, *,
-                 target_cache: Any, own_cache: Any = None,
+                 target_cache: Any, own_cache: Any = None, head_ids: list[int] | None = None,
                  copy_bytes: int = DRAFT_KV_BYTES):  # the most its K/V copy holds (CacheConfig.draft_kv_bytes)
         self.model, self.backend, self.device, self.block_size = model, backend, device, block_size
+        self.head = DraftHead(model, head_ids) if head_ids is not None else None
         self.own_cache = own_cache
         self.cache = own_cache if own_cache is not None else target_cache
         self._fed = _Fed() if own_cache is not None else None
@@ -222,6 +225,8 @@ class DraftModel:
         hidden = self.model(inputs.input_ids, inputs.positions, caches, md)
         if inputs.last is not None:
             hidden = hidden.index_select(0, inputs.last)
+        if self.head is not None:
+            return self.head.greedy(hidden, apply_static)
         logits = self.model.compute_logits(hidden).float()
         if apply_static is not None:
             logits = apply_static(logits)

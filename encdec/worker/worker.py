@@ -32,6 +32,7 @@ from encdec.platform import huge_pages, precision
 from encdec.sample.logits_processor import build_logitsprocs, resolve_logitsproc_class
 from encdec.sampling_params import SamplingParams
 from encdec.sequence import SequenceGroupMetadata
+from encdec.spec_decode.draft_vocab import draft_vocab_ids, special_token_ids
 from encdec import quantization
 from encdec.worker.cache_engine import (
     MAX_PREFAULT_BYTES,
@@ -328,13 +329,16 @@ class Worker:
     def _draft_kv_dtype(draft: Worker, cfg: CacheConfig) -> torch.dtype:
         return quantization.kv_cache_dtype(cfg.cache_dtype, draft.dtype, draft.device, draft.backend.get_name())
 
-    def draft_model(self, draft: Worker, cache_config: CacheConfig) -> DraftModel:
+    def draft_model(self, draft: Worker, cache_config: CacheConfig, draft_vocab_size: int | None = None) -> DraftModel:
         """The proposer over ``draft`` (``load_draft``), once this worker's cache
         is allocated: a self-draft shares it; any other draft gets a pool of its
-        own with this cache's blocks (``init_cache`` sized both)."""
+        own with this cache's blocks (``init_cache`` sized both). ``draft_vocab_size``:
+        its LM head's subset (``spec_decode.draft_vocab``)."""
         tc = self.cache_engine
+        dc = draft.model_config
+        ids = draft_vocab_ids(draft_vocab_size, draft.vocab_size, special_token_ids(dc.hf_config, dc.generation_config))
         if self.is_self_draft(draft):
-            return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc,
+            return DraftModel(draft.model, draft.backend, draft.device, tc.block_size, target_cache=tc, head_ids=ids,
                               copy_bytes=cache_config.draft_kv_bytes)
         m = draft.model
         own = CacheEngine(
@@ -342,7 +346,7 @@ class Worker:
             block_size=tc.block_size, num_gpu_blocks=tc.gpu_cache[0].shape[1],
             num_cpu_blocks=cache_config.num_cpu_blocks, device=draft.device, backend=draft.backend,
             dtype=self._draft_kv_dtype(draft, cache_config))
-        return DraftModel(m, draft.backend, draft.device, tc.block_size, target_cache=tc, own_cache=own)
+        return DraftModel(m, draft.backend, draft.device, tc.block_size, target_cache=tc, own_cache=own, head_ids=ids)
 
     def init_batch(self, scheduler_config: SchedulerConfig, logits_processors: list[Any] | None,
                    seed: int) -> None:
