@@ -279,14 +279,75 @@ def _words(text: str) -> list[str]:
     return re.sub(r"[^\w\s']", " ", text.lower()).split()
 
 
+class _Wire:
+    """What the page and the server say on ``/v1/realtime``, as Playwright sees the
+    frames: the audio the page sent (the samples the server decodes, in order) and
+    the server's events."""
+
+    def __init__(self, page) -> None:
+        self.appends: list[str] = []  # base64 PCM16 of each input_audio_buffer.append
+        self.events: list[dict] = []  # server events, in order
+        page.on("websocket", self._socket)
+
+    def _socket(self, ws) -> None:
+        if "/v1/realtime" in ws.url:
+            ws.on("framesent", self._sent)
+            ws.on("framereceived", lambda payload: self.events.append(json.loads(payload)))
+
+    def _sent(self, payload: str) -> None:
+        event = json.loads(payload)
+        if event["type"] == "input_audio_buffer.append":
+            self.appends.append(event["audio"])
+
+    def event(self, kind: str, item_id: str | None = None) -> dict:
+        """The first server event of ``kind`` (for ``item_id``, if given)."""
+        found = [e for e in self.events if e["type"] == kind and item_id in (None, e.get("item_id"))]
+        assert found, f"no {kind} for {item_id}: {[e['type'] for e in self.events]}"
+        return found[0]
+
+    def turn_audio(self, item_id: str) -> tuple[np.ndarray, int]:
+        """The samples of a turn as the server cut them: the session's audio from
+        ``speech_started``'s ``audio_start_ms`` to ``speech_stopped``'s ``audio_end_ms``."""
+        import base64
+
+        from encdec.transcription.live import pcm16_to_float
+
+        rate = self.event("session.created")["session"]["audio"]["input"]["format"]["rate"]
+        audio = pcm16_to_float(b"".join(base64.b64decode(a) for a in self.appends))
+        start = self.event("input_audio_buffer.speech_started", item_id)["audio_start_ms"]
+        end = self.event("input_audio_buffer.speech_stopped", item_id)["audio_end_ms"]
+        assert 0 <= start < end and end * rate // 1000 <= len(audio), (start, end, len(audio) / rate)
+        return audio[start * rate // 1000:end * rate // 1000], rate
+
+
+def _played_in(turn: np.ndarray, played: np.ndarray) -> float:
+    """How well the samples the server cut for a turn (16 kHz) hold the turn the
+    microphone played: the normalised correlation where they line up best (1:
+    the same samples; the browser's two resamplings leave ~0.9995)."""
+    from scipy.signal import correlate
+
+    assert len(turn) >= len(played), (len(turn), len(played))  # the turn holds all of the played speech
+    at = int(np.argmax(correlate(turn, played, mode="valid", method="fft")))
+    got = turn[at:at + len(played)]
+    return float(np.dot(got, played) / (np.linalg.norm(got) * np.linalg.norm(played)))
+
+
 @pytest.mark.browser
 def test_live_microphone_two_turns(chromium, keyed_whisper, whisper_llm, mic_turns, artifacts):
-    """The fake microphone plays two turns with a pause: two final turns whose text
-    is the offline transcript of each turn's samples (WER <= 0.1 over both: the
-    browser resamples), partial (grey) text before each final, a latency shown."""
-    import jiwer
+    """The fake microphone plays two turns with a pause: two final turns, each the
+    server's ``completed`` transcript, which is exactly ``LLM.transcribe``'s of the
+    samples the page sent for that turn (the session's audio from
+    ``audio_start_ms`` to ``audio_end_ms``, seeded as a realtime session seeds its
+    temperature fallback); those samples are the played turn (the browser
+    resamples the capture to 48 kHz and then to 24 kHz, so they change a little
+    run to run, and the transcript with them); partial (grey) text before each
+    final, a latency shown."""
+    from encdec import SamplingParams
+    from encdec.audio import load_audio
+    from encdec.entrypoints.openai.realtime import REALTIME_SEED
 
     page = _open(chromium, keyed_whisper.base, key=KEY)
+    wire = _Wire(page)
     page.click("#tab-live")
     page.click("#live-start")
     try:
@@ -300,12 +361,16 @@ def test_live_microphone_two_turns(chromium, keyed_whisper, whisper_llm, mic_tur
                                       ".textContent, partials: +t.dataset.partials, latency: t.dataset.latencyMs}))")
     assert _text(page, "#live-error") == ""
     assert len(turns) == 2, turns
-    wants = [" ".join(_words(t.text)) for t in whisper_llm.transcribe(list(mic_turns[1]), use_tqdm=False)]
-    gots = [" ".join(_words(turn["text"])) for turn in turns]
-    # The WER of the two turns together: the browser's capture (48 kHz) and the
-    # worklet's PCM16 at 24 kHz change the samples, so one word in ~40 may differ.
-    assert jiwer.wer(wants, gots) <= 0.1, (gots, wants)
-    for turn, want in zip(turns, wants):
+    completed = [e for e in wire.events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert [turn["text"] for turn in turns] == [e["transcript"] for e in completed[:2]]
+    sent = [wire.turn_audio(e["item_id"]) for e in completed[:2]]
+    np.savez(artifacts / "live_turns.npz", *[samples for samples, _ in sent])  # at the session's rate
+    for (samples, rate), played in zip(sent, mic_turns[1]):
+        assert _played_in(load_audio((samples, rate)), played) > 0.98
+    seeded = SamplingParams(temperature=0.0, max_tokens=None, seed=REALTIME_SEED)
+    offline = whisper_llm.transcribe(sent, sampling_params=seeded, use_tqdm=False)
+    assert [turn["text"] for turn in turns] == [t.text for t in offline]
+    for turn in turns:
         assert _words(turn["text"]) and turn["partials"] >= 1 and int(turn["latency"]) >= 0, turn
     with page.expect_download() as dl:
         page.click("#live-srt")

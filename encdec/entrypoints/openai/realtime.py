@@ -11,7 +11,12 @@ grows, partial passes give ``conversation.item.input_audio_transcription.delta``
 events (words two passes agree on); its end
 gives ``input_audio_buffer.committed``, the final pass, the last ``delta`` and
 ``...completed`` (the whole transcript, as ``LLM.transcribe`` gives it for the
-turn's samples, and the usage), or ``...failed``. Passes are transcription jobs
+turn's samples, and the usage), or ``...failed``. A final pass's temperature
+fallback samples as a seeded ``LLM.transcribe`` does (``sampling_params.seed``;
+the session's ``seed``, ``REALTIME_SEED`` by default, as OpenAI's events carry
+none): a turn's transcript depends on its samples alone, not on what else the
+server runs, so a client can check it against ``LLM.transcribe`` of the samples
+it sent (``audio_start_ms`` to ``audio_end_ms``). Passes are transcription jobs
 driven by ``run_job`` next to every other request, final passes first: they rank
 ahead under the priority policy (``encdec serve``'s default), which also holds less
 urgent requests' encoder passes while one runs; ``PartialBudget`` caps partial
@@ -55,6 +60,7 @@ from encdec.entrypoints.openai.realtime_protocol import (
     SessionConfig,
     server_event,
 )
+from encdec.sampling_params import SamplingParams
 from encdec.transcription import TranscribeOptions
 from encdec.transcription.driver import JobProgress, run_job
 from encdec.transcription.live import (
@@ -72,19 +78,32 @@ from encdec.transcription.live import (
 logger = logging.getLogger("encdec")
 CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
                  "input_audio_buffer.clear", "session.close")
+REALTIME_SEED = 0  # a session's seed for its final passes' fallback sampling, unless given
+
+
+def session_options(language: str | None = None, prompt: str | None = None, *,
+                    seed: int = REALTIME_SEED) -> TranscribeOptions:
+    """A session's transcription options: ``LLM.transcribe``'s defaults with the
+    session's language and prompt, and the seed its temperature fallback samples
+    with, passed as a seeded ``transcribe`` call passes it (greedy windows read no
+    seed). Unseeded, a final that falls back would take whatever the engine's
+    generator holds after every other request: the same audio, another transcript."""
+    return TranscribeOptions(language=language, initial_prompt=prompt,
+                             sampling_params=SamplingParams(temperature=0.0, max_tokens=None, seed=seed))
 
 
 class RealtimeSession:
     def __init__(self, ws: Any, engine: AsyncLLMEngine, *, served_model: str, metrics: Any,
                  partial_every: float = PARTIAL_EVERY_S, budget: PartialBudget | None = None,
-                 limits: RealtimeLimits | None = None) -> None:
+                 limits: RealtimeLimits | None = None, seed: int = REALTIME_SEED) -> None:
         self.ws, self.engine, self.served_model, self.metrics = ws, engine, served_model, metrics
         self.partial_every = partial_every
         self.budget = budget or PartialBudget()
         self.limits = limits or RealtimeLimits()
         self.final_priority, self.partial_priority = pass_priorities(engine)
         self.config = SessionConfig()
-        self.options = TranscribeOptions()
+        self.seed = seed
+        self.options = session_options(seed=seed)
         self.live = self._live_session(self.config.rate)
         self._vad_key: Any = None
         self._send_lock = asyncio.Lock()
@@ -175,7 +194,7 @@ class RealtimeSession:
             raise RealtimeError("the input format cannot change once audio was sent",
                                 param="session.audio.input.format")
         try:
-            options = TranscribeOptions(language=config.language, initial_prompt=config.prompt)
+            options = session_options(config.language, config.prompt, seed=self.seed)
             options.validate(self.engine)
         except (ValueError, TypeError) as e:
             raise RealtimeError(str(e), param="session.audio.input.transcription.language") from None
