@@ -37,7 +37,7 @@ import torch
 from encdec.attention.backends.abstract import cache_slots_list
 from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sequence import SequenceGroupMetadata
-from encdec.worker.draft_head import DraftHead
+from encdec.worker.draft_head import DraftHead, row_argmax
 from encdec.worker.draft_kv import DraftKV
 from encdec.worker.steady_decode import PaddedTables
 
@@ -230,7 +230,7 @@ class DraftModel:
         logits = self.model.compute_logits(hidden).float()
         if apply_static is not None:
             logits = apply_static(logits)
-        return logits.argmax(dim=-1).tolist()
+        return row_argmax(logits)
 
     # -- an own pool: kept beside the target's ----------------------------------
     def move_blocks(self, sched: Any) -> None:
