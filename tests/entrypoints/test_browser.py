@@ -320,16 +320,24 @@ class _Wire:
         return audio[start * rate // 1000:end * rate // 1000], rate
 
 
-def _played_in(turn: np.ndarray, played: np.ndarray) -> float:
-    """How well the samples the server cut for a turn (16 kHz) hold the turn the
-    microphone played: the normalised correlation where they line up best (1:
-    the same samples; the browser's two resamplings leave ~0.9995)."""
+def _found_in(turn: np.ndarray, played: np.ndarray, window: int = RATE // 2) -> list[tuple[float, float]]:
+    """Where each half second of the played turn (pauses left out) lies in the
+    samples the server cut for it (both 16 kHz), and how closely: (shift in
+    seconds, normalised correlation). The browser's capture lands between
+    samples (~0.98 where they line up best, 1.0 for the same samples) and can
+    drop a 10 ms buffer under load (later windows shift by 10 ms; the window
+    across the gap matches less)."""
     from scipy.signal import correlate
 
-    assert len(turn) >= len(played), (len(turn), len(played))  # the turn holds all of the played speech
-    at = int(np.argmax(correlate(turn, played, mode="valid", method="fft")))
-    got = turn[at:at + len(played)]
-    return float(np.dot(got, played) / (np.linalg.norm(got) * np.linalg.norm(played)))
+    out = []
+    for s in range(0, len(played) - window + 1, window):
+        part = played[s:s + window]
+        if np.abs(part).max() < 0.02:
+            continue
+        at = int(np.argmax(correlate(turn, part, mode="valid", method="fft")))
+        got = turn[at:at + window]
+        out.append(((at - s) / RATE, float(np.dot(got, part) / (np.linalg.norm(got) * np.linalg.norm(part) + 1e-9))))
+    return out
 
 
 @pytest.mark.browser
@@ -338,10 +346,10 @@ def test_live_microphone_two_turns(chromium, keyed_whisper, whisper_llm, mic_tur
     server's ``completed`` transcript, which is exactly ``LLM.transcribe``'s of the
     samples the page sent for that turn (the session's audio from
     ``audio_start_ms`` to ``audio_end_ms``, seeded as a realtime session seeds its
-    temperature fallback); those samples are the played turn (the browser
-    resamples the capture to 48 kHz and then to 24 kHz, so they change a little
-    run to run, and the transcript with them); partial (grey) text before each
-    final, a latency shown."""
+    temperature fallback); those samples hold the played turn, in order (the
+    browser resamples its capture to 48 kHz and then to 24 kHz and may drop a
+    buffer, so they change a little run to run, and the transcript with them);
+    partial (grey) text before each final, a latency shown."""
     from encdec import SamplingParams
     from encdec.audio import load_audio
     from encdec.entrypoints.openai.realtime import REALTIME_SEED
@@ -365,8 +373,10 @@ def test_live_microphone_two_turns(chromium, keyed_whisper, whisper_llm, mic_tur
     assert [turn["text"] for turn in turns] == [e["transcript"] for e in completed[:2]]
     sent = [wire.turn_audio(e["item_id"]) for e in completed[:2]]
     np.savez(artifacts / "live_turns.npz", *[samples for samples, _ in sent])  # at the session's rate
-    for (samples, rate), played in zip(sent, mic_turns[1]):
-        assert _played_in(load_audio((samples, rate)), played) > 0.98
+    for (samples, rate), played in zip(sent, mic_turns[1]):  # each turn holds the played one, in order
+        found = _found_in(load_audio((samples, rate)), played)
+        shifts, matches = zip(*found)
+        assert np.median(matches) > 0.9 and max(shifts) - min(shifts) < 0.1, found
     seeded = SamplingParams(temperature=0.0, max_tokens=None, seed=REALTIME_SEED)
     offline = whisper_llm.transcribe(sent, sampling_params=seeded, use_tqdm=False)
     assert [turn["text"] for turn in turns] == [t.text for t in offline]
