@@ -226,9 +226,7 @@ class BartForConditionalGeneration(FusedDecodeStep, nn.Module):
                 encoder_positions: torch.Tensor | None = None,
                 encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
         # encoder_hidden: the prefills' encoder output, computed elsewhere (an encoder worker)
-        enc = encoder_hidden
-        if encoder_input_ids is not None and encoder_input_ids.numel():
-            enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
+        enc = self.encoder_output(attn_metadata, encoder_input_ids, encoder_positions, encoder_hidden)
         rows = self.position_rows(input_ids, positions, attn_metadata.num_prefill_tokens)
         h = self.decoder.embed(input_ids, rows)  # (num_tokens, d_model)
         if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encdec.attention import Attention, AttentionBackend, AttentionMetadata, AttentionType
-from encdec.attention.backends.abstract import PositionBias
+from encdec.attention.backends.abstract import PositionBias, write_to_cache
 from encdec.attention.bias_tables import distance_table
 from encdec.kernels.cpu import decoder_step_cpu, small_linear_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.build import cpu_isa
@@ -334,6 +334,28 @@ class FusedDecodeStep:
                                                                    post_norm=self.fused_post_norm)
             self._fused_checked = True
         return self._fused_weights is not None
+
+    def encoder_output(self, md: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,
+                       encoder_positions: torch.Tensor | None = None,
+                       encoder_hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's prefills' encoder output (packed per request), or None: run
+        here from their tokens, or computed elsewhere (an encoder worker) and given."""
+        if encoder_input_ids is not None and encoder_input_ids.numel():
+            return self.encode(encoder_input_ids, encoder_positions, md)
+        return encoder_hidden
+
+    def write_cross_kv(self, kv_caches: list[torch.Tensor], md: AttentionMetadata, **encoder_inputs: Any) -> None:
+        """The encoder pass of prefills that then run as rows of the fused decode
+        step (``step_plan.admits_as_decodes``), and every layer's cross K/V written
+        to their cross tables (``md.cross_slot_mapping``), as a prefill's first
+        pass through the layers writes it: that step reads it from the cache."""
+        enc = self.encoder_output(md, **encoder_inputs)
+        if enc is None or not enc.shape[0]:
+            return
+        for layer, cache in zip(self.decoder.layers, kv_caches):
+            k, v = layer.encoder_attn.kv_proj(enc).chunk(2, dim=-1)
+            shape = (-1, cache.shape[-2], cache.shape[-1])
+            write_to_cache(k.reshape(shape), v.reshape(shape), cache, md.cross_slot_mapping)
 
     def _fused_decode_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor], md: AttentionMetadata,
                            position_bias: PositionBias | None = None) -> bool:

@@ -282,9 +282,7 @@ class T5ForConditionalGeneration(FusedDecodeStep, nn.Module):
                 encoder_positions: torch.Tensor | None = None,
                 encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
         # encoder_hidden: the prefills' encoder output, computed elsewhere (an encoder worker)
-        enc = encoder_hidden
-        if encoder_input_ids is not None and encoder_input_ids.numel():
-            enc = self.encode(encoder_input_ids, encoder_positions, attn_metadata)
+        enc = self.encoder_output(attn_metadata, encoder_input_ids, encoder_positions, encoder_hidden)
         h = self.shared(input_ids)  # (num_tokens, d_model)
         biases = self.decoder.layer_biases()
         # The fused step takes one bias for every layer: never with per-layer tables (fused_decode False).

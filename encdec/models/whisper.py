@@ -34,12 +34,7 @@ from encdec.attention import AttentionBackend, AttentionMetadata, AttentionType
 from encdec.models.layers import FusedDecodeStep, Linear, MultiHeadAttention, load_fused
 from encdec.models.staged_encoder import EncoderState
 from encdec.models.whisper_tokens import (  # noqa: F401  (registry hooks; encdec.transcribe uses them)
-    WhisperSpecialTokens,
-    default_decoder_prompt,
-    language_token,
-    prepare_decoder_prompt,
-    special_token_ids,
-)
+    WhisperSpecialTokens, default_decoder_prompt, language_token, prepare_decoder_prompt, special_token_ids)
 from encdec.platform.cpu_threads import kernel_threads, map_one_thread_each
 
 # Windows per encoder call on CPU. A window's activations are 2.3 MB (tiny) and
@@ -229,15 +224,20 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
     def encoder_finish(self, state: EncoderState) -> torch.Tensor:
         return self.encoder.layer_norm(state.h).flatten(0, 1)  # (B * 1500, d)
 
+    def encoder_output(self, md: AttentionMetadata, encoder_features: torch.Tensor | None = None,
+                       encoder_hidden: torch.Tensor | None = None) -> torch.Tensor | None:
+        # encoder_hidden: the prefills' encoder output (B * 1500, d), computed elsewhere (an encoder worker)
+        if encoder_features is None or not encoder_features.numel():
+            return encoder_hidden
+        enc = self.encode(encoder_features).flatten(0, 1)  # (B * 1500, d), packed per request
+        assert enc.shape[0] == md.num_encoder_tokens, (
+            f"{enc.shape[0]} encoder rows but metadata has {md.num_encoder_tokens}")
+        return enc
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, encoder_features: torch.Tensor | None = None,
                 encoder_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        # encoder_hidden: the prefills' encoder output (B * 1500, d), computed elsewhere (an encoder worker)
-        enc = encoder_hidden
-        if encoder_features is not None and encoder_features.numel():
-            enc = self.encode(encoder_features).flatten(0, 1)  # (B * 1500, d), packed per request
-            assert enc.shape[0] == attn_metadata.num_encoder_tokens, (
-                f"{enc.shape[0]} encoder rows but metadata has {attn_metadata.num_encoder_tokens}")
+        enc = self.encoder_output(attn_metadata, encoder_features, encoder_hidden)
         h = self.decoder.embed_tokens(input_ids) + self.decoder.embed_positions(positions)  # (N, d)
         if enc is None and self._fused_decode_step(h, kv_caches, attn_metadata):
             return self.decoder.layer_norm(h)

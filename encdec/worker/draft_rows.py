@@ -74,6 +74,11 @@ class DraftProposer:
                 out[r.seq_id] = list(drafts)
         return out
 
+    @property
+    def mirrors_prefills(self) -> bool:
+        """A draft model with its own pool: it runs the step's prefills on its own."""
+        return self.model is not None and self.model.own_cache is not None
+
     def before_step(self, sched: Any) -> None:
         """A draft model's own pool follows the step's block moves and leaves."""
         if self.model is not None:
@@ -106,7 +111,7 @@ def row_budget(spec_rows: dict[int, int], num_rows: int, max_rows: int) -> dict[
 
 def add_draft_decodes(dec: Any, metas: list[SequenceGroupMetadata], drafts: dict[int, list[int]],
                       ahead: Collection[int] = ()) -> None:
-    """``_DecoderRows.add_decodes`` for a step with drafts: each decoding
+    """``DecoderRows.add_decodes`` for a step with drafts: each decoding
     sequence's input token and its drafts (``dec.decode_q``: its query rows;
     ``dec.drafts``: (seq_id, index of its first draft row, drafts))."""
     for m in metas:

@@ -37,51 +37,12 @@ from encdec.structured_output.bitmask import batch_bitmask
 from encdec.worker.cache_engine import CacheEngine
 from encdec.worker.input_batch import InputBatch
 from encdec.worker.encoder_pieces import EncoderPieces, encoder_kwargs
-from encdec.worker.prefill_rows import EncoderRows, PrefillRows, SampledRow, split_prompts
+from encdec.worker.prefill_rows import DecoderRows, EncoderRows, SampledRow, split_prompts
 from encdec.worker.draft_rows import DraftProposer, add_draft_decodes, verify_sampled
 from encdec.worker.steady_decode import PaddedTables, SteadyDecode
-from encdec.worker.step_plan import ModelInput, StepPlan, one_thread_prefills, splits_admission
+from encdec.worker.step_plan import (ModelInput, StepPlan, admits_as_decodes, one_thread_prefills,
+                                     splits_admission)
 from encdec.worker.step_output import AsyncModelRunnerOutput, asked_prompt_positions, prompt_token_logprobs
-
-
-class _DecoderRows(PrefillRows):
-    """The decoder side of a step, packed token by token: prefills whole (or
-    past their cached tokens), then one token per decoding sequence (and its
-    drafts: ``draft_rows.add_draft_decodes``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.decode_q: list[int] = []  # per decode sequence its query rows, where some carry drafts
-        self.drafts: list[tuple[int, int, list[int]]] = []  # (seq_id, first draft row, drafts)
-
-    def decode_query_lens(self, num_prefills: int) -> tuple[list[int] | None, list[int]]:
-        if not self.decode_q:
-            return super().decode_query_lens(num_prefills)
-        lens = self.cached_q_lens + self.decode_q
-        return lens, [0] * num_prefills + [k - q for k, q in zip(self.seq_lens[num_prefills:], lens)]
-
-    def add_decodes(self, metas: list[SequenceGroupMetadata], ahead: Collection[int] = ()) -> None:
-        """One token per decoding sequence. Every step runs this for every
-        decoding row, so the lists are bound once here rather than looked up per row.
-        ``ahead``: sequences whose token of the step running now is not appended
-        yet: one position further, their input token owed."""
-        rows, table_rows, tokens, positions = self.rows, self.table_rows, self.tokens, self.positions
-        seq_lens, tables, enc_lens, cross_tables = self.seq_lens, self.tables, self.enc_lens, self.cross_tables
-        for m in metas:
-            enc_len = len(m.encoder_seq_data.prompt_token_ids)
-            for sid, sd in m.seq_data.items():
-                n = sd.get_len()
-                if ahead and sid in ahead:
-                    n += 1
-                    self.owed.append((len(tokens), sd))
-                rows.append(SampledRow(sid, len(tokens), m))
-                table_rows.append(len(tables))
-                tokens.append(sd.get_last_token_id())
-                positions.append(n - 1)
-                seq_lens.append(n)
-                tables.append(m.block_tables[sid])
-                enc_lens.append(enc_len)
-                cross_tables.append(m.cross_block_table)
 
 
 def _i32(values: list[int], device: torch.device) -> torch.Tensor:
@@ -130,24 +91,30 @@ class EncoderDecoderModelRunner:
     # -- inputs --------------------------------------------------------------
     def prepare(self, metas: list[SequenceGroupMetadata], moved: bool = True,
                 ahead: Collection[int] = (), same_rows: bool = False,
-                drafts: dict[int, list[int]] | None = None) -> ModelInput:
+                drafts: dict[int, list[int]] | None = None, admitted: bool = False) -> ModelInput:
         """Pack the step's prefills and decodes (see the module docstring).
         ``moved``: whether this step copied or swapped blocks (tables changed in
-        place); ``ahead``: see ``_DecoderRows.add_decodes``; ``same_rows``: the
+        place); ``ahead``: see ``DecoderRows.add_decodes``; ``same_rows``: the
         scheduler's word that the step's rows are the last step's, one token
-        further (``SteadyDecode``); ``drafts``: decoding sequences' draft tokens."""
+        further (``SteadyDecode``); ``drafts``: decoding sequences' draft tokens;
+        ``admitted``: the metas' prefills packed as decode rows (``admits_as_decodes``)."""
         dev = self.device
         steady = self._steady.advance(metas, dev, self._self_tables) if same_rows and not (moved or ahead) else None
         if steady is not None:
             return ModelInput(**steady, encoder_inputs={}, owed=[])
-        prompts, prefills = split_prompts(metas)
-        dec = _DecoderRows()
+        prompts, prefills = ([], []) if admitted else split_prompts(metas)
+        dec = DecoderRows()
         for m in prefills:
             dec.add_prefill(m)
         num_prefill_tokens = len(dec.tokens)
         for m in prompts[len(prefills):]:
             dec.add_cached_prefill(m)
-        if drafts:
+        for m in metas if admitted else ():
+            if m.is_prompt:
+                dec.add_admitted(m)
+        if admitted:  # every decode sequence's rows counted in decode_q, as with drafts
+            add_draft_decodes(dec, [m for m in metas if not m.is_prompt], drafts or {}, ahead)
+        elif drafts:
             add_draft_decodes(dec, metas[len(prompts):], drafts, ahead)
         else:
             dec.add_decodes(metas[len(prompts):], ahead)
@@ -265,9 +232,11 @@ class EncoderDecoderModelRunner:
         drafts = (self.drafter.propose(metas, sched.spec_rows, self.input_batch, self._draft_rows_max)
                   if self.drafter else None)
         if self._splits(metas, n, drafts):
+            admit = not ahead and self._admits(metas, n, drafts)  # the prefills' rows ride the C call too
             return StepPlan(metas, sched, [self.prepare(metas[:n], ahead=ahead),
-                                           self.prepare(metas[n:], True, ahead, False, drafts)],
-                            None, False, self.drafter is not None)
+                                           self.prepare(metas if admit else metas[n:], True, ahead, False, drafts,
+                                                        admit)],
+                            None, False, self.drafter is not None, admit)
         if drafts:  # several query rows per sequence: eager (graphs hold one row each)
             inp = self.prepare(metas, True, ahead, False, drafts)
             small = self.device.type == "cpu" and n == 0 and len(inp.input_ids) <= SMALL_STEP_ROWS
@@ -288,6 +257,11 @@ class EncoderDecoderModelRunner:
 
     def _splits(self, metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> bool:
         return splits_admission(self.device, self.model, metas, n, drafts, decoder_step_cpu.MAX_ROWS)
+
+    def _admits(self, metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> bool:
+        rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
+        return (not (self.drafter and self.drafter.mirrors_prefills)
+                and admits_as_decodes(self.model, metas, n, rows, decoder_step_cpu.MAX_ROWS))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:
@@ -314,7 +288,7 @@ class EncoderDecoderModelRunner:
         # (a memory-bound read of the whole head: an extra row costs next to nothing).
         asked = asked_prompt_positions(metas)
         # drafts ride the last part (the decode rows), after the prefills' rows
-        offset = len(plan.parts[0].input_ids) if len(plan.parts) == 2 else 0
+        offset = plan.decode_offset
         drafts = plan.parts[-1].drafts
         if offset and drafts:
             drafts = [(sid, first + offset, d) for sid, first, d in drafts]
@@ -377,6 +351,10 @@ class EncoderDecoderModelRunner:
         graphs, bucket = self.graphs, plan.bucket
         if len(plan.parts) == 2:
             pre, dec = plan.parts
+            if plan.admitted:  # cross K/V first: the C call's prefill rows read it
+                with single_thread(self.device.type == "cpu" and one_thread_prefills(pre, self._d_model)):
+                    self.model.write_cross_kv(self.cache.gpu_cache, pre.attn_metadata, **pre.encoder_inputs)
+                return dec.sampled_rows, self._eager(dec)
             offset = len(pre.input_ids)
             rows = pre.sampled_rows + [r._replace(hidden_index=r.hidden_index + offset) for r in dec.sampled_rows]
             tail = (self._eager(dec) if bucket is None

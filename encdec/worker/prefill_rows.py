@@ -15,6 +15,7 @@ the first one does, and an encoder pass cannot be split by tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 from encdec.sequence import SequenceGroupMetadata
@@ -50,8 +51,7 @@ class EncoderRows:
 
 class PrefillRows:
     """The decoder rows of a step (lists, one entry per token or per sequence)
-    and the prefills' part of packing them; the runner's ``_DecoderRows`` adds
-    the decodes."""
+    and the prefills' part of packing them; ``DecoderRows`` adds the decodes."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -121,3 +121,58 @@ class PrefillRows:
         query_lens = cached + [1] * (num_decodes - len(cached)) if cached else None
         lens = query_lens or [1] * num_decodes
         return query_lens, [0] * num_prefills + [k - q for k, q in zip(self.seq_lens[num_prefills:], lens)]
+
+
+class DecoderRows(PrefillRows):
+    """The decoder side of a step, packed token by token: prefills whole (or
+    past their cached tokens), then one token per decoding sequence (and its
+    drafts: ``draft_rows.add_draft_decodes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_q: list[int] = []  # per decode sequence its query rows, where some carry drafts
+        self.drafts: list[tuple[int, int, list[int]]] = []  # (seq_id, first draft row, drafts)
+
+    def decode_query_lens(self, num_prefills: int) -> tuple[list[int] | None, list[int]]:
+        if not self.decode_q:
+            return super().decode_query_lens(num_prefills)
+        lens = self.cached_q_lens + self.decode_q
+        return lens, [0] * num_prefills + [k - q for k, q in zip(self.seq_lens[num_prefills:], lens)]
+
+    def add_admitted(self, m: SequenceGroupMetadata) -> None:
+        """A prefill packed as a decode sequence's query rows from position 0
+        (``step_plan.admits_as_decodes``): its whole decoder prompt, causal among
+        themselves (``decode_q``), sampled at its last token. Its rows sit where
+        a prefill's would (packed first, whole), so prompt positions asked of
+        it read the same hidden rows."""
+        sid, sd = next(iter(m.seq_data.items()))
+        ids = sd.get_token_ids()
+        self.table_rows += [len(self.tables)] * len(ids)
+        self.tokens += ids
+        self.positions += range(len(ids))
+        self.decode_q.append(len(ids))
+        self._add_table(m, sid, len(ids))
+        self._add_rows(m)
+
+    def add_decodes(self, metas: list[SequenceGroupMetadata], ahead: Collection[int] = ()) -> None:
+        """One token per decoding sequence. Every step runs this for every
+        decoding row, so the lists are bound once here rather than looked up per row.
+        ``ahead``: sequences whose token of the step running now is not appended
+        yet: one position further, their input token owed."""
+        rows, table_rows, tokens, positions = self.rows, self.table_rows, self.tokens, self.positions
+        seq_lens, tables, enc_lens, cross_tables = self.seq_lens, self.tables, self.enc_lens, self.cross_tables
+        for m in metas:
+            enc_len = len(m.encoder_seq_data.prompt_token_ids)
+            for sid, sd in m.seq_data.items():
+                n = sd.get_len()
+                if ahead and sid in ahead:
+                    n += 1
+                    self.owed.append((len(tokens), sd))
+                rows.append(SampledRow(sid, len(tokens), m))
+                table_rows.append(len(tables))
+                tokens.append(sd.get_last_token_id())
+                positions.append(n - 1)
+                seq_lens.append(n)
+                tables.append(m.block_tables[sid])
+                enc_lens.append(enc_len)
+                cross_tables.append(m.cross_block_table)

@@ -6,7 +6,7 @@ step before (``SchedulerOutputs.same_rows``: nothing joined, left, was
 preempted or moved). Each row is then one token further: its position and
 length grow by one, its input is the token just appended, and its block
 tables are the same lists, a few of them a block longer. Packing such a step
-row by row (``_DecoderRows.add_decodes``: ~0.6 us a row) and building its
+row by row (``DecoderRows.add_decodes``: ~0.6 us a row) and building its
 tensors from Python lists was a fifth of a small model's step at 256 rows;
 here it is a handful of tensor ops and one pass over the rows for their
 tokens (vLLM V1's persistent batch does the same with its ``InputBatch``).

@@ -48,6 +48,14 @@ class StepPlan:
     bucket: int | None  # the CUDA graph the (last) part replays; None: eager
     small: bool  # a small CPU decode step: one thread
     blocks_moved: bool = False  # the step's swaps and copies done while planning (a draft model reads the cache)
+    # parts[0] only runs its prefills' encoder and writes their cross K/V; parts[1] holds every row,
+    # those prefills as decode rows (admits_as_decodes)
+    admitted: bool = False
+
+    @property
+    def decode_offset(self) -> int:
+        """Where the last part's rows start in the step's hidden states."""
+        return len(self.parts[0].input_ids) if len(self.parts) == 2 and not self.admitted else 0
 
 
 # A split step's prefills run on one thread where their tokens x d_model^2 is at most
@@ -83,3 +91,31 @@ def one_thread_prefills(inp: ModelInput, d_model: int | None) -> bool:
     md = inp.attn_metadata
     return bool(d_model) and (md.num_encoder_tokens + md.num_prefill_tokens) * d_model ** 2 <= ONE_THREAD_PREFILL_WORK
 
+
+# The longest decoder prompt a prefill may have to ride the fused decode step's C
+# call (admits_as_decodes): BART's (decoder start, bos), T5's and Marian's (one
+# token), Whisper's task prompt (3-4 tokens). A longer one (Whisper's previous text,
+# up to 224 tokens) is a prefill the C call's few-row loops were not made for.
+ADMIT_MAX_PROMPT = 8
+
+
+def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int, rows: int, max_rows: int) -> bool:
+    """Whether a split step's prefills (its first ``n`` metas) join its decode
+    rows in the one C call (``rows`` query rows before them, at most
+    ``max_rows`` in all): each is one sequence with a short decoder prompt
+    (``ADMIT_MAX_PROMPT``), whose pass through the decoder is then a decode
+    sequence's query rows from position 0, causal among themselves, once its
+    cross K/V is in the cache (``write_cross_kv``). Run op by op, the prefills
+    read every decoder weight a second time in the step. A prefill asking for
+    its prompt's log-probs, past cached tokens or in chunks runs op by op."""
+    if not hasattr(model, "write_cross_kv"):
+        return False
+    for m in metas[:n]:
+        if len(m.seq_data) != 1 or not m.do_sample or m.sampling_params.prompt_logprobs is not None:
+            return False
+        sd = next(iter(m.seq_data.values()))
+        p = sd.get_len()
+        if p > ADMIT_MAX_PROMPT or m.token_chunk_size != p or sd.get_num_computed_tokens():
+            return False
+        rows += p
+    return rows <= max_rows

@@ -88,3 +88,72 @@ def test_drafts_ride_the_decode_part(tiny_bart, split_steps, spec):
     stats = spec_llm.llm_engine.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert _free(spec_llm)
+
+
+@pytest.fixture
+def admitted_steps(monkeypatch):
+    """Per step whose prefills rode the C call: op-by-op decoder layer passes in it
+    (must be none) and whether the C call ran."""
+    from encdec.models.bart import BartDecoderLayer
+
+    seen = {"admitted": 0, "layers_in_admitted": 0, "fused_in_admitted": 0, "layers": 0}
+    real_layer, real_forward, real_step = BartDecoderLayer.forward, EncoderDecoderModelRunner._forward, \
+        decoder_step_cpu.decode_step
+
+    def layer(self, *a, **k):
+        seen["layers"] += 1
+        return real_layer(self, *a, **k)
+
+    def forward(self, plan):
+        before, fused = seen["layers"], seen["fused_in_admitted"]
+        out = real_forward(self, plan)
+        if plan.admitted:
+            seen["admitted"] += 1
+            seen["layers_in_admitted"] += seen["layers"] - before
+            assert seen["fused_in_admitted"] == fused + 1, "an admitted step's rows did not run as one C call"
+        return out
+
+    def step(*a, **k):
+        out = real_step(*a, **k)
+        seen["fused_in_admitted"] += out is not None
+        return out
+
+    monkeypatch.setattr(BartDecoderLayer, "forward", layer)
+    monkeypatch.setattr(EncoderDecoderModelRunner, "_forward", forward)
+    monkeypatch.setattr(decoder_step_cpu, "decode_step", step)
+    return seen
+
+
+def test_one_token_prefills_ride_the_c_call(tiny_bart, hf_bart, admitted_steps):
+    """Prompts whose decoder prompt is the decoder start alone (and multi-token ones
+    mixed in, which run op by op): the admitted steps run no decoder layer op by
+    op, outputs stay HF's, every block comes back."""
+    llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
+    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=14, seed=7)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens],
+                        use_tqdm=False)
+    for out, m in zip(outs, max_tokens):
+        ref = hf_greedy(hf_bart, out.encoder_prompt_token_ids, out.prompt_token_ids, m)
+        assert out.outputs[0].token_ids == ref, f"request {out.request_id}"
+    assert admitted_steps["admitted"] >= 3, "no step admitted its prefills as decode rows: the test proves nothing"
+    assert admitted_steps["layers_in_admitted"] == 0
+    assert _free(llm)
+
+
+def test_prompt_logprobs_keep_a_prefill_op_by_op(tiny_bart, admitted_steps):
+    """A prefill asking for its prompt's log-probs needs its rows' hidden states:
+    its step runs its prefills op by op, and its answer equals a lone run's."""
+    from encdec import TokensPrompt
+
+    llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=2)
+    prompts = [TokensPrompt(prompt_token_ids=[5 + i, 9, 11 + i, 7]) for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, prompt_logprobs=1 if i == 3 else None)
+              for i in range(5)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    alone = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05).generate(prompts[3], params[3],
+                                                                                use_tqdm=False)[0]
+    assert outs[3].prompt_logprobs is not None and outs[3].prompt_logprobs == alone.prompt_logprobs
+    assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert admitted_steps["admitted"] >= 1 and admitted_steps["layers_in_admitted"] == 0
+    assert admitted_steps["layers"] > 0  # the prompt_logprobs prefill's step ran op by op
+    assert _free(llm)
