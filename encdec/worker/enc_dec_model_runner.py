@@ -61,6 +61,28 @@ def _prefix_sum(lens: list[int]) -> list[int]:
     return out
 
 
+def _decoder_rows(metas: list[SequenceGroupMetadata], prompts: list[SequenceGroupMetadata],
+                  prefills: list[SequenceGroupMetadata], drafts: dict[int, list[int]] | None,
+                  ahead: Collection[int], admitted: bool) -> tuple[DecoderRows, int]:
+    """The step's decoder rows (``prepare``) and how many tokens its prefills from token 0 take."""
+    dec = DecoderRows()
+    for m in prefills:
+        dec.add_prefill(m)
+    num_prefill_tokens = len(dec.tokens)
+    for m in prompts[len(prefills):]:
+        dec.add_cached_prefill(m)
+    for m in metas if admitted else ():
+        if m.is_prompt:
+            dec.add_admitted(m)
+    if admitted:  # every decode sequence's rows counted in decode_q, as with drafts
+        add_draft_decodes(dec, [m for m in metas if not m.is_prompt], drafts or {}, ahead)
+    elif drafts:
+        add_draft_decodes(dec, metas[len(prompts):], drafts, ahead)
+    else:
+        dec.add_decodes(metas[len(prompts):], ahead)
+    return dec, num_prefill_tokens
+
+
 class EncoderDecoderModelRunner:
     def __init__(self, model: torch.nn.Module, backend: type[AttentionBackend], cache: CacheEngine,
                  input_batch: InputBatch, device: torch.device, *,
@@ -103,21 +125,7 @@ class EncoderDecoderModelRunner:
         if steady is not None:
             return ModelInput(**steady, encoder_inputs={}, owed=[])
         prompts, prefills = ([], []) if admitted else split_prompts(metas)
-        dec = DecoderRows()
-        for m in prefills:
-            dec.add_prefill(m)
-        num_prefill_tokens = len(dec.tokens)
-        for m in prompts[len(prefills):]:
-            dec.add_cached_prefill(m)
-        for m in metas if admitted else ():
-            if m.is_prompt:
-                dec.add_admitted(m)
-        if admitted:  # every decode sequence's rows counted in decode_q, as with drafts
-            add_draft_decodes(dec, [m for m in metas if not m.is_prompt], drafts or {}, ahead)
-        elif drafts:
-            add_draft_decodes(dec, metas[len(prompts):], drafts, ahead)
-        else:
-            dec.add_decodes(metas[len(prompts):], ahead)
+        dec, num_prefill_tokens = _decoder_rows(metas, prompts, prefills, drafts, ahead, admitted)
         enc = EncoderRows(prefills)
         q_start = _prefix_sum(dec.q_lens)
         e_start = _prefix_sum(enc.computed)
