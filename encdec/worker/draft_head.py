@@ -60,6 +60,21 @@ def _gathered(head: Linear, ids: torch.Tensor, bias: torch.Tensor | None) -> Lin
     return sub
 
 
+# Runs of consecutive kept ids copied as slices into full-width logits (Whisper's: two).
+MAX_RUNS = 16
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``ids`` (ascending) as runs of consecutive ids: (first id, past the last, index of the first in ``ids``)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, i in enumerate(ids):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, j))
+    return runs
+
+
 def row_argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima, a NaN first, as torch's).
     On CPU numpy's: vectorised, ~4 us over Whisper's 51 864 logits against
@@ -78,6 +93,7 @@ class DraftHead(nn.Module):
         self.full_size = head.out_features
         self.vocab_size = len(ids)  # quantization.place_decode_panels: the LM head is the Linear this wide
         self.id_list = list(ids)
+        self.runs = _runs(self.id_list)
         self.register_buffer("ids", torch.tensor(ids, dtype=torch.long, device=head.weight.device))
         self.head = _gathered(head, self.ids, bias)
         quantization.place_decode_panels(self)  # int8: its panels on huge pages, as the full head's
@@ -96,7 +112,11 @@ class DraftHead(nn.Module):
         if apply_static is None:
             return [self.id_list[i] for i in row_argmax(sub)]
         full = torch.full((sub.shape[0], self.full_size), float("-inf"), device=sub.device)
-        full.index_copy_(1, self.ids, sub)
+        if len(self.runs) <= MAX_RUNS:  # a slice copy a run: index_copy_ took ~75 us over 34 376 ids
+            for start, stop, src in self.runs:
+                full[:, start:stop] = sub[:, src:src + stop - start]
+        else:
+            full.index_copy_(1, self.ids, sub)
         return row_argmax(apply_static(full))
 
     @torch.inference_mode()

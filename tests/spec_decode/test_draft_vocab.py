@@ -73,14 +73,17 @@ def family(request, tmp_path_factory):
     return path, prompts, params, _tokens(base.generate(prompts, params, use_tqdm=False), params)
 
 
+@pytest.mark.parametrize("kept", ["lowest", "scattered"])
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_the_reduced_head_s_argmax_is_the_full_head_s_over_the_subset(family, quantization):
+def test_the_reduced_head_s_argmax_is_the_full_head_s_over_the_subset(family, quantization, kept):
     """T5's input rescale, BART's and mBART's ``final_logits_bias``, tied and
     untied heads; float32 and int8 rows; a static ban (``apply_static``) on
-    full-width logits."""
+    full-width logits, the kept ids copied there as a few runs (the lowest ids
+    and the last) or scattered (every third id: one index copy)."""
     path = family[0]
     model = LLM(path, kv_cache_memory=16 << 20, quantization=quantization).llm_engine.worker.model
-    ids = draft_vocab_ids(300, model.vocab_size, {0, 1, 2, model.vocab_size - 1})
+    ids = (draft_vocab_ids(300, model.vocab_size, {0, 1, 2, model.vocab_size - 1}) if kept == "lowest"
+           else list(range(0, model.vocab_size, 3)))
     head = DraftHead(model, ids)
     hidden = torch.randn(7, head.head.in_features, generator=torch.Generator().manual_seed(3))
     idx = torch.tensor(ids)
