@@ -344,6 +344,12 @@ class FusedDecodeStep:
             return self.encode(encoder_input_ids, encoder_positions, md)
         return encoder_hidden
 
+    def admits_prompt(self, token_ids: list[int]) -> bool:
+        """Whether a prefill of this decoder prompt may run as decode rows from
+        position 0 (``write_cross_kv``): its tokens' positions are those decode
+        rows get (not so where they count tokens: M2M100's)."""
+        return True
+
     def write_cross_kv(self, kv_caches: list[torch.Tensor], md: AttentionMetadata, **encoder_inputs: Any) -> None:
         """The encoder pass of prefills that then run as rows of the fused decode
         step (``step_plan.admits_as_decodes``), and every layer's cross K/V written

@@ -48,6 +48,10 @@ class M2M100ForConditionalGeneration(BartForConditionalGeneration):
         table[self.config.pad_token_id, :] = 0
         return table
 
+    def admits_prompt(self, token_ids: list[int]) -> bool:
+        # A <pad> in the prompt shifts the prefill positions after it (position_rows).
+        return self.config.pad_token_id not in token_ids
+
     def position_rows(self, ids: torch.Tensor, positions: torch.Tensor, num_prefill_tokens: int) -> torch.Tensor:
         pad = self.config.pad_token_id
         real = ids != pad

@@ -107,7 +107,8 @@ def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int, ro
     sequence's query rows from position 0, causal among themselves, once its
     cross K/V is in the cache (``write_cross_kv``). Run op by op, the prefills
     read every decoder weight a second time in the step. A prefill asking for
-    its prompt's log-probs, past cached tokens or in chunks runs op by op."""
+    its prompt's log-probs, past cached tokens or in chunks, or whose positions
+    count its tokens (``admits_prompt``) runs op by op."""
     if not hasattr(model, "write_cross_kv"):
         return False
     for m in metas[:n]:
@@ -115,7 +116,8 @@ def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int, ro
             return False
         sd = next(iter(m.seq_data.values()))
         p = sd.get_len()
-        if p > ADMIT_MAX_PROMPT or m.token_chunk_size != p or sd.get_num_computed_tokens():
+        if (p > ADMIT_MAX_PROMPT or m.token_chunk_size != p or sd.get_num_computed_tokens()
+                or not model.admits_prompt(sd.get_token_ids())):
             return False
         rows += p
     return rows <= max_rows

@@ -157,3 +157,36 @@ def test_prompt_logprobs_keep_a_prefill_op_by_op(tiny_bart, admitted_steps):
     assert admitted_steps["admitted"] >= 1 and admitted_steps["layers_in_admitted"] == 0
     assert admitted_steps["layers"] > 0  # the prompt_logprobs prefill's step ran op by op
     assert _free(llm)
+
+
+def _t5_workload(llm: LLM, n: int) -> tuple[list, list]:
+    from tests.models.seq2seq_parity import mixed_prompts as family_prompts
+
+    tok = llm.get_tokenizer()
+    prompts = family_prompts(tok, seed=0, token_range=(3, len(tok)), decoder_prompts=[[0], [0, 300, 41], [17, 230]],
+                             n=n)
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 5)) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", ["m2m100", "nllb", "mbart-50", "t5"])
+def test_admitted_prefills_equal_op_by_op_per_family(family, tmp_path, monkeypatch, admitted_steps):
+    """Every family whose decode steps run the C call (Marian's activation does
+    not), on its parity prompts (explicit decoder prompts, M2M100's with a
+    <pad> inside, which runs op by op; beams and n=2 sampling mixed in) under
+    continuous admission: the same tokens as with every prefill op by op (which
+    the parity tests hold to HF)."""
+    from encdec import testing
+    from encdec.worker import enc_dec_model_runner
+    from tests.core.test_budgets_families import _build, family_workload
+
+    t5 = family == "t5"
+    path = (testing.make_random_t5(str(tmp_path), style="t5", seed=0, d_kv=16, init_factor=1.5)
+            if t5 else _build(family, str(tmp_path)))
+    llm = LLM(path, device="cpu", kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
+    prompts, params = _t5_workload(llm, 20) if t5 else family_workload(llm, family, n=30)
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert admitted_steps["admitted"] >= 1, "no step admitted its prefills as decode rows: the test proves nothing"
+    monkeypatch.setattr(enc_dec_model_runner, "admits_as_decodes", lambda *a: False)
+    want = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert _free(llm)
