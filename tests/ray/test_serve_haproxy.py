@@ -108,32 +108,52 @@ async def _one(client, base: str, i: int, stream: bool, seen: dict) -> tuple:
         return seen.get(i), None, type(e).__name__
 
 
-@pytest.mark.slow  # timing-bound fault injection: streams must be running on both replicas at the kill
-def test_killed_replica_behind_haproxy(bart_app):
-    """8 long requests, streamed and not, over both replicas; the replica of the
-    first stream is killed once streams have started on both. Its started streams
-    end cut short (an incomplete body: no error event, no Python in between), its
-    unanswered requests are sent to the other replica, or get HAProxy's 500, or
-    (a request HAProxy had sent on a kept-alive connection to it) a connection
-    closed without an answer, which clients retry; the other replica's streams
-    complete; Serve restarts it and the next requests succeed."""
-    actors = _replica_actors()
-    seen: dict[int, str] = {}
+MORE_STREAMS = 8  # the most streams opened after the first 8, one at a time, to reach the second replica
 
-    async def main() -> tuple[str, list]:
+
+async def _streams_on_both(client, base: str, tasks: dict, streamed: set, seen: dict) -> None:
+    """Until streams have started on both replicas. HAProxy balances by least
+    connections, so 8 requests sent at once alternate between the replicas in the
+    order they arrive, and when that order is 0, 1, 2, ... every stream (the even
+    ones) lands on one replica. While every started stream is on one replica,
+    another stream is opened once those have started (leastconn sends it to the
+    replica with fewer), up to ``MORE_STREAMS``; bounded in time too."""
+    end = time.monotonic() + STEP_SECONDS
+    while len(set(seen.values())) < 2:
+        assert time.monotonic() < end and not all(t.done() for t in tasks.values()), \
+            f"streams did not start on both replicas: {seen}"
+        if streamed <= set(seen) and len(streamed) < 4 + MORE_STREAMS:
+            i = len(tasks)
+            streamed.add(i)
+            tasks[i] = asyncio.ensure_future(_one(client, base, i, True, seen))
+        await asyncio.sleep(0.02)
+
+
+def test_killed_replica_behind_haproxy(bart_app):
+    """8 long requests, streamed and not, over both replicas (more streams, one at a
+    time, until streams run on both); the replica of the first stream is killed
+    once streams have started on both. Its started streams end cut short (an
+    incomplete body: no error event, no Python in between), its unanswered
+    requests are sent to the other replica, or get HAProxy's 500, or (a request
+    HAProxy had sent on a kept-alive connection to it) a connection closed without
+    an answer, which clients retry; the other replica's streams complete; Serve
+    restarts it and the next requests succeed."""
+    actors = _replica_actors()
+    seen: dict[int, str] = {}  # stream -> the replica that answered its headers
+    streamed = set(range(0, 8, 2))
+
+    async def main() -> tuple[str, dict]:
         async with httpx.AsyncClient(timeout=STEP_SECONDS) as client:
-            tasks = [asyncio.ensure_future(_one(client, bart_app, i, i % 2 == 0, seen)) for i in range(8)]
-            end = time.monotonic() + STEP_SECONDS
-            while len(set(seen.values())) < 2 and time.monotonic() < end and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.02)
-            assert len(set(seen.values())) == 2, f"streams did not start on both replicas: {seen}"
+            tasks = {i: asyncio.ensure_future(_one(client, bart_app, i, i in streamed, seen)) for i in range(8)}
+            await _streams_on_both(client, bart_app, tasks, streamed, seen)
             victim = seen[min(seen)]
             await asyncio.to_thread(ray.kill, actors[victim], no_restart=True)
-            return victim, await asyncio.gather(*tasks)
+            return victim, dict(zip(tasks, await asyncio.gather(*tasks.values())))
 
     with deadline(STEP_SECONDS, "requests with a replica killed"):
         victim, results = asyncio.run(main())
-    streams, plain = results[0::2], results[1::2]
+    streams = [r for i, r in results.items() if i in streamed]
+    plain = [r for i, r in results.items() if i not in streamed]
     assert any(r[2] == "RemoteProtocolError" for r in streams), f"no stream of {victim} was cut: {results}"
     for replica, status, outcome in streams:
         if replica == victim:  # cut short, or ended before the kill
