@@ -178,7 +178,7 @@ def test_disaggregated_behind_haproxy_equals_offline(cluster, tiny_bart):
 
     _deploy_split(cluster, tiny_bart, "tiny-bart-split", BART_KW, 1, 1)
     _wait_routed(cluster, 1, "tiny-bart-split")
-    _check_completions(cluster, tiny_bart, "tiny-bart-split", 8)
+    assert len(_check_completions(cluster, tiny_bart, "tiny-bart-split", 8)) == 8  # and each equal offline
 
 
 from tests.ray.test_serve import (  # noqa: E402 - after the BART app's tests (see __all__)
