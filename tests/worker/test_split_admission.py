@@ -47,14 +47,20 @@ def _free(llm: LLM) -> bool:
     return free_gpu == llm.llm_engine.cache_config.num_gpu_blocks
 
 
-def test_continuous_admission_matches_hf(tiny_bart, hf_bart, split_steps):
+def _continuous_run_matches_hf(tiny_bart: str, hf_bart, seed: int) -> LLM:
+    """14 parity prompts, at most 3 running: every output HF's greedy one."""
     llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
-    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=14, seed=3)
+    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=14, seed=seed)
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens],
                         use_tqdm=False)
     for out, m in zip(outs, max_tokens):
         ref = hf_greedy(hf_bart, out.encoder_prompt_token_ids, out.prompt_token_ids, m)
         assert out.outputs[0].token_ids == ref, f"request {out.request_id}"
+    return llm
+
+
+def test_continuous_admission_matches_hf(tiny_bart, hf_bart, split_steps):
+    llm = _continuous_run_matches_hf(tiny_bart, hf_bart, seed=3)
     assert split_steps["split"] >= 5 and split_steps["fused_in_split"] == split_steps["split"]
     assert _free(llm)
 
@@ -124,17 +130,11 @@ def admitted_steps(monkeypatch):
     return seen
 
 
-def test_one_token_prefills_ride_the_c_call(tiny_bart, hf_bart, admitted_steps):
-    """Prompts whose decoder prompt is the decoder start alone (and multi-token ones
-    mixed in, which run op by op): the admitted steps run no decoder layer op by
-    op, outputs stay HF's, every block comes back."""
-    llm = LLM(tiny_bart, kv_cache_memory=64 << 20, swap_space=0.05, max_num_seqs=3)
-    prompts, max_tokens = mixed_prompts(llm.get_tokenizer(), n=14, seed=7)
-    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens],
-                        use_tqdm=False)
-    for out, m in zip(outs, max_tokens):
-        ref = hf_greedy(hf_bart, out.encoder_prompt_token_ids, out.prompt_token_ids, m)
-        assert out.outputs[0].token_ids == ref, f"request {out.request_id}"
+def test_short_prompts_ride_the_c_call(tiny_bart, hf_bart, admitted_steps):
+    """BART's default decoder prompt (decoder start, bos) and short explicit ones
+    (longer ones mixed in, which keep their step op by op): the admitted steps
+    run no decoder layer op by op, outputs stay HF's, every block comes back."""
+    llm = _continuous_run_matches_hf(tiny_bart, hf_bart, seed=7)
     assert admitted_steps["admitted"] >= 3, "no step admitted its prefills as decode rows: the test proves nothing"
     assert admitted_steps["layers_in_admitted"] == 0
     assert _free(llm)
