@@ -111,3 +111,15 @@ def test_different_outputs_stop_the_benchmark(tiny_copy_model, monkeypatch):
     work = spec_bench.copy_workload(tiny_copy_model, docs=2, concurrency=2)
     with pytest.raises(SystemExit, match="outputs with ngram k=2 differ"):
         spec_bench.compare(tiny_copy_model, work, spec_bench.sides_for([2], 3, 1, no_spec=False), 1, 1)
+
+
+def test_the_admission_bench_times_both_sides_and_restores_the_rule(tiny_copy_model, capsys):
+    from benchmarks import admission_bench
+    from encdec.worker import enc_dec_model_runner
+
+    rule = enc_dec_model_runner.admits_as_decodes
+    results = admission_bench.main(["--model-dir", tiny_copy_model, "--in-flight", "2", "--docs", "6",
+                                    "--repeats", "1", "--threads", "1"])
+    assert set(results[2]) == {"op by op", "admitted"} and all(s > 0 for s in results[2].values())
+    assert "outputs identical" in capsys.readouterr().out
+    assert enc_dec_model_runner.admits_as_decodes is rule
