@@ -267,9 +267,8 @@ class EncoderDecoderModelRunner:
         return splits_admission(self.device, self.model, metas, n, drafts, decoder_step_cpu.MAX_ROWS)
 
     def _admits(self, metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> bool:
-        rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
         return (not (self.drafter and self.drafter.mirrors_prefills)
-                and admits_as_decodes(self.model, metas, n, rows, decoder_step_cpu.MAX_ROWS))
+                and admits_as_decodes(self.model, metas, n, drafts, decoder_step_cpu.MAX_ROWS))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> AsyncModelRunnerOutput:

@@ -81,8 +81,12 @@ def splits_admission(device: torch.device, model: Any, metas: list[SequenceGroup
     fuses = getattr(model, "fuses_decode_steps", None)
     if fuses is None or not fuses():
         return False
-    rows = sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
-    return rows <= max_rows
+    return _decode_rows(metas, n, drafts) <= max_rows
+
+
+def _decode_rows(metas: list[SequenceGroupMetadata], n: int, drafts: dict[int, list[int]] | None) -> int:
+    """Query rows of a step's decoding sequences (its metas past the first ``n``) and their drafts."""
+    return sum(len(m.seq_data) for m in metas[n:]) + sum(map(len, (drafts or {}).values()))
 
 
 def one_thread_prefills(inp: ModelInput, d_model: int | None) -> bool:
@@ -99,10 +103,10 @@ def one_thread_prefills(inp: ModelInput, d_model: int | None) -> bool:
 ADMIT_MAX_PROMPT = 8
 
 
-def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int, rows: int, max_rows: int) -> bool:
+def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int,
+                      drafts: dict[int, list[int]] | None, max_rows: int) -> bool:
     """Whether a split step's prefills (its first ``n`` metas) join its decode
-    rows in the one C call (``rows`` query rows before them, at most
-    ``max_rows`` in all): each is one sequence with a short decoder prompt
+    rows and ``drafts`` in the one C call (at most ``max_rows`` in all): each is one sequence with a short decoder prompt
     (``ADMIT_MAX_PROMPT``), whose pass through the decoder is then a decode
     sequence's query rows from position 0, causal among themselves, once its
     cross K/V is in the cache (``write_cross_kv``). Run op by op, the prefills
@@ -111,6 +115,7 @@ def admits_as_decodes(model: Any, metas: list[SequenceGroupMetadata], n: int, ro
     count its tokens (``admits_prompt``) runs op by op."""
     if not hasattr(model, "write_cross_kv"):
         return False
+    rows = _decode_rows(metas, n, drafts)
     for m in metas[:n]:
         if len(m.seq_data) != 1 or not m.do_sample or m.sampling_params.prompt_logprobs is not None:
             return False
