@@ -127,26 +127,47 @@ class AsyncLLMEngine:
     async def add_requests(self, requests: list[AsyncRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Validate and queue all requests, or none: the first bad one raises its
         ``ValueError``/``TypeError`` here, before anything is queued."""
+        return (await self._submit(requests))[0]
+
+    async def _submit(self, requests: list[AsyncRequest]) -> tuple[list[AsyncIterator[RequestOutput]], list[tuple]]:
+        """``add_requests``, also returning what ``_defer`` held back on the engine
+        thread: (index, inputs, params, its answer) per request registered (its
+        iterator is returned) but not queued; the caller queues them (``_queue``)."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
         queues = [asyncio.Queue() for _ in requests]
         for r in requests:
             if r.request_id in self._streams:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
         await self._compile_grammars(requests)
-        # Registered before the engine sees them: outputs may come before ``done`` resolves.
+        # Registered before the engine sees them: outputs may come before the add is done.
         self._streams.update((r.request_id, q) for r, q in zip(requests, queues))
-        self._commands.put(("add", requests, done))
         try:
-            await done
+            deferred = await self._queue(requests)
         except BaseException:
             for r in requests:
                 self._streams.pop(r.request_id, None)
+            raise
+        return [self._iterate(r.request_id, q) for r, q in zip(requests, queues)], deferred
+
+    async def _queue(self, requests: list[AsyncRequest]) -> list[tuple]:
+        """One "add" command for those of ``requests`` whose streams are registered (one
+        aborted since is dropped); returns the deferred (``_submit``)."""
+        requests = [r for r in requests if r.request_id in self._streams]
+        if not requests:
+            return []
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("add", requests, done))
+        try:
+            return await done
+        except BaseException:
             if not done.done():  # cancelled while the engine thread adds: abort what it adds
                 self._commands.put(("abort", [r.request_id for r in requests], None))
             raise
-        return [self._iterate(r.request_id, q) for r, q in zip(requests, queues)]
+
+    def _defer(self, engine: Any, inputs: dict) -> Any:
+        """Engine thread, once all of a submission's requests are processed: a truthy
+        answer holds a request back from the queue (``_submit`` returns it). None here."""
+        return None
 
     async def _compile_grammars(self, requests: list[AsyncRequest]) -> None:
         """Structured outputs' new grammars compile here, off the engine thread
@@ -289,18 +310,21 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001 - a bad request is its caller's error, not the engine's
             self._loop.call_soon_threadsafe(_settle, done, e)
             return
-        added = []
+        added, deferred = [], []
         try:
-            for r, (inputs, params) in zip(payload, processed):
+            for i, (r, (inputs, params)) in enumerate(zip(payload, processed)):
+                if r.processed is None and (why := self._defer(engine, inputs)):
+                    deferred.append((i, inputs, params, why))
+                    continue
                 engine.add_processed_request(r.request_id, inputs, params, arrival_time=r.arrival_time,
                                              priority=r.priority, encoder_output=r.encoder_output)
-                added.append(r.request_id)
+                added.append(r)
         except (ValueError, TypeError) as e:  # e.g. a priority the scheduling policy refuses
-            engine.abort_request(added)
+            engine.abort_request([r.request_id for r in added])
             self._loop.call_soon_threadsafe(_settle, done, e)
             return
-        self._streamed.update(r.request_id for r in payload if r.stream)
-        self._loop.call_soon_threadsafe(_settle, done, None)
+        self._streamed.update(r.request_id for r in added if r.stream)
+        self._loop.call_soon_threadsafe(_settle, done, None, deferred)
 
     def _stats(self, engine: Any, finished: list[RequestOutput], prompt0: int, gen0: int,
                last_tokens: dict[str, tuple[int, float]]) -> StepStats:
@@ -358,10 +382,10 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-def _settle(done: asyncio.Future, error: BaseException | None) -> None:
+def _settle(done: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if done.done():
         return
     if error is None:
-        done.set_result(None)
+        done.set_result(result)
     else:
         done.set_exception(error)

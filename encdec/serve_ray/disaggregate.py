@@ -23,7 +23,6 @@ before the request reaches the engine, so the engine and its other requests go o
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import time
 from typing import Any
@@ -33,7 +32,6 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, EngineD
 ENCODER_TIMEOUT = 120.0  # seconds one encoder call may take, queueing and a restart included
 ENCODER_BATCH = 8  # requests an encoder worker encodes in one pass, at most
 ENCODER_BATCH_WAIT = 0.002  # seconds an encoder worker waits to fill a batch
-WAITER_THREADS = 64  # add_requests calls in flight at once (each waits on the engine thread)
 
 
 class EncoderWorkerLost(EngineDeadError):
@@ -96,33 +94,31 @@ class DecoderEngine(AsyncLLMEngine):
         super().__init__(engine, **kwargs)
         self.transfers = TransferStats()
         self._pending: dict[str, asyncio.Future] = {}  # key -> its encoder output, being fetched
-        self._waiters = concurrent.futures.ThreadPoolExecutor(WAITER_THREADS, thread_name_prefix="encdec-prepare")
 
     async def add_requests(self, requests: list[AsyncRequest]) -> list[Any]:
         """Process every request on the engine thread (a bad one raises here, none
-        queued), fetch the encoder outputs the engine's encoder cache lacks, queue all."""
+        queued) and, in the same pass, queue those whose encoder output the engine's
+        encoder cache holds; fetch the others' from encoder workers, then queue them.
+        One pass, not a call then an add: each waits for a step to end."""
         if self.encoders is None:
             return await super().add_requests(requests)
-        self._check_alive()
-        engine = self.engine
+        iterators, deferred = await self._submit(requests)
+        self.transfers.skipped += len(requests) - len(deferred)
+        if not deferred:
+            return iterators
+        try:
+            outputs = await asyncio.gather(*(self._encoder_output(inputs, key) for _, inputs, _, (key,) in deferred))
+            await self._queue([dataclasses.replace(requests[i], processed=(inputs, params), encoder_output=out)
+                               for (i, inputs, params, _), out in zip(deferred, outputs)])
+        except BaseException:
+            self._abort([r.request_id for r in requests])  # the queued ones too: all or none
+            raise
+        return iterators
 
-        def prepare(_model: Any) -> list[tuple[dict, Any, str | None, bool]]:
-            out = []
-            for r in requests:
-                inputs, params = engine.process_request(r.prompt, r.params)
-                key = engine.encoder_key(inputs)
-                out.append((inputs, params, key, engine.holds_encoder_output(key)))
-            return out
-
-        # call_model blocks a thread until a step ends; a pool of its own, so that many
-        # requests arriving at once wait for one step, not for the default pool's few threads
-        prepared = await asyncio.get_running_loop().run_in_executor(self._waiters, self.call_model, prepare)
-        outputs = await asyncio.gather(*(self._encoder_output(inputs, key) if not held else _none()
-                                         for inputs, _, key, held in prepared))
-        self.transfers.skipped += sum(held for *_, held in prepared)
-        return await super().add_requests([
-            dataclasses.replace(r, processed=(inputs, params), encoder_output=out)
-            for r, (inputs, params, _, _), out in zip(requests, prepared, outputs)])
+    def _defer(self, engine: Any, inputs: dict) -> Any:
+        """Requests whose encoder output the engine's cache lacks wait for an encoder worker's."""
+        key = engine.encoder_key(inputs)
+        return None if engine.holds_encoder_output(key) else (key,)
 
     async def _encoder_output(self, inputs: dict, key: str | None) -> Any:
         """One encoder call per key in flight; callers of the same key share it."""
@@ -179,10 +175,6 @@ class TransferCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
-
-
-async def _none() -> None:
-    return None
 
 
 def encoder_worker_class() -> type:

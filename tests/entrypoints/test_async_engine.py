@@ -174,3 +174,44 @@ def test_run_jobs_aborts_what_the_job_abandons(bart_llm):
     assert len(steps) < 60, f"{len(steps)} steps: the abandoned request ran on"
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks()[0] == engine.cache_config.num_gpu_blocks
+
+
+class _Deferring(AsyncLLMEngine):
+    """Holds back requests whose prompt starts with "later" (as a disaggregated
+    decoder engine holds back those whose encoder output must be fetched)."""
+
+    def _defer(self, engine, inputs):
+        text = engine.tokenizer.decode(inputs["encoder_prompt_token_ids"], skip_special_tokens=True)
+        return "later" if text.startswith("later") else None
+
+
+def test_deferred_requests_are_registered_then_queued_and_an_abort_between_drops_them(tiny_bart, bart_llm):
+    import dataclasses
+
+    eng = _Deferring.from_engine_args(EngineArgs(tiny_bart, kv_cache_memory=16 << 20, swap_space=0.01))
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = {"now": "The rain in Spain", "later": "later, a quick brown fox", "gone": "later still"}
+    refs = {k: list(o.outputs[0].token_ids) for k, o in zip(prompts, bart_llm.generate(list(prompts.values()), sp,
+                                                                                       use_tqdm=False))}
+
+    async def go():
+        reqs = [AsyncRequest(k, p, sp) for k, p in prompts.items()]
+        iterators, deferred = await eng._submit(reqs)
+        assert [reqs[i].request_id for i, *_ in deferred] == ["later", "gone"]
+        assert eng.engine.get_stats().num_running + eng.engine.get_stats().num_waiting <= 1  # only "now" queued
+        await eng.abort("gone")  # aborted while its encoder output would be fetched: never queued
+        assert await eng._queue([dataclasses.replace(reqs[i], processed=(inputs, params))
+                                 for i, inputs, params, _ in deferred]) == []
+        got = {}
+        for rid, it in zip(prompts, iterators):
+            if rid != "gone":
+                async for out in it:
+                    got[rid] = list(out.outputs[0].token_ids)
+        return got
+
+    try:
+        assert run(eng, go) == {"now": refs["now"], "later": refs["later"]}
+        assert eng.engine.num_free_blocks()[0] == eng.engine.cache_config.num_gpu_blocks
+        assert not eng.engine.has_unfinished_requests()
+    finally:
+        eng.shutdown(30)
