@@ -323,6 +323,7 @@ class FusedDecodeStep:
     fused_post_norm: bool = False
     _fused_weights: Any = None  # decoder_step_cpu.DecoderWeights, or None: the kernel cannot run these weights
     _fused_checked: bool = False
+    draft_embeds_by_sum: bool = False  # draft_step_parts applies (Whisper's forward)
 
     def fuses_decode_steps(self) -> bool:
         """Whether a decode-only CPU step runs as one C call (the runner splits a
@@ -334,6 +335,16 @@ class FusedDecodeStep:
                                                                    post_norm=self.fused_post_norm)
             self._fused_checked = True
         return self._fused_weights is not None
+
+    def draft_step_parts(self) -> tuple[Any, torch.Tensor, torch.Tensor, nn.LayerNorm] | None:
+        """What a draft's whole CPU step (``worker/draft_step``) runs: the fused
+        step's ``DecoderWeights``, the embeddings and the final norm, where
+        ``forward`` is h = embed_tokens[t] + embed_positions[p], the layers, then
+        ``decoder.layer_norm`` (``draft_embeds_by_sum``); else None."""
+        if not (self.draft_embeds_by_sum and self.fuses_decode_steps()):
+            return None
+        d = self.decoder
+        return self._fused_weights, d.embed_tokens.weight, d.embed_positions.weight, d.layer_norm
 
     def encoder_output(self, md: AttentionMetadata, encoder_input_ids: torch.Tensor | None = None,
                        encoder_positions: torch.Tensor | None = None,

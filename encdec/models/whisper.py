@@ -153,6 +153,7 @@ class WhisperForConditionalGeneration(FusedDecodeStep, nn.Module):
     """Runner-facing interface as BART's: ``forward`` over packed decoder tokens ->
     hidden states, ``compute_logits`` (tied ``proj_out``), ``build_encoder_inputs``,
     ``load_weights`` (HF names), and the cache geometry."""
+    draft_embeds_by_sum = True  # forward: h = embed_tokens[t] + embed_positions[p], layers, layer_norm
 
     def __init__(self, hf_config, backend: type[AttentionBackend]):
         super().__init__()
