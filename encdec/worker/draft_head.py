@@ -24,7 +24,7 @@ from encdec import quantization
 from encdec.models.layers import Linear
 
 
-def _head_parts(model: nn.Module) -> tuple[Linear, torch.Tensor | None, float | None]:
+def head_parts(model: nn.Module) -> tuple[Linear, torch.Tensor | None, float | None]:
     """The model's LM head, the bias added to its output (BART's
     ``final_logits_bias``) and the scale its input takes first (T5's
     ``output_scale``): what each family's ``compute_logits`` applies."""
@@ -89,7 +89,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, model: nn.Module, ids: list[int]):
         super().__init__()
-        head, bias, self.input_scale = _head_parts(model)
+        head, bias, self.input_scale = head_parts(model)
         self.full_size = head.out_features
         self.vocab_size = len(ids)  # quantization.place_decode_panels: the LM head is the Linear this wide
         self.id_list = list(ids)

@@ -39,6 +39,7 @@ from encdec.platform.device_tensors import split_to_device, to_device
 from encdec.sequence import SequenceGroupMetadata
 from encdec.worker.draft_head import DraftHead, row_argmax
 from encdec.worker.draft_kv import DraftKV
+from encdec.worker.draft_step import FusedDraft
 from encdec.worker.steady_decode import PaddedTables
 
 # The most a self-draft's bfloat16 copy of its rows' K/V holds (DraftKV): tiny.en
@@ -157,6 +158,7 @@ class DraftModel:
         self._tables, self._cross = PaddedTables(), PaddedTables()
         self._copy = (DraftKV(target_cache.gpu_cache, block_size, copy_bytes)
                       if own_cache is None and DraftKV.wanted(target_cache.gpu_cache) else None)
+        self._fused: FusedDraft | None | bool = False  # False: not looked for yet (_fused_draft)
 
     # -- proposing ---------------------------------------------------------------
     def propose_rows(self, rows: list[DraftRow], apply_static: Any = None) -> dict[int, list[int]]:
@@ -164,11 +166,34 @@ class DraftModel:
         them, fewer after a stop token (its first step also feeds the tokens an
         own pool lacks). ``apply_static``: the processors' row-independent part
         (suppressed tokens), so drafts the target could never pick are not proposed."""
-        out: dict[int, list[int]] = {r.seq_id: [] for r in rows}
         starts = {r.seq_id: (self._fed.start(r.seq_id, r.token_ids) if self._fed else len(r.token_ids) - 1)
                   for r in rows}
         kv = _Tables(self._copy if self._copy is not None and self._copy.prepare(rows) else None)
         stops = {r.seq_id: _stop_ids(r.meta) for r in rows}
+        out = None
+        if self._fused_draft() is not None and all(starts[r.seq_id] == len(r.token_ids) - 1 for r in rows):
+            out = self._fused.propose(rows, kv.copy.caches if kv.copy is not None else self.cache.gpu_cache,
+                                      [kv.self_table(r) for r in rows], [kv.cross_table(r) for r in rows],
+                                      apply_static, stops)
+        if out is None:
+            out = self._stepped(rows, starts, kv, stops, apply_static)
+        if self._fed:
+            for r in rows:
+                s, d = starts[r.seq_id], out[r.seq_id]
+                self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
+        return out
+
+    def _fused_draft(self) -> FusedDraft | None:
+        """The proposals' C path (``draft_step``), taken at the first (a CPU
+        model's fused weights are packed at its first step), or None."""
+        if self._fused is False:
+            self._fused = FusedDraft.build(self.model, self.head) if self.device.type == "cpu" else None
+        return self._fused
+
+    def _stepped(self, rows: list[DraftRow], starts: dict[int, int], kv: _Tables, stops: dict[int, Any],
+                 apply_static: Any) -> dict[int, list[int]]:
+        """The general path: each step through the model's forward and LM head."""
+        out: dict[int, list[int]] = {r.seq_id: [] for r in rows}
         live = list(rows)
         step, inputs = 0, None
         while live:
@@ -189,10 +214,6 @@ class DraftModel:
                 out[r.seq_id].append(tok)
             step += 1
             live = [r for r in live if len(out[r.seq_id]) < r.k and out[r.seq_id][-1] not in stops[r.seq_id]]
-        if self._fed:
-            for r in rows:
-                s, d = starts[r.seq_id], out[r.seq_id]
-                self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
         return out
 
     def _inputs(self, feeds: list[tuple[DraftRow, int, list[int]]], kv: _Tables) -> tuple[_StepInputs, Any]:

@@ -360,6 +360,55 @@ static void step_job(void *arg, int tid) {
     }
 }
 
+/* Fills *s for a step of decoder_step_f32's arguments whose job runs `extra`
+ * more phases after the layers' (draft_step.h); returns its scratch (free it
+ * after team_run), or NULL where that could not be allocated or ffn_post is
+ * neither activation. */
+static char *step_init(
+    step_t *s, float *h, float *work, int64_t M, int64_t d, int64_t H, int64_t ffn, float eps, float scale,
+    const layer_t *layers, int64_t num_layers, int64_t block_size, const int64_t *slots,
+    const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
+    const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
+    const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16, int post_norm,
+    int64_t extra)
+{
+    if (ffn_post != POST_GELU && ffn_post != POST_RELU) return NULL;
+    const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
+    const int64_t C = num_chunks(self_longest > cross_longest ? self_longest : cross_longest);
+    const int64_t P = PHASES * num_layers + extra, nt = num_threads > 1 ? num_threads : 1;
+    const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX;
+    /* One block: the parts (M * C of H D + 2 H), each thread's scores, both
+     * attentions' item lists, the rows' leaders and next (find_groups), the
+     * phase counters. */
+    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size + M);
+    const size_t counter_bytes = sizeof(atomic_int) * 2 * (P + 1);
+    const size_t xq_bytes = qlayers ? (size_t)(M * quad_row_bytes(d > ffn ? d : ffn)) : 0;
+    char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * (C + 1) + counter_bytes + xq_bytes);
+    if (!block) return NULL;
+    float *part = (float *)block;
+    int64_t *self_items = (int64_t *)(block + part_bytes), *cross_items = self_items + M * C;
+    int64_t *leader = cross_items + M * C, *next = leader + M;  /* rows sharing a cross table */
+    atomic_int *counters = (atomic_int *)(next + M);
+    memset(counters, 0, sizeof(atomic_int) * 2 * (P + 1));
+    find_groups(leader, next, cross_tables, cross_stride, cross_lens, M, block_size);
+    *s = (step_t){
+        .h = h, .x = work, .qkv = work + M * d, .q = work + 4 * M * d, .a = work + 5 * M * d, .f = work + 6 * M * d,
+        .part = part, .scores_all = part + M * C * (d + 2 * H), .layers = layers, .slots = slots,
+        .self_items = self_items, .cross_items = cross_items, .next = next, .self_tables = self_tables,
+        .self_lens = self_lens, .cross_tables = cross_tables, .cross_lens = cross_lens, .M = M, .d = d, .H = H,
+        .ffn = ffn, .num_layers = num_layers, .block_size = block_size, .self_stride = self_stride,
+        .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
+        .n_self = list_items(self_items, self_lens, NULL, M, C),
+        .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
+        .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .post_norm = post_norm, .bias = bias,
+        .bias_stride = bias_stride, .kv_bf16 = kv_bf16,
+        .rs = part + M * C * (d + 2 * H) + nt * scores_size,
+        .xq = (uint8_t *)counters + counter_bytes,
+        .team = {0, 0, counters, counters + P + 1},
+    };
+    return block;
+}
+
 /* h: (M, d) residual stream, updated in place. work: at least M * (6 d + ffn)
  * floats. layers: num_layers of layer_t. slots: (M,) int64, where each row's
  * new K/V goes; self tables/lens include the new token. Runs on up to
@@ -379,40 +428,14 @@ int decoder_step_f32(
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
     const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16, int post_norm)
 {
-    if (ffn_post != POST_GELU && ffn_post != POST_RELU) return -1;
-    const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
-    const int64_t C = num_chunks(self_longest > cross_longest ? self_longest : cross_longest);
-    const int64_t P = PHASES * num_layers, nt = num_threads > 1 ? num_threads : 1;
-    const int64_t scores_size = (int64_t)CHUNK * H * GROUP_MAX;
-    /* One block: the parts (M * C of H D + 2 H), each thread's scores, both
-     * attentions' item lists, the phase counters. */
-    const size_t part_bytes = sizeof(float) * (size_t)(M * C * (d + 2 * H) + nt * scores_size + M);
-    const size_t counter_bytes = sizeof(atomic_int) * 2 * (P + 1);
-    const size_t xq_bytes = qlayers ? (size_t)(M * quad_row_bytes(d > ffn ? d : ffn)) : 0;
-    char *block = malloc(part_bytes + sizeof(int64_t) * 2 * M * C + counter_bytes + xq_bytes);
+    step_t step;
+    char *block = step_init(&step, h, work, M, d, H, ffn, eps, scale, layers, num_layers, block_size, slots,
+                            self_tables, self_stride, self_lens, cross_tables, cross_stride, cross_lens, num_threads,
+                            ffn_post, qlayers, rms_norm, bias, bias_stride, kv_bf16, post_norm, 0);
     if (!block) return -1;
-    float *part = (float *)block;
-    int64_t *self_items = (int64_t *)(block + part_bytes), *cross_items = self_items + M * C;
-    atomic_int *counters = (atomic_int *)(cross_items + M * C);
-    memset(counters, 0, sizeof(atomic_int) * 2 * (P + 1));
-    int64_t leader[M], next[M];  /* rows sharing a cross table (find_groups) */
-    find_groups(leader, next, cross_tables, cross_stride, cross_lens, M, block_size);
-    step_t step = {
-        .h = h, .x = work, .qkv = work + M * d, .q = work + 4 * M * d, .a = work + 5 * M * d, .f = work + 6 * M * d,
-        .part = part, .scores_all = part + M * C * (d + 2 * H), .layers = layers, .slots = slots,
-        .self_items = self_items, .cross_items = cross_items, .next = next, .self_tables = self_tables,
-        .self_lens = self_lens, .cross_tables = cross_tables, .cross_lens = cross_lens, .M = M, .d = d, .H = H,
-        .ffn = ffn, .num_layers = num_layers, .block_size = block_size, .self_stride = self_stride,
-        .cross_stride = cross_stride, .C = C, .scores_size = scores_size,
-        .n_self = list_items(self_items, self_lens, NULL, M, C),
-        .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
-        .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .post_norm = post_norm, .bias = bias,
-        .bias_stride = bias_stride, .kv_bf16 = kv_bf16,
-        .rs = part + M * C * (d + 2 * H) + nt * scores_size,
-        .xq = (uint8_t *)counters + counter_bytes,
-        .team = {0, 0, counters, counters + P + 1},
-    };
-    team_run(step_job, &step, (int)nt);
+    team_run(step_job, &step, num_threads > 1 ? num_threads : 1);
     free(block);
     return 0;
 }
+
+#include "draft_step.h" /* a draft's whole step: embedding, these layers, its head and argmax */

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
@@ -200,3 +201,155 @@ def _index_ok(num_rows: int, slots: torch.Tensor, *rest: torch.Tensor) -> bool:
     return (slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == num_rows
             and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous()
                     and t.shape[0] == num_rows for t in rest))
+
+
+# -- a draft model's whole greedy step (draft_step.h) -----------------------------
+_DRAFT = build.Kernel("decoder_step_cpu.c", "draft_step_f32", [_P, _I64], ctypes.c_int,
+                      "a draft's steps run the model's forward", path_symbol="decoder_step_path")
+
+
+class _DraftArgs(ctypes.Structure):
+    """draft_step.h's ``draft_t``, field for field."""
+    _fields_ = [(n, _I64) for n in ("d", "H", "ffn", "num_layers", "block_size")] + [
+        ("eps", _F), ("scale", _F), ("layers", _P), ("qlayers", _P), ("ffn_post", ctypes.c_int),
+        ("kv_bf16", ctypes.c_int), ("num_threads", ctypes.c_int), ("tok_embed", _P), ("pos_embed", _P),
+        ("norm_w", _P), ("norm_b", _P), ("norm_eps", _F), ("head_w", _P), ("head_q", _P), ("head_b", _P),
+        ("N", _I64), ("ids", _P), ("banned", _P), ("n_banned", _I64), ("tokens", _P), ("positions", _P),
+        ("slots", _P), ("self_tables", _P), ("self_stride", _I64), ("self_lens", _P), ("cross_tables", _P),
+        ("cross_stride", _I64), ("cross_lens", _P), ("h", _P), ("work", _P), ("logits", _P), ("out", _P)]
+
+
+@dataclass
+class DraftHeadWeights:
+    """A draft's LM head as its step runs it: float32 panels
+    (``small_linear_cpu.pack``) beside float32 layers, int8 ones
+    (``small_linear_int8_cpu.PackedInt8``) beside int8 layers."""
+    n: int  # its columns
+    panels: torch.Tensor | None = None
+    packed: small_linear_int8_cpu.PackedInt8 | None = None
+    bias: torch.Tensor | None = None  # (n,) float32
+    ids: torch.Tensor | None = None  # (n,) int64: column -> token id (a reduced head), None: the column is the id
+
+
+class DraftSteps:
+    """A draft model's greedy decode steps of one token a row, one C call a
+    step (draft_step.h: the embedding ``tok_embed[t] + pos_embed[p]``, the
+    decoder layers of ``weights``, the final LayerNorm ``norm``, ``head`` and
+    the argmax). ``start`` takes a proposal's rows; ``step`` gives each row's
+    token and advances the rows in place (that token their next input, one
+    position further); ``keep`` drops rows. Every index the C call reads is
+    checked in ``start``, for as many steps as it allows."""
+
+    def __init__(self, weights: DecoderWeights, tok_embed: torch.Tensor, pos_embed: torch.Tensor,
+                 norm: torch.nn.LayerNorm, head: DraftHeadWeights):
+        self.weights, self.head = weights, head
+        self._keep = [tok_embed, pos_embed, norm.weight, norm.bias]  # held: the struct holds their addresses
+        a = self._base = _DraftArgs()
+        a.d, a.H, a.ffn, a.num_layers = weights.d, weights.num_heads, weights.ffn, len(weights.weight_ptrs)
+        a.eps, a.scale, a.ffn_post, a.norm_eps = weights.eps, weights.scale, ACTIVATIONS[weights.activation], norm.eps
+        a.qlayers = None if weights.int8_table is None else weights.int8_table.data_ptr()
+        a.tok_embed, a.pos_embed = tok_embed.data_ptr(), pos_embed.data_ptr()
+        a.norm_w, a.norm_b = norm.weight.data_ptr(), norm.bias.data_ptr()
+        a.N, a.head_b = head.n, None if head.bias is None else head.bias.data_ptr()
+        a.ids = None if head.ids is None else head.ids.data_ptr()
+        if head.packed is not None:
+            self._head_q = (_P * 3)(*head.packed.ptrs())
+            a.head_q = ctypes.addressof(self._head_q)
+        else:
+            a.head_w = head.panels.data_ptr()
+        self._vocab, self._positions = tok_embed.shape[0], pos_embed.shape[0]
+        self._args, self._m = None, 0
+
+    @staticmethod
+    def fits(weights: DecoderWeights | None, tok_embed: torch.Tensor, pos_embed: torch.Tensor,
+             norm: torch.nn.LayerNorm, head: DraftHeadWeights) -> bool:
+        """Whether the kernel runs these: fused layers (pre-norm LayerNorm ones),
+        float32 contiguous CPU embeddings and norm of their width, a head of the
+        layers' kind (int8 with int8 layers) and width, and a build here."""
+        if weights is None or weights.rms_norm or weights.post_norm or not _DRAFT.available():
+            return False
+        plain = [tok_embed, pos_embed, norm.weight, norm.bias] + [t for t in (head.bias, head.panels) if t is not None]
+        return (all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                    for t in plain)
+                and tok_embed.dim() == pos_embed.dim() == 2 and tok_embed.shape[1] == pos_embed.shape[1] == weights.d
+                and tuple(norm.weight.shape) == (weights.d,)
+                and (head.packed is not None) == (weights.int8_table is not None)
+                and (head.packed is None or (head.packed.k == weights.d and head.packed.n == head.n))
+                and (head.packed is not None
+                     or (head.panels is not None and tuple(head.panels.shape[1:]) == (weights.d, small_linear_cpu.PANEL)
+                         and head.panels.shape[0] * small_linear_cpu.PANEL >= head.n))
+                and (head.bias is None or tuple(head.bias.shape) == (head.n,))
+                and (head.ids is None or (head.ids.dtype == torch.int64 and tuple(head.ids.shape) == (head.n,)
+                                          and int(head.ids.max()) < tok_embed.shape[0]))
+                and head.n <= tok_embed.shape[0])
+
+    def start(self, kv_caches: list[torch.Tensor], tokens: list[int], positions: list[int],
+              self_tables: list[list[int]], cross_tables: list[list[int]], cross_lens: list[int],
+              banned: list[int], steps: list[int], *, isa: str | None = None) -> bool:
+        """Take a proposal's rows (each's input token, at its position, its
+        self and cross tables in ``kv_caches``, encoder length and the most
+        steps it runs), ``banned`` head columns never chosen; False, nothing
+        taken, where the kernel cannot run them: no build for ``isa``, more
+        than ``MAX_ROWS`` rows, caches of another layout, an index out of range
+        (a position past its tables or the embedding within its steps)."""
+        m, w = len(tokens), self.weights
+        kernel = _DRAFT.function(isa)
+        if not (kernel is not None and 0 < m <= MAX_ROWS and len(kv_caches) == len(w.weight_ptrs)
+                and _caches_ok(kv_caches, w.num_heads)):
+            return False
+        bs, blocks = kv_caches[0].shape[2], kv_caches[0].shape[1]
+        last = [p + n - 1 for p, n in zip(positions, steps)]
+        if not (len(positions) == len(self_tables) == len(cross_tables) == len(cross_lens) == len(steps) == m
+                and 0 <= min(tokens) and max(tokens) < self._vocab and min(positions) >= 0 and min(steps) >= 1
+                and max(last) < self._positions and all(p // bs < len(t) for p, t in zip(last, self_tables))
+                and all(0 < n <= len(t) * bs for n, t in zip(cross_lens, cross_tables))
+                and all(0 <= b < blocks for t in (*self_tables, *cross_tables) for b in t)
+                and all(0 <= b < self.head.n for b in banned)):
+            return False
+        self._kernel, self._m, self._left = kernel, m, np.array(steps, np.int64)
+        self._table = w.table(kv_caches)
+        st, ct = _padded(self_tables), _padded(cross_tables)
+        b = self._bufs = dict(
+            tokens=np.array(tokens, np.int64), positions=np.array(positions, np.int64), slots=np.zeros(m, np.int64),
+            self_tables=st, self_lens=np.zeros(m, np.int32), cross_tables=ct, cross_lens=np.array(cross_lens, np.int32),
+            h=np.empty((m, w.d), np.float32), work=np.empty(m * (6 * w.d + w.ffn), np.float32),
+            logits=np.empty((m, self.head.n), np.float32), out=np.zeros(m, np.int64),
+            banned=np.array(banned, np.int64))
+        a = self._args = _DraftArgs.from_buffer_copy(self._base)
+        for name, arr in b.items():
+            setattr(a, name, arr.ctypes.data)
+        a.layers, a.block_size, a.kv_bf16 = self._table.data_ptr(), bs, int(kv_caches[0].dtype == torch.bfloat16)
+        a.num_threads, a.n_banned = bandwidth_threads(), len(banned)
+        a.self_stride, a.cross_stride = st.shape[1], ct.shape[1]
+        return True
+
+    def step(self) -> list[int]:
+        """Each row's greedy token; the rows then hold it as their input, one position further."""
+        m = self._m
+        if not m or self._left[:m].min() < 1:
+            raise RuntimeError("DraftSteps.step: no rows started, or a row past the steps it was started for")
+        if self._kernel(ctypes.byref(self._args), m) != 0:
+            raise MemoryError("draft step kernel could not allocate its scratch")
+        b = self._bufs
+        self._left[:m] -= 1
+        out = b["out"][:m]
+        b["tokens"][:m] = out
+        b["positions"][:m] += 1
+        return out.tolist()
+
+    def keep(self, rows: list[int]) -> None:
+        """Only ``rows`` (indices among the live rows, ascending) step on; none: the proposal ends."""
+        if rows and (rows[0] < 0 or rows[-1] >= self._m or any(x >= y for x, y in zip(rows, rows[1:]))):
+            raise ValueError(f"DraftSteps.keep: rows must be ascending indices below {self._m}, got {rows}")
+        idx, b = np.array(rows, np.int64), self._bufs
+        for arr in (b["tokens"], b["positions"], b["self_tables"], b["cross_tables"], b["cross_lens"], self._left):
+            arr[:len(rows)] = arr[idx]
+        self._m = len(rows)
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """(rows, longest) int32, rows zero-padded."""
+    out = np.zeros((len(tables), max(map(len, tables))), np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
