@@ -330,12 +330,16 @@ class DraftSteps:
             raise RuntimeError("DraftSteps.step: no rows started, or a row past the steps it was started for")
         if self._kernel(ctypes.byref(self._args), m) != 0:
             raise MemoryError("draft step kernel could not allocate its scratch")
-        b = self._bufs
+        b, self._m_last = self._bufs, m
         self._left[:m] -= 1
         out = b["out"][:m]
         b["tokens"][:m] = out
         b["positions"][:m] += 1
         return out.tolist()
+
+    def last_logits(self) -> np.ndarray:
+        """The last step's logits of its rows (m, n), banned columns -inf (tests compare them)."""
+        return self._bufs["logits"][:self._m_last]
 
     def keep(self, rows: list[int]) -> None:
         """Only ``rows`` (indices among the live rows, ascending) step on; none: the proposal ends."""
