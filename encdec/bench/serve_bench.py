@@ -214,6 +214,13 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2, help="engine replicas with --ray")
     ap.add_argument("--disaggregate", default=None, metavar="encoders=E,decoders=D",
                     help="also through encdec serve --ray --disaggregate (encoder workers + decoder engines)")
+    ap.add_argument("--disaggregate-threads", type=int, default=os.cpu_count() or 1, metavar="N",
+                    help="torch threads of the disaggregated decoder engine and of each encoder worker (default: "
+                         "every CPU: the decoder engine is the one engine, as encdec serve's; encoder passes come "
+                         "between its steps)")
+    ap.add_argument("--no-encoder-cache", action="store_true",
+                    help="every server and offline without the encoder cache, so that each run's requests (the "
+                         "same in every run) run their encoder again; disaggregated: on an encoder worker")
     ap.add_argument("--ingress", nargs="+", choices=["serve", "haproxy"], default=["serve"],
                     help="the Ray servers' front door(s): each one given is a server of its own in the run "
                          "(Serve's Python proxy, Serve's HAProxy ingress)")
@@ -234,9 +241,11 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
         vocab = json.load(f)["vocab_size"]
     enc, out_lens = make_workload(args.requests, vocab, args.seed)
     total = sum(out_lens)
-    opts = dict(kv_cache_memory=1 << 30, swap_space=0.5, max_num_seqs=256)
+    opts = dict(kv_cache_memory=1 << 30, swap_space=0.5, max_num_seqs=256,
+                enable_encoder_cache=not args.no_encoder_cache)
     print(f"workload: {args.requests} requests, encoder tokens {sum(map(len, enc))}, output tokens "
-          f"{total}, greedy, ignore_eos; model {model_dir}; {os.cpu_count()} CPUs")
+          f"{total}, greedy, ignore_eos; model {model_dir}; {os.cpu_count()} CPUs; encoder cache "
+          f"{'off' if args.no_encoder_cache else 'on (runs after the first find every encoder output cached)'}")
 
     with OtherCPUMonitor() as mon:
         ref, seconds = run_offline(model_dir, enc, out_lens, opts)
@@ -245,6 +254,7 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
 
     engine = ["--kv-cache-memory", str(opts["kv_cache_memory"]), "--swap-space", str(opts["swap_space"]),
               "--max-num-seqs", str(opts["max_num_seqs"])]
+    engine += ["--no-enable-encoder-cache"] if args.no_encoder_cache else []
     servers = [("encdec serve", engine)]
     for ingress in args.ingress:
         # the label names a non-default front door; the flag goes to every Ray server
@@ -253,8 +263,9 @@ def main(argv: list[str] | None = None, *, prog: str | None = None) -> None:
             servers.append((f"encdec serve --ray --replicas {args.replicas}{door[1]}",
                             [*engine, "--ray", "--replicas", str(args.replicas), "--num-threads", "1", *door[0]]))
         if args.disaggregate:
-            servers.append((f"encdec serve --ray --disaggregate {args.disaggregate}{door[1]}",
-                            [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", "1",
+            threads = str(args.disaggregate_threads)
+            servers.append((f"encdec serve --ray --disaggregate {args.disaggregate} --num-threads {threads}{door[1]}",
+                            [*engine, "--ray", "--disaggregate", args.disaggregate, "--num-threads", threads,
                              *door[0]]))
     rows: list[Measured] = []
     rates = [(r, "given") for r in args.rate] if args.rate else None
