@@ -19,6 +19,9 @@ K/V for yet (``_Fed``: a row whose drafts were all kept owes the last one).
 On CPU, where the target's cache is float32, a self-draft reads and writes a
 bfloat16 copy of its rows' K/V instead (``DraftKV``: half the bytes a draft
 step streams); rows that do not fit in the copy draft from the target's cache.
+On CPU a proposal whose rows feed one token each runs each draft step as one
+C call where the model offers its parts (``draft_step.FusedDraft``: Whisper),
+the general path's drafts (up to the final norm's rounding) without the model's forward.
 A row stops drafting after it proposes one of its stop tokens: the target
 either ends the sequence there or rejects that draft, so drafts past it are
 never kept.

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
+import numpy as np
 import torch
 
 from encdec.kernels.cpu.decoder_step_cpu import DraftHeadWeights, DraftSteps
@@ -64,13 +65,13 @@ def static_bans(apply_static: Callable[[torch.Tensor], Any] | None, vocab: int,
         return []
     row = torch.zeros(1, vocab)
     got = apply_static(row)
-    row = row if got is None else got
-    banned = torch.isneginf(row[0])
-    if not bool(((row[0] == 0) | banned).all()):
+    values = (row if got is None else got)[0].numpy()
+    banned = np.isneginf(values)
+    if np.count_nonzero(values) != np.count_nonzero(banned):  # a finite change somewhere
         return None
     if ids is not None:
-        banned = banned[ids]
-    return banned.nonzero()[:, 0].tolist()
+        banned = banned[ids.numpy()]
+    return np.flatnonzero(banned).tolist()
 
 
 class FusedDraft:
