@@ -162,5 +162,8 @@ def test_what_the_kernel_cannot_run_is_declined_before_anything_is_written():
                                DraftHeadWeights(VOCAB, packed=head8.int8_panel_weight()))
     assert not DraftSteps.fits(draft.weights, draft.tok[:, :32].contiguous(), draft.pos, draft.norm, draft.head)
     assert not DraftSteps.fits(None, draft.tok, draft.pos, draft.norm, draft.head)
+    with pytest.raises(ValueError, match="DraftSteps.fits"):
+        DraftSteps(draft.weights, draft.tok, draft.pos, draft.norm,
+                   DraftHeadWeights(VOCAB, packed=head8.int8_panel_weight()))
     assert not DraftSteps.fits(draft.weights, draft.tok, draft.pos, draft.norm,
                                DraftHeadWeights(VOCAB + 1, panels=draft.lm.panel_weight()))

@@ -242,6 +242,8 @@ class DraftSteps:
 
     def __init__(self, weights: DecoderWeights, tok_embed: torch.Tensor, pos_embed: torch.Tensor,
                  norm: torch.nn.LayerNorm, head: DraftHeadWeights):
+        if not self.fits(weights, tok_embed, pos_embed, norm, head):
+            raise ValueError("DraftSteps: the kernel does not run these weights (DraftSteps.fits)")
         self.weights, self.head = weights, head
         self._keep = [tok_embed, pos_embed, norm.weight, norm.bias]  # held: the struct holds their addresses
         a = self._base = _DraftArgs()
@@ -268,7 +270,8 @@ class DraftSteps:
         layers' kind (int8 with int8 layers) and width, and a build here."""
         if weights is None or weights.rms_norm or weights.post_norm or not _DRAFT.available():
             return False
-        plain = [tok_embed, pos_embed, norm.weight, norm.bias] + [t for t in (head.bias, head.panels) if t is not None]
+        extra = [t for t in (head.bias, head.panels) if t is not None]
+        plain = [tok_embed, pos_embed, norm.weight, norm.bias, *extra]
         return (all(t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                     for t in plain)
                 and tok_embed.dim() == pos_embed.dim() == 2 and tok_embed.shape[1] == pos_embed.shape[1] == weights.d
@@ -276,11 +279,12 @@ class DraftSteps:
                 and (head.packed is not None) == (weights.int8_table is not None)
                 and (head.packed is None or (head.packed.k == weights.d and head.packed.n == head.n))
                 and (head.packed is not None
-                     or (head.panels is not None and tuple(head.panels.shape[1:]) == (weights.d, small_linear_cpu.PANEL)
+                     or (head.panels is not None
+                         and tuple(head.panels.shape[1:]) == (weights.d, small_linear_cpu.PANEL)
                          and head.panels.shape[0] * small_linear_cpu.PANEL >= head.n))
                 and (head.bias is None or tuple(head.bias.shape) == (head.n,))
                 and (head.ids is None or (head.ids.dtype == torch.int64 and tuple(head.ids.shape) == (head.n,)
-                                          and int(head.ids.max()) < tok_embed.shape[0]))
+                                          and 0 <= int(head.ids.min()) and int(head.ids.max()) < tok_embed.shape[0]))
                 and head.n <= tok_embed.shape[0])
 
     def start(self, kv_caches: list[torch.Tensor], tokens: list[int], positions: list[int],
@@ -311,7 +315,8 @@ class DraftSteps:
         st, ct = _padded(self_tables), _padded(cross_tables)
         b = self._bufs = dict(
             tokens=np.array(tokens, np.int64), positions=np.array(positions, np.int64), slots=np.zeros(m, np.int64),
-            self_tables=st, self_lens=np.zeros(m, np.int32), cross_tables=ct, cross_lens=np.array(cross_lens, np.int32),
+            self_tables=st, self_lens=np.zeros(m, np.int32), cross_tables=ct,
+            cross_lens=np.array(cross_lens, np.int32),
             h=np.empty((m, w.d), np.float32), work=np.empty(m * (6 * w.d + w.ffn), np.float32),
             logits=np.empty((m, self.head.n), np.float32), out=np.zeros(m, np.int64),
             banned=np.array(banned, np.int64))
