@@ -32,7 +32,8 @@ from encdec.engine.async_llm_engine import AsyncLLMEngine, AsyncRequest, EngineD
 ENCODER_TIMEOUT = 120.0  # seconds one encoder call may take, queueing and a restart included
 # Requests an encoder worker encodes in one pass, at most: text, and audio (30 s windows).
 # Why larger for text: a short prompt's pass is mostly fixed cost (random 4-layer BART,
-# d_model 256, ~73 tokens, 2 threads: 8.1 ms a request alone, 4.2 in passes of 8, 3.3 of 32);
+# d_model 256, ~73 tokens, 2 threads, another process busy on a core: 8.1 ms a request
+# alone, 6.4 in passes of 8, 3.3 of 32);
 # a window is ~200 ms of tiny.en's encoder already, and the first in a pass waits for all.
 ENCODER_BATCH, ENCODER_BATCH_AUDIO = 32, 8
 # Seconds an encoder worker waits to fill a pass: none. A pass takes what queued while the
