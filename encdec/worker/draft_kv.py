@@ -15,6 +15,12 @@ cache::
     seq 7: self  [12, 40, 41]      ->      self  [0, 1, 2]   positions [0, valid) copied
            cross [3, 4, .., 96]    ->      cross [3', .., 96']  once
 
+Where the fused C draft step reads the copy (``draft_step.FusedDraft``), its
+cross blocks hold int8 records instead (``kernels.cpu.cross_i8``): half of
+bfloat16's bytes again, the largest stream of a one-row draft step of
+Whisper (``choose_cross_int8``, once, before any sequence is copied). The
+general path reads no int8, so it drafts from the target's cache then.
+
 Rules that must hold: only drafts read the copy (the target verifies every
 token on its own cache), so a copy that rounds, or is stale (a sequence
 recomputed after preemption), costs acceptance, never exactness. Its memory
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 
 from encdec.attention.backends.abstract import cache_slots_list
-from encdec.kernels.cpu import paged_attention_cpu
+from encdec.kernels.cpu import cross_i8, paged_attention_cpu
 
 
 def copy_budget(kv_bytes: int, ceiling: int) -> int:
@@ -64,13 +70,17 @@ class _Seq:
 
 class DraftKV:
     """The copy: per layer (2, blocks, block_size, H, D) bfloat16, grown as
-    sequences need blocks, up to ``max_bytes``."""
+    sequences need blocks, up to ``max_bytes``. ``cross_int8``: its cross
+    blocks hold int8 records (``kernels.cpu.cross_i8``: half the bytes a draft
+    step streams; only the fused draft step reads them, ``draft_step.FusedDraft``),
+    chosen before the first sequence (``choose_cross_int8``)."""
 
     def __init__(self, target_caches: list[torch.Tensor], block_size: int, max_bytes: int):
         self.target = target_caches
         self.block_size = block_size
         t = target_caches[0]
         self._block_shape = tuple(t.shape[2:])  # (block_size, H, D)
+        self.cross_int8 = False
         block_bytes = 2 * len(target_caches) * t[0, 0].numel() * 2  # K and V, every layer, bfloat16
         self.max_blocks = max_bytes // block_bytes
         self.caches: list[torch.Tensor] = []
@@ -87,6 +97,15 @@ class DraftKV:
     def pays(device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a target cache of ``dtype`` on ``device`` gets a copy (``wanted``)."""
         return torch.device(device).type == "cpu" and dtype == torch.float32
+
+    def choose_cross_int8(self, wanted: bool) -> None:
+        """Cross blocks as int8 records where ``wanted`` and a block holds its
+        records (``cross_i8.fits``), else bfloat16; only before any sequence
+        is copied (a copy in two formats could not be read)."""
+        if self._seqs:
+            raise RuntimeError("DraftKV.choose_cross_int8: sequences are already copied")
+        bs, h, d = self._block_shape
+        self.cross_int8 = wanted and bs * cross_i8.record_bytes(h, d) <= 2 * bs * h * d
 
     # -- the rows of a proposal ---------------------------------------------------
     def prepare(self, rows: list[Any]) -> bool:
@@ -161,7 +180,12 @@ class DraftKV:
         if seq is None:
             cross = r.meta.cross_block_table
             seq = self._seqs[r.seq_id] = _Seq(self._take(len(cross)))
-            self._copy_blocks(cross, seq.cross_blocks)
+            if self.cross_int8:
+                src, dst = torch.tensor(cross, dtype=torch.long), torch.tensor(seq.cross_blocks, dtype=torch.long)
+                for t, c in zip(self.target, self.caches):
+                    cross_i8.write_blocks(t, src, c, dst)
+            else:
+                self._copy_blocks(cross, seq.cross_blocks)
         short = -(-(len(r.token_ids) - 1 + r.k) // self.block_size) - len(seq.self_blocks)
         if short > 0:
             seq.self_blocks += self._take(short)

@@ -161,6 +161,7 @@ class DraftModel:
         self._tables, self._cross = PaddedTables(), PaddedTables()
         self._copy = (DraftKV(target_cache.gpu_cache, block_size, copy_bytes)
                       if own_cache is None and DraftKV.wanted(target_cache.gpu_cache) else None)
+        self._copy_set = False  # its cross format chosen (_kv_copy)
         self._fused: FusedDraft | None | bool = False  # False: not looked for yet (_fused_draft)
 
     # -- proposing ---------------------------------------------------------------
@@ -171,20 +172,31 @@ class DraftModel:
         (suppressed tokens), so drafts the target could never pick are not proposed."""
         starts = {r.seq_id: (self._fed.start(r.seq_id, r.token_ids) if self._fed else len(r.token_ids) - 1)
                   for r in rows}
-        kv = _Tables(self._copy if self._copy is not None and self._copy.prepare(rows) else None)
+        copy = self._kv_copy()
+        kv = _Tables(copy if copy is not None and copy.prepare(rows) else None)
         stops = {r.seq_id: _stop_ids(r.meta) for r in rows}
         out = None
         if self._fused_draft() is not None and all(starts[r.seq_id] == len(r.token_ids) - 1 for r in rows):
             out = self._fused.propose(rows, kv.copy.caches if kv.copy is not None else self.cache.gpu_cache,
                                       [kv.self_table(r) for r in rows], [kv.cross_table(r) for r in rows],
-                                      apply_static, stops)
-        if out is None:
-            out = self._stepped(rows, starts, kv, stops, apply_static)
+                                      apply_static, stops, cross_i8=kv.copy is not None and kv.copy.cross_int8)
+        if out is None:  # the general path reads no int8 records: the target's cache then
+            out = self._stepped(rows, starts, kv if kv.copy is None or not kv.copy.cross_int8 else _Tables(None),
+                                stops, apply_static)
         if self._fed:
             for r in rows:
                 s, d = starts[r.seq_id], out[r.seq_id]
                 self._fed.fed(r.seq_id, s, r.token_ids[s:] + d[:-1])
         return out
+
+    def _kv_copy(self) -> DraftKV | None:
+        """The K/V copy (``DraftKV``), its cross format chosen at the first
+        proposal: int8 where the fused step reads it (``_fused_draft``), which
+        is known once the model has run."""
+        if self._copy is not None and not self._copy_set:
+            self._copy.choose_cross_int8(self._fused_draft() is not None)
+            self._copy_set = True
+        return self._copy
 
     def _fused_draft(self) -> FusedDraft | None:
         """The proposals' C path (``draft_step``), taken at the first (a CPU

@@ -96,15 +96,16 @@ class FusedDraft:
 
     def propose(self, rows: list[Any], kv_caches: list[torch.Tensor], self_tables: list[list[int]],
                 cross_tables: list[list[int]], apply_static: Callable[[torch.Tensor], Any] | None,
-                stops: dict[int, Collection[int]]) -> dict[int, list[int]] | None:
+                stops: dict[int, Collection[int]], *, cross_i8: bool = False) -> dict[int, list[int]] | None:
         """``rows`` (``DraftRow``s, their last token each the input) drafting up
         to ``k`` tokens each, ending after a stop token; their tables in
-        ``kv_caches``. None, nothing run, where the kernel declines them."""
+        ``kv_caches`` (``cross_i8``: cross blocks of int8 records, ``DraftKV``).
+        None, nothing run, where the kernel declines them."""
         bans = static_bans(apply_static, self.width, self.ids)
         if bans is None or not self.steps.start(
                 kv_caches, [r.token_ids[-1] for r in rows], [len(r.token_ids) - 1 for r in rows], self_tables,
                 cross_tables, [len(r.meta.encoder_seq_data.prompt_token_ids) for r in rows], bans,
-                [r.k for r in rows]):
+                [r.k for r in rows], cross_i8=cross_i8):
             return None
         out: dict[int, list[int]] = {r.seq_id: [] for r in rows}
         live = list(rows)

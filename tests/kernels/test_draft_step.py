@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from encdec.kernels.cpu import build, decoder_step_cpu, small_linear_int8_cpu
+from encdec.kernels.cpu import build, cross_i8, decoder_step_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.decoder_step_cpu import DraftHeadWeights, DraftSteps
 from encdec.models.layers import Linear
 from encdec.testing import jitter_layer_norms
@@ -167,3 +167,44 @@ def test_what_the_kernel_cannot_run_is_declined_before_anything_is_written():
                    DraftHeadWeights(VOCAB, packed=head8.int8_panel_weight()))
     assert not DraftSteps.fits(draft.weights, draft.tok, draft.pos, draft.norm,
                                DraftHeadWeights(VOCAB + 1, panels=draft.lm.panel_weight()))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("isa", build.host_isas())
+@torch.inference_mode()
+def test_int8_cross_records_are_read_as_their_dequantized_values(isa, cache_dtype, monkeypatch):
+    """A self-draft's int8 cross copy (``cross_i8``): the step's logits are a
+    float64 head over the layers' step on float32 caches whose cross blocks
+    hold the records' dequantized values; its self K/V writes are those of
+    the layers' step (rounded as the cache's dtype)."""
+    monkeypatch.setenv(build.ISA_ENV, isa)
+    draft = Draft(False, cache_dtype)
+    steps = draft.steps()
+    caches = [c.clone() for c in draft.caches]
+    cross = torch.tensor(sorted({b for t in draft.cross for b in t}))
+    ref_caches = [c.float() for c in draft.caches]
+    for c, ref in zip(caches, ref_caches):
+        src = torch.randn_like(ref) * 0.5  # the target's float32 cross K/V the copy quantizes
+        cross_i8.write_blocks(src, cross, c, cross)
+        ref[:, cross] = cross_i8.read_blocks(c, cross)
+        assert (ref[:, cross] - src[:, cross]).abs().max() <= src.abs().max() / 254 + 1e-6
+    assert steps.start(caches, draft.tokens, draft.positions, draft.tables, draft.cross, [ENC] * 3, BANNED,
+                       [2, 2, 2], cross_i8=True, isa=isa)
+    got = steps.step()
+    want = draft.reference(draft.tokens, draft.positions, [0, 1, 2], ref_caches, isa)
+    logits = torch.from_numpy(steps.last_logits().copy()).double()
+    # bfloat16: the new slot's K/V are read rounded here, unrounded in the reference
+    tol = 1e-4 if cache_dtype == torch.float32 else 5e-3  # measured: 1.4e-6 and 1.1e-3
+    torch.testing.assert_close(logits, want, atol=tol, rtol=1e-3)
+    top2 = want.topk(2, dim=1).values
+    assert bool((top2[:, 0] - top2[:, 1] > 2 * tol).all())
+    assert got == want.argmax(1).tolist()
+    selfb = torch.tensor(sorted({b for t in draft.tables for b in t}))
+    for a, b in zip(caches, ref_caches):  # a later layer's K/V follow the cross attention's float rounding
+        torch.testing.assert_close(a[:, selfb].float(), b[:, selfb].to(cache_dtype).float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(caches[0][:, selfb], ref_caches[0][:, selfb].to(cache_dtype))  # the first layer's: exact
+    # Read as floats, the same records are other values: the flag is what makes them int8.
+    assert steps.start(caches, draft.tokens, draft.positions, draft.tables, draft.cross, [ENC] * 3, BANNED,
+                       [1, 1, 1], isa=isa)
+    steps.step()
+    assert not torch.allclose(torch.from_numpy(steps.last_logits().copy()).double(), want, atol=0.1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from encdec.attention.backends.torch_sdpa import TorchSDPABackend
@@ -56,6 +57,30 @@ def test_the_copy_holds_cross_and_verified_self_kv_rounded_and_follows_the_seque
     assert copy.prepare([_row(1, 15, 3, table, cross)])
     assert len(copy.self_table(1)) == 5
     _assert_holds(copy, target, _slots(table, range(14)), _slots(copy.self_table(1), range(14)))
+
+
+def test_int8_cross_blocks_hold_the_target_s_cross_kv_quantized_and_self_blocks_stay_bfloat16():
+    from encdec.kernels.cpu import cross_i8
+
+    target = _target()
+    copy = DraftKV(target, BS, 1 << 20)
+    copy.choose_cross_int8(True)
+    assert copy.cross_int8
+    table, cross = [7, 3, 30], [5, 6, 8]
+    assert copy.prepare([_row(1, 10, 3, table, cross)])
+    got_blocks = torch.tensor(copy.cross_table(1))
+    for t, c in zip(target, copy.caches):
+        want = t[:, cross]
+        got = cross_i8.read_blocks(c, got_blocks)
+        step = want.abs().amax(-1, keepdim=True) / 127  # each (slot, head)'s int8 step
+        assert bool(((got - want).abs() <= step / 2 + 1e-6).all())
+    _assert_holds(copy, target, _slots(table, range(9)), _slots(copy.self_table(1), range(9)))
+    with pytest.raises(RuntimeError, match="already copied"):
+        copy.choose_cross_int8(False)
+    copy.forget([1])
+    copy.choose_cross_int8(False)  # nothing copied: the format may change
+    assert copy.prepare([_row(2, 10, 3, table, cross)])
+    _assert_holds(copy, target, _slots(cross, range(12)), _slots(copy.cross_table(2), range(12)))
 
 
 def test_rows_past_the_cap_draft_from_the_target_and_leaving_frees_their_blocks():

@@ -157,11 +157,17 @@ static int64_t list_items(int64_t *items, const int32_t *lens, const int64_t *le
     return n;
 }
 
-/* attend_range_kv for a step's rows (one K/V head per query head), compiled once. */
+/* attend_range_kv for a step's rows (one K/V head per query head), compiled
+ * once; i8_block: the bytes of a block of an int8 cache (paged_attention_i8.h), 0 for another. */
 static void attend_group(int G, float *const *os, const float *const *qs, const void *k_cache, const void *v_cache,
                          const int32_t *table, int32_t t0, int32_t t1, int64_t H, int64_t D, int64_t block_size,
                          float scale, float *scores, float *const *mx, float *const *sum, const float *bias,
-                         int64_t bias_stride, int32_t q_pos, int kv_bf16) {
+                         int64_t bias_stride, int32_t q_pos, int kv_bf16, int64_t i8_block) {
+    if (i8_block) {
+        attend_range_i8(G, os, qs, k_cache, v_cache, table, t0, t1, H, D, block_size, i8_block, scale, scores, mx,
+                        sum);
+        return;
+    }
     attend_range_kv(G, os, qs, k_cache, v_cache, table, t0, t1, H, 1, D, H * D, block_size, scale, scores, mx, sum,
                     bias, bias_stride, q_pos, kv_bf16);
 }
@@ -173,10 +179,11 @@ static void attend_group(int G, float *const *os, const float *const *qs, const 
  * o (H, D), mx (H), sum (H) (attend_range_kv). q rows lie q_stride apart;
  * scores: this thread's scratch, CHUNK * H * GROUP_MAX floats. bias: a
  * distance table (H, bias_stride) for self-attention (no leader), or NULL.
- * kv_bf16: the caches hold bfloat16. */
+ * kv_bf16: the caches hold bfloat16; i8_block: attend_group's. */
 static void attend_item(int64_t item, const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int32_t *tables, int64_t table_stride, const int32_t *lens, const int64_t *next,
-                        int64_t H, int64_t D, int64_t block_size, float scale, float *scores, float *part, int64_t C, const float *bias, int64_t bias_stride, int kv_bf16) {
+                        int64_t H, int64_t D, int64_t block_size, float scale, float *scores, float *part, int64_t C,
+                        const float *bias, int64_t bias_stride, int kv_bf16, int64_t i8_block) {
     const int64_t stride = H * D + 2 * H, l = item / C, c = item % C;
     const int32_t t0 = (int32_t)(c * CHUNK), t1 = (int32_t)(t0 + CHUNK < lens[l] ? t0 + CHUNK : lens[l]);
     const int32_t *table = tables + l * table_stride;
@@ -190,13 +197,13 @@ static void attend_item(int64_t item, const float *q, int64_t q_stride, const vo
         qs[G++] = q + m * q_stride;
         if (G == GROUP_MAX) {
             attend_group(G, os, qs, k_cache, v_cache, table, t0, t1, H, D, block_size, scale, scores, mx, sum, bias,
-                         bias_stride, lens[l] - 1, kv_bf16);
+                         bias_stride, lens[l] - 1, kv_bf16, i8_block);
             G = 0;
         }
     }
     if (G)
         attend_group(G, os, qs, k_cache, v_cache, table, t0, t1, H, D, block_size, scale, scores, mx, sum, bias,
-                     bias_stride, lens[l] - 1, kv_bf16);
+                     bias_stride, lens[l] - 1, kv_bf16, i8_block);
 }
 
 /* Row m's attention output a (H * D) from its parts, joined in chunk order:
@@ -250,6 +257,7 @@ typedef struct {
     const float *bias;  /* T5: self-attention's distance table (H, bias_stride), or NULL */
     int64_t bias_stride;
     int kv_bf16;        /* the caches hold bfloat16 (else float32) */
+    int cross_i8;       /* the cross blocks hold int8 records (paged_attention_i8.h) */
     team_t team;
 } step_t;
 
@@ -332,7 +340,7 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + SELF_ATT, s->n_self,
                    attend_item(s->self_items[i], qkv, 3 * d, w->k_cache, w->v_cache, s->self_tables, s->self_stride,
                                s->self_lens, NULL, H, D, block_size, scale, scores, part, C, s->bias,
-                               s->bias_stride, s->kv_bf16));
+                               s->bias_stride, s->kv_bf16, 0));
         TEAM_PHASE(team, p + SELF_JOIN, M, join_rows(s, s->self_lens, i));
         TEAM_PHASE(team, p + O1, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o1_w, QW(o1), w->o1_b, d, d, POST_ADD));
@@ -343,7 +351,7 @@ static void step_job(void *arg, int tid) {
         TEAM_PHASE(team, p + CROSS_ATT, s->n_cross,
                    attend_item(s->cross_items[i], q, d, w->k_cache, w->v_cache, s->cross_tables, s->cross_stride,
                                s->cross_lens, s->next, H, D, block_size, scale, scores, part, C, NULL, 0,
-                               s->kv_bf16));
+                               s->kv_bf16, s->cross_i8 ? block_size * d * (s->kv_bf16 ? 2 : 4) : 0));
         TEAM_PHASE(team, p + CROSS_JOIN, M, join_rows(s, s->cross_lens, i));
         TEAM_PHASE(team, p + O2, matmul_items(d),
                    step_matmul(s, i, h, d, a, d, w->o2_w, QW(o2), w->o2_b, d, d, POST_ADD));
@@ -370,7 +378,7 @@ static char *step_init(
     const int32_t *self_tables, int64_t self_stride, const int32_t *self_lens,
     const int32_t *cross_tables, int64_t cross_stride, const int32_t *cross_lens, int num_threads, int ffn_post,
     const qlayer_t *qlayers, int rms_norm, const float *bias, int64_t bias_stride, int kv_bf16, int post_norm,
-    int64_t extra)
+    int cross_i8, int64_t extra)
 {
     if (ffn_post != POST_GELU && ffn_post != POST_RELU) return NULL;
     const int32_t self_longest = max_len(self_lens, M), cross_longest = max_len(cross_lens, M);
@@ -401,7 +409,7 @@ static char *step_init(
         .n_self = list_items(self_items, self_lens, NULL, M, C),
         .n_cross = list_items(cross_items, cross_lens, leader, M, C), .eps = eps, .scale = scale,
         .ffn_post = ffn_post, .qlayers = qlayers, .rms_norm = rms_norm, .post_norm = post_norm, .bias = bias,
-        .bias_stride = bias_stride, .kv_bf16 = kv_bf16,
+        .bias_stride = bias_stride, .kv_bf16 = kv_bf16, .cross_i8 = cross_i8,
         .rs = part + M * C * (d + 2 * H) + nt * scores_size,
         .xq = (uint8_t *)counters + counter_bytes,
         .team = {0, 0, counters, counters + P + 1},
@@ -431,7 +439,7 @@ int decoder_step_f32(
     step_t step;
     char *block = step_init(&step, h, work, M, d, H, ffn, eps, scale, layers, num_layers, block_size, slots,
                             self_tables, self_stride, self_lens, cross_tables, cross_stride, cross_lens, num_threads,
-                            ffn_post, qlayers, rms_norm, bias, bias_stride, kv_bf16, post_norm, 0);
+                            ffn_post, qlayers, rms_norm, bias, bias_stride, kv_bf16, post_norm, 0, 0);
     if (!block) return -1;
     team_run(step_job, &step, num_threads > 1 ? num_threads : 1);
     free(block);

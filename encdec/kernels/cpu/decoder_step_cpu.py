@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
+from encdec.kernels.cpu.cross_i8 import fits as cross_i8_fits
 from encdec.platform.cpu_threads import bandwidth_threads
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -212,7 +213,7 @@ class _DraftArgs(ctypes.Structure):
     """draft_step.h's ``draft_t``, field for field."""
     _fields_ = [(n, _I64) for n in ("d", "H", "ffn", "num_layers", "block_size")] + [
         ("eps", _F), ("scale", _F), ("layers", _P), ("qlayers", _P), ("ffn_post", ctypes.c_int),
-        ("kv_bf16", ctypes.c_int), ("num_threads", ctypes.c_int), ("tok_embed", _P), ("pos_embed", _P),
+        ("kv_bf16", ctypes.c_int), ("num_threads", ctypes.c_int), ("cross_i8", ctypes.c_int), ("tok_embed", _P), ("pos_embed", _P),
         ("norm_w", _P), ("norm_b", _P), ("norm_eps", _F), ("head_w", _P), ("head_q", _P), ("head_b", _P),
         ("N", _I64), ("ids", _P), ("banned", _P), ("n_banned", _I64), ("tokens", _P), ("positions", _P),
         ("slots", _P), ("self_tables", _P), ("self_stride", _I64), ("self_lens", _P), ("cross_tables", _P),
@@ -289,17 +290,18 @@ class DraftSteps:
 
     def start(self, kv_caches: list[torch.Tensor], tokens: list[int], positions: list[int],
               self_tables: list[list[int]], cross_tables: list[list[int]], cross_lens: list[int],
-              banned: list[int], steps: list[int], *, isa: str | None = None) -> bool:
+              banned: list[int], steps: list[int], *, cross_i8: bool = False, isa: str | None = None) -> bool:
         """Take a proposal's rows (each's input token, at its position, its
         self and cross tables in ``kv_caches``, encoder length and the most
-        steps it runs), ``banned`` head columns never chosen; False, nothing
+        steps it runs), ``banned`` head columns never chosen; ``cross_i8``: the
+        cross blocks hold int8 records (``cross_i8.write_blocks``); False, nothing
         taken, where the kernel cannot run them: no build for ``isa``, more
         than ``MAX_ROWS`` rows, caches of another layout, an index out of range
         (a position past its tables or the embedding within its steps)."""
         m, w = len(tokens), self.weights
         kernel = _DRAFT.function(isa)
         if not (kernel is not None and 0 < m <= MAX_ROWS and len(kv_caches) == len(w.weight_ptrs)
-                and _caches_ok(kv_caches, w.num_heads)):
+                and _caches_ok(kv_caches, w.num_heads) and (not cross_i8 or cross_i8_fits(kv_caches[0]))):
             return False
         bs, blocks = kv_caches[0].shape[2], kv_caches[0].shape[1]
         last = [p + n - 1 for p, n in zip(positions, steps)]
@@ -324,7 +326,7 @@ class DraftSteps:
         for name, arr in b.items():
             setattr(a, name, arr.ctypes.data)
         a.layers, a.block_size, a.kv_bf16 = self._table.data_ptr(), bs, int(kv_caches[0].dtype == torch.bfloat16)
-        a.num_threads, a.n_banned = bandwidth_threads(), len(banned)
+        a.num_threads, a.n_banned, a.cross_i8 = bandwidth_threads(), len(banned), int(cross_i8)
         a.self_stride, a.cross_stride = st.shape[1], ct.shape[1]
         return True
 

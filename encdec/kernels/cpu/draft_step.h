@@ -29,6 +29,7 @@ typedef struct {
     const layer_t *layers;
     const qlayer_t *qlayers; /* int8 layers and head, or NULL: float32 ones */
     int ffn_post, kv_bf16, num_threads;
+    int cross_i8; /* the cross blocks hold int8 records (paged_attention_i8.h: a self-draft's copy) */
     const float *tok_embed, *pos_embed; /* (vocab, d), (positions, d) */
     const float *norm_w, *norm_b;       /* the final LayerNorm */
     float norm_eps;
@@ -128,7 +129,7 @@ int draft_step_f32(const draft_t *a, int64_t M) {
     char *block = step_init(&job.s, a->h, a->work, M, d, a->H, a->ffn, a->eps, a->scale, a->layers, a->num_layers,
                             a->block_size, a->slots, a->self_tables, a->self_stride, a->self_lens, a->cross_tables,
                             a->cross_stride, a->cross_lens, a->num_threads, a->ffn_post, a->qlayers, 0, NULL, 0,
-                            a->kv_bf16, 0, 3);
+                            a->kv_bf16, 0, a->cross_i8, 3);
     if (!block) return -1;
     team_run(draft_job, &job, a->num_threads > 1 ? a->num_threads : 1);
     free(block);

@@ -453,3 +453,5 @@ void kv_round_bf16(const float *src, uint16_t *dst, const int64_t *src_units, co
     kv_round_t job = {src, dst, src_units, dst_units, n, unit, {0, 0, counters, counters + 1}};
     team_run(kv_round_job, &job, num_threads);
 }
+
+#include "paged_attention_i8.h" /* a self-draft's int8 cross copy: its attention and its writes */

@@ -41,6 +41,8 @@ typedef __m512 vm_vec;
 /* VM_VL bfloat16 values (a KV cache held in bfloat16) widened to float lanes: a bfloat16 is a float's upper half */
 #define VM_LOAD_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* VM_VL signed bytes (an int8 K/V slot, paged_attention_i8.h) widened to float lanes */
+#define VM_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #else
 #define VM_VL 8
 typedef __m256 vm_vec;
@@ -74,6 +76,7 @@ static inline float vm_hmax(__m256 a) {
 #define VM_NAN_BITS(a) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)))
 #define VM_LOAD_BF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VM_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #endif
 
 /* The lane sums of four vectors at once, [sum a, sum b, sum c, sum d]: about
