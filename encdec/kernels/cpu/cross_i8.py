@@ -10,8 +10,7 @@ The layout: the copy's cache tensors keep their shape and dtype (its self
 blocks stay bfloat16, and blocks move between self and cross use), and a
 cross block holds, from its first byte, ``block_size`` records of
 ``H * D + 4 * H`` bytes, one a slot: the slot's values as int8 (head-major),
-then each head's float32 scale (``max |x| / 127``, 1 for an all-zero head),
-value = int8 * scale. K's blocks in a layer's ``cache[0]``, V's in ``cache[1]``.
+then each head's float32 scale (``max |x| / 127``), value = int8 * scale. K's blocks in a layer's ``cache[0]``, V's in ``cache[1]``.
 """
 from __future__ import annotations
 
@@ -44,9 +43,10 @@ def quantize(blocks: torch.Tensor) -> torch.Tensor:
     """(..., block_size, H, D) float values -> (..., block_size * record) uint8 records."""
     *lead, bs, h, d = blocks.shape
     x = blocks.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))  # as int8_rows_cpu.c's quantize_row
+    q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
     rec = torch.cat([q.reshape(*lead, bs, h * d).view(torch.uint8),
                      scale.reshape(*lead, bs, h).contiguous().view(torch.uint8)], dim=-1)
     return rec.reshape(*lead, bs * record_bytes(h, d))

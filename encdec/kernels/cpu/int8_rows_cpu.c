@@ -17,6 +17,8 @@
  * Rounding is to nearest, ties to even (the lanes' conversion and lrintf
  * alike), so every ISA path gives the same bytes.
  */
+#ifndef ENCDEC_INT8_ROWS_CPU_C /* included by more than one kernel of a build (paged_attention_i8.h too) */
+#define ENCDEC_INT8_ROWS_CPU_C
 #include <math.h>
 #include <stdint.h>
 
@@ -154,3 +156,5 @@ void dequantize_rows(int32_t *acc, int64_t R, int64_t N, const float *rs, const 
     dequantize_job_t job = {acc, R, N, rs, ws, bias, act, {0, 0, counters, counters + 1}};
     team_run(dequantize_job, &job, threads);
 }
+
+#endif

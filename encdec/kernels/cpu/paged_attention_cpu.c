@@ -454,4 +454,5 @@ void kv_round_bf16(const float *src, uint16_t *dst, const int64_t *src_units, co
     team_run(kv_round_job, &job, num_threads);
 }
 
+#include "int8_rows_cpu.c" /* quantize_row */
 #include "paged_attention_i8.h" /* a self-draft's int8 cross copy: its attention and its writes */

@@ -15,8 +15,10 @@
  * any paged cache), and a block of int8 slots holds block_size records of
  * H D + 4 H bytes at its start, record j for slot j:
  *
- *     int8 x[H][D]       round(value / scale[h]), |x| <= 127
- *     float scale[H]     max |value| of the head's D values / 127 (1 for all-zero)
+ *     int8 x[H][D]       round(value * 127 / max |value|), |x| <= 127 (0 for all-zero)
+ *     float scale[H]     max |value| of the head's D values / 127
+ *
+ * (int8_rows_cpu.c's quantize_row, rows of D values).
  *
  * A score is scale_k[h] * sum_d q[d] x_k[d] (times the attention's scale),
  * an output o_h += p * scale_v[h] * x_v: the scales come out of the sums. */
@@ -164,22 +166,9 @@ static void attend_range_i8(int G, float *const *os, const float *const *qs, con
 /* kv_quantize_i8: blocks src_blocks[i] of a float32 cache (block_size slots
  * of H D values) as int8 records into blocks dst_blocks[i] of another
  * (dst_block_bytes apart), one pass, whichever thread is free taking blocks.
- * Rounding as torch.round (half to even). Why: torch took eight passes over a
+ * (quantize_row: rounding half to even, as torch.round). Why: torch took eight passes over a
  * window's cross K/V (~30 ms a Whisper base window) where the copy's draft
  * steps save ~0.5 ms each. */
-/* max |x[k]| over [0, n), 0 for none. */
-static float vm_max_abs(const float *x, int64_t n) {
-    float mx = 0.f;
-    int64_t k = 0;
-#if defined(VM_VL)
-    vm_vec mv = VM_ZERO();
-    for (; k + VM_VL <= n; k += VM_VL) mv = VM_MAX(mv, VM_ABS(VM_LOAD(x + k)));
-    mx = VM_HMAX(mv);
-#endif
-    for (; k < n; k++) mx = fmaxf(mx, fabsf(x[k]));
-    return mx;
-}
-
 typedef struct {
     const float *src;
     int8_t *dst;
@@ -188,36 +177,14 @@ typedef struct {
     team_t team;
 } kv_quantize_t;
 
-/* x[0 .. D) / scale rounded half to even into q (|x| <= 127 scale). */
-static void quantize_head_i8(int8_t *q, const float *x, int64_t D, float scale) {
-    int64_t k = 0;
-#if defined(VM_VL)
-    const vm_vec sv = VM_SET1(scale);
-    for (; k + VM_VL <= D; k += VM_VL) { /* the conversion rounds as the rounding mode: to nearest even */
-#if VM_VL == 16
-        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(VM_DIV(VM_LOAD(x + k), sv))));
-#else
-        const __m256i r = _mm256_cvtps_epi32(VM_DIV(VM_LOAD(x + k), sv));
-        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(w, w));
-#endif
-    }
-#endif
-    for (; k < D; k++) {
-        const float r = nearbyintf(x[k] / scale);
-        q[k] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
-    }
-}
-
 static void kv_quantize_block(const kv_quantize_t *j, int64_t i) {
     const int64_t HD = j->H * j->D, record = HD + 4 * j->H;
     const float *s = j->src + j->src_blocks[i] * j->block_size * HD;
     int8_t *d = j->dst + j->dst_blocks[i] * j->dst_block_bytes;
     for (int64_t t = 0; t < j->block_size; t++, s += HD, d += record)
         for (int64_t h = 0; h < j->H; h++) {
-            const float mx = vm_max_abs(s + h * j->D, j->D);
-            const float scale = mx > 0.f ? mx / 127.f : 1.f;
-            quantize_head_i8(d + h * j->D, s + h * j->D, j->D, scale);
+            float scale;
+            quantize_row(s + h * j->D, j->D, d + h * j->D, &scale);
             memcpy(d + HD + 4 * h, &scale, sizeof scale);
         }
 }
