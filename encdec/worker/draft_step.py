@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from encdec.kernels.cpu import small_linear_int4_cpu
 from encdec.kernels.cpu.decoder_step_cpu import DraftHeadWeights, DraftSteps
 from encdec.worker.draft_head import DraftHead, head_parts
 
@@ -50,7 +51,13 @@ def _head_weights(model: torch.nn.Module, head: DraftHead | None) -> DraftHeadWe
     if lin.quant_method is not None:
         if not lin.int8_small_rows:
             return None
-        return DraftHeadWeights(lin.out_features, packed=lin.int8_panel_weight(), bias=bias, ids=ids)
+        packed = lin.int8_panel_weight()
+        rows = lin.weight.detach()
+        if rows.dtype != torch.int8 or not rows.is_contiguous():
+            return DraftHeadWeights(lin.out_features, packed=packed, bias=bias, ids=ids)
+        # the two-stage head (draft_head4.h): its int4 copy made here, once a draft
+        return DraftHeadWeights(lin.out_features, packed=packed, packed4=small_linear_int4_cpu.from_int8(packed),
+                                rows8=rows, bias=bias, ids=ids)
     if not lin.small_rows:
         return None
     return DraftHeadWeights(lin.out_features, panels=lin.panel_weight(), bias=bias, ids=ids)
