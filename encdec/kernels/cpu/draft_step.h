@@ -58,10 +58,8 @@ typedef struct {
     step_t s; /* first: step_job takes the job as a step_t */
     const draft_t *a;
     int64_t p; /* the first phase after the layers' */
-    int64_t items;   /* the two-stage head: the int4 pass's items, and per row and item */
-    int64_t *cand;   /* (M, items, HEAD4_CAND): its best columns, best first */
-    float *cand_v;   /* their int4 scores */
-    int32_t *cand_n; /* (M, items): how many */
+    int64_t items, blocks; /* the two-stage head (draft_head4.h): the int4 pass's items, blocks a row */
+    float *best;           /* (M, blocks): each block's best int4 score, or NULL: no two-stage head */
 } draft_job_t;
 
 #include "draft_head4.h" /* the two-stage head: an int4 pass, then its best candidates in int8 */
@@ -112,7 +110,7 @@ static void draft_job(void *arg, int tid) {
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
     TEAM_PHASE(&s->team, (int)p, (M + ROWS_ITEM - 1) / ROWS_ITEM, draft_norm_rows(s, a, ROWS(i)));
 #undef ROWS
-    if (j->cand) { /* the two-stage head (draft_head4.h) */
+    if (j->best) { /* the two-stage head (draft_head4.h) */
         TEAM_PHASE(&s->team, (int)p + 1, j->items, head4_screen(j, i));
         TEAM_PHASE(&s->team, (int)p + 2, M, head4_row_token(j, i));
         return;

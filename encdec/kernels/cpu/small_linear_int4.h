@@ -27,6 +27,56 @@ typedef struct {
     const float *ws;
 } q4linear_t;
 
+/* q8's int4 value at step: clamp(nearbyint(q8 / step), -7, 7). */
+static inline int int4_of(int8_t q8, float step) {
+    const float q = nearbyintf((float)q8 / step);
+    return (int)(q < -7 ? -7 : q > 7 ? 7 : q);
+}
+
+/* sum (q4 step - q8)^2 over a column of the int8 panels. */
+static float int4_error(const int8_t *col, int64_t K4, float step) {
+    float err = 0;
+    for (int64_t kq = 0; kq < K4; kq++)
+        for (int u = 0; u < 4; u++) {
+            const float e = (float)int4_of(col[kq * 4 * PW + u], step) * step - (float)col[kq * 4 * PW + u];
+            err += e * e;
+        }
+    return err;
+}
+
+/* Entry point (small_linear_int4_cpu.from_int8): the int4 copy of an int8
+ * panel weight wq8 (panels, K4, 32, 4) with column scales ws8, into wq4
+ * (panels, K4, 64), zeroed by the caller, and ws4: per column, for each of
+ * the n_clips fractions c, step = max(max |q8|, 1) * (c / 7) and q4 =
+ * clamp(nearbyint(q8 / step), -7, 7) (half to even), the first of least
+ * squared error sum (q4 step - q8)^2 kept, and ws4 = ws8 * step. In C: the
+ * same in torch took 2 s for Whisper base's head (a draft's load). */
+void int4_from_int8(uint8_t *wq4, float *ws4, const int8_t *wq8, const float *ws8, int64_t panels, int64_t K4,
+                    const float *clips, int n_clips) {
+    for (int64_t p = 0; p < panels; p++)
+        for (int c = 0; c < PW; c++) {
+            const int8_t *col = wq8 + p * K4 * 4 * PW + 4 * c; /* value (kq, u) at col[kq * 4 PW + u] */
+            float peak = 1;
+            for (int64_t kq = 0; kq < K4; kq++)
+                for (int u = 0; u < 4; u++) peak = fmaxf(peak, fabsf((float)col[kq * 4 * PW + u]));
+            float best = INFINITY, best_step = 0;
+            for (int t = 0; t < n_clips; t++) {
+                const float step = peak * (clips[t] / 7), err = int4_error(col, K4, step);
+                if (err < best) {
+                    best = err;
+                    best_step = step;
+                }
+            }
+            for (int64_t kq = 0; kq < K4; kq++)
+                for (int u = 0; u < 4; u++) {
+                    const int b = 4 * c + u;
+                    const uint8_t nib = (uint8_t)(int4_of(col[kq * 4 * PW + u], best_step) + 8);
+                    wq4[(p * K4 + kq) * 2 * PW + (b & 63)] |= (uint8_t)(b < 64 ? nib : nib << 4);
+                }
+            ws4[p * PW + c] = ws8[p * PW + c] * best_step;
+        }
+}
+
 /* 8 sum_k q[k] of a quantized row (xq: q + 128, 128 past K). */
 static int32_t row_sum8_i4(const uint8_t *xq, int64_t K4) {
     int32_t sum = 0;

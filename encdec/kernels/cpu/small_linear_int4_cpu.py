@@ -23,6 +23,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 PANEL = small_linear_int8_cpu.PANEL
 _KERNEL = build.Kernel("small_linear_int8_cpu.c", "small_linear_int4", [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_int],
                        None, "no int4 screening pass", path_symbol="small_linear_int8_path")
+_FROM_INT8 = build.Kernel("small_linear_int8_cpu.c", "int4_from_int8", [_P] * 4 + [_I64] * 2 + [_P, ctypes.c_int],
+                          None, "no int4 copy (the int8 head alone)", path_symbol="small_linear_int8_path")
 
 
 @dataclass(frozen=True)
@@ -46,26 +48,20 @@ class PackedInt4:
 CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
-def from_int8(packed: small_linear_int8_cpu.PackedInt8) -> PackedInt4:
+def from_int8(packed: small_linear_int8_cpu.PackedInt8) -> PackedInt4 | None:
     """The int4 copy of an int8 panel weight: per column, q4 = clamp(round(q8 /
-    step), -7, 7) (half to even) with step = c max |q8| / 7 for the c of
-    ``CLIPS`` that leaves it nearest q8, its scale ws8 step; an all-zero column stays zero."""
-    q8 = packed.wq.to(torch.float32)  # (panels, K4, 32, 4)
-    peak = q8.abs().amax(dim=(1, 3)).clamp_min(1)[:, None, :, None]  # per column
-    best_q, best_step, best_err = None, None, None
-    for clip in CLIPS:
-        step = peak * (clip / 7)
-        q = torch.clamp(torch.round(q8 / step), -7, 7)
-        err = (q * step - q8).square_().sum(dim=(1, 3), keepdim=True)
-        if best_q is None:
-            best_q, best_step, best_err = q, step, err
-        else:
-            better = err < best_err
-            best_q = torch.where(better, q, best_q)
-            best_step, best_err = torch.where(better, step, best_step), torch.minimum(err, best_err)
-    nib = (best_q + 8).to(torch.uint8).reshape(q8.shape[0], q8.shape[1], 4 * PANEL)  # the int8 quad's 128 bytes
-    wq = (nib[..., :64] | (nib[..., 64:] << 4)).contiguous()
-    ws = (packed.ws * best_step.reshape(-1)).contiguous()
+    step), -7, 7) (half to even) with step = c max |q8| / 7 for the first c of
+    ``CLIPS`` that leaves it nearest q8 (least squares), its scale ws8 step; an
+    all-zero column stays zero. None where the kernel is not built here."""
+    kernel = _FROM_INT8.function()
+    if kernel is None:
+        return None
+    panels, k4 = packed.wq.shape[:2]
+    wq = torch.zeros(panels, k4, 2 * PANEL, dtype=torch.uint8)
+    ws = torch.empty_like(packed.ws)
+    clips = torch.tensor(CLIPS, dtype=torch.float32)
+    kernel(wq.data_ptr(), ws.data_ptr(), packed.wq.data_ptr(), packed.ws.data_ptr(), panels, k4, clips.data_ptr(),
+           len(CLIPS))
     return PackedInt4(wq, ws, packed.n, packed.k)
 
 
