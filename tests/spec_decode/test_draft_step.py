@@ -1,7 +1,8 @@
 """A CPU draft's proposals in C calls (``worker/draft_step.py``): on Whisper
 tiny.en (real weights, shipped clips) an int8 self-draft proposes every round
 there, with the drafts the general path proposes (its full head and a reduced
-one), and the transcripts are those without speculation; the processors'
+one, run in C in two stages: an int4 pass, its best candidates in int8), and
+the transcripts are those without speculation; the processors'
 static part becomes the head's banned columns, or sends the proposal the
 general path where it does more than ban."""
 from __future__ import annotations
@@ -15,7 +16,8 @@ from tests.spec_decode.test_spec_whisper import KW, _all_free, _segments
 
 
 def _run(model_dir: str, clips: list, spec: dict | None, monkeypatch, fused: bool) -> tuple[list, list, int]:
-    """The segments, every proposal's drafts in order, and how many the C path made."""
+    """The segments, every proposal's drafts in order, and how many the C path
+    made (with the int8 head's two stages: int4 pass, int8 candidates)."""
     proposals, made = [], []
     real_propose, real_fused = draft_model.DraftModel.propose_rows, draft_step.FusedDraft.propose
 
@@ -26,7 +28,7 @@ def _run(model_dir: str, clips: list, spec: dict | None, monkeypatch, fused: boo
 
     def fused_propose(self, *args):
         out = real_fused(self, *args)
-        made.append(out is not None)
+        made.append(out is not None and self.steps.head.packed4 is not None)
         return out
 
     with monkeypatch.context() as m:
