@@ -144,7 +144,7 @@ static void head4_row_token(const draft_job_t *j, int64_t m) {
     for (int32_t c = 0; c < cnt; c++) /* the candidates' rows fetched at once, not one miss after another */
         for (int64_t off = 0; off < s->d; off += 64)
             _mm_prefetch((const char *)(a->head_rows + idx[c] * s->d + off), _MM_HINT_T0);
-    int64_t best = idx[0];
+    int64_t best = cnt ? idx[0] : 0; /* cnt >= 1: N >= 1 */
     float mx = -INFINITY;
     int nan = 0;
     for (int32_t c = 0; c < cnt; c++) {
