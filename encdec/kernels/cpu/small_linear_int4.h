@@ -94,15 +94,19 @@ static inline __attribute__((always_inline)) INT8_TARGET void tile_i4(const int 
         __m512i acc[4][2];
         for (int u = 0; u < 4; u++) acc[u][0] = acc[u][1] = _mm512_setzero_si512();
         int64_t kq = 0;
-        for (; kq < K4; kq += 4)
-            for (int u = 0; u < 4 && kq + u < K4; u++) {
-                int32_t quad;
-                memcpy(&quad, xq + 4 * (kq + u), sizeof quad);
-                const __m512i xb = _mm512_set1_epi32(quad ^ (int32_t)0x80808080);
-                const __m512i v = _mm512_loadu_si512((const void *)(wp + (kq + u) * 2 * PW));
-                acc[u][0] = _mm512_dpbusd_epi32(acc[u][0], _mm512_and_si512(v, lo), xb);
-                acc[u][1] = _mm512_dpbusd_epi32(acc[u][1], _mm512_and_si512(_mm512_srli_epi16(v, 4), lo), xb);
-            }
+#define I4_QUAD(U, KQ)                                                                                   \
+    do {                                                                                                 \
+        int32_t quad;                                                                                    \
+        memcpy(&quad, xq + 4 * (KQ), sizeof quad);                                                       \
+        const __m512i xb = _mm512_set1_epi32(quad ^ (int32_t)0x80808080);                                \
+        const __m512i v = _mm512_loadu_si512((const void *)(wp + (KQ) * 2 * PW));                        \
+        acc[U][0] = _mm512_dpbusd_epi32(acc[U][0], _mm512_and_si512(v, lo), xb);                         \
+        acc[U][1] = _mm512_dpbusd_epi32(acc[U][1], _mm512_and_si512(_mm512_srli_epi16(v, 4), lo), xb);   \
+    } while (0)
+        for (; kq + 4 <= K4; kq += 4) /* the accumulators in registers: constant indices */
+            for (int u = 0; u < 4; u++) I4_QUAD(u, kq + u);
+        for (; kq < K4; kq++) I4_QUAD(0, kq);
+#undef I4_QUAD
         for (int j = 0; j < 2; j++)
             _mm512_storeu_si512((void *)(tot[0] + 16 * j),
                                 _mm512_add_epi32(_mm512_add_epi32(acc[0][j], acc[1][j]),
