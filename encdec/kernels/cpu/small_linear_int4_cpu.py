@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from encdec.kernels.cpu import build, small_linear_int8_cpu
+from encdec.platform import huge_pages
 from encdec.platform.cpu_threads import kernel_threads
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -57,7 +58,8 @@ def from_int8(packed: small_linear_int8_cpu.PackedInt8) -> PackedInt4 | None:
     if kernel is None:
         return None
     panels, k4 = packed.wq.shape[:2]
-    wq = torch.zeros(panels, k4, 2 * PANEL, dtype=torch.uint8)
+    # on huge pages where the host grants them, as the int8 panels (quantization.place_decode_panels)
+    wq = huge_pages.anonymous_buffer(panels * k4 * 2 * PANEL).view(panels, k4, 2 * PANEL)  # zeroed
     ws = torch.empty_like(packed.ws)
     clips = torch.tensor(CLIPS, dtype=torch.float32)
     kernel(wq.data_ptr(), ws.data_ptr(), packed.wq.data_ptr(), packed.ws.data_ptr(), panels, k4, clips.data_ptr(),
