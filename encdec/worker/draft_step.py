@@ -20,9 +20,10 @@ draft_head4.h): every column from an int4 copy made here (half the bytes of
 the step's largest stream), its best 32 columns a row again in int8, the
 argmax over those. Measured on Whisper base (AVX-512 Zen 4, 2 threads, a
 quiet host, medians): the head alone 1.10 -> 0.60 ms, a one-row draft step
-with 1500 cross slots 3.39 -> 2.99 ms; ``benchmarks.spec_bench --whisper``
-(base float32, int8 self-draft, k 12, 6 minutes, two runs each) 1.25-1.26x
--> 1.35-1.37x best/best, the same 778 of 827 drafts accepted; the token was
+with 1500 cross slots 3.08-3.39 -> 2.62-2.92 ms (the two read by turns);
+``benchmarks.spec_bench --whisper`` (base float32, int8 self-draft, k 12,
+6 minutes, four runs each by turns) 1.25-1.32x -> 1.29-1.37x best/best
+(medians 1.28 -> 1.36x), the same 778 of 827 drafts accepted; the token was
 the int8 head's in every one of the 1187 draft steps of an 8-minute file.
 The copy costs 13 MB and ~0.4 s at load for base.
 
