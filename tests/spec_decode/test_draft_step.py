@@ -1,7 +1,8 @@
 """A CPU draft's proposals in C calls (``worker/draft_step.py``): on Whisper
 tiny.en (real weights, shipped clips) an int8 self-draft proposes every round
 there, with the drafts the general path proposes (its full head and a reduced
-one) from the same bfloat16 cross K/V, and the transcripts are those without
+one, run in C in two stages: an int4 pass, its best candidates in int8) from
+the same bfloat16 cross K/V, and the transcripts are those without
 speculation; from the int8 cross copy it reads by default, the drafts may
 round differently, never the transcripts; the processors' static part becomes
 the head's banned columns, or sends the proposal the general path where it
@@ -18,7 +19,8 @@ from tests.spec_decode.test_spec_whisper import KW, _all_free, _segments
 
 def _run(model_dir: str, clips: list, spec: dict | None, monkeypatch, fused: bool,
          cross_int8: bool = False) -> tuple[list, list, int]:
-    """The segments, every proposal's drafts in order, and how many the C path made."""
+    """The segments, every proposal's drafts in order, and how many the C path
+    made (with the int8 head's two stages: int4 pass, int8 candidates)."""
     proposals, made, copies = [], [], []
     real_propose, real_fused = draft_model.DraftModel.propose_rows, draft_step.FusedDraft.propose
     real_choose = draft_kv.DraftKV.choose_cross_int8
@@ -34,7 +36,7 @@ def _run(model_dir: str, clips: list, spec: dict | None, monkeypatch, fused: boo
 
     def fused_propose(self, *args, **kw):
         out = real_fused(self, *args, **kw)
-        made.append(out is not None)
+        made.append(out is not None and self.steps.head.packed4 is not None)
         return out
 
     want_int8 = cross_int8

@@ -27,6 +27,7 @@ import torch
 
 from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.cross_i8 import fits as cross_i8_fits
+from encdec.kernels.cpu.small_linear_int4_cpu import PackedInt4
 from encdec.platform.cpu_threads import bandwidth_threads
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -213,21 +214,27 @@ class _DraftArgs(ctypes.Structure):
     """draft_step.h's ``draft_t``, field for field."""
     _fields_ = [(n, _I64) for n in ("d", "H", "ffn", "num_layers", "block_size")] + [
         ("eps", _F), ("scale", _F), ("layers", _P), ("qlayers", _P), ("ffn_post", ctypes.c_int),
-        ("kv_bf16", ctypes.c_int), ("num_threads", ctypes.c_int), ("cross_i8", ctypes.c_int), ("tok_embed", _P), ("pos_embed", _P),
+        ("kv_bf16", ctypes.c_int), ("num_threads", ctypes.c_int), ("cross_i8", ctypes.c_int), ("tok_embed", _P),
+        ("pos_embed", _P),
         ("norm_w", _P), ("norm_b", _P), ("norm_eps", _F), ("head_w", _P), ("head_q", _P), ("head_b", _P),
         ("N", _I64), ("ids", _P), ("banned", _P), ("n_banned", _I64), ("tokens", _P), ("positions", _P),
         ("slots", _P), ("self_tables", _P), ("self_stride", _I64), ("self_lens", _P), ("cross_tables", _P),
-        ("cross_stride", _I64), ("cross_lens", _P), ("h", _P), ("work", _P), ("logits", _P), ("out", _P)]
+        ("cross_stride", _I64), ("cross_lens", _P), ("h", _P), ("work", _P), ("logits", _P), ("out", _P),
+        ("head_q4", _P), ("head_rows", _P)]
 
 
 @dataclass
 class DraftHeadWeights:
     """A draft's LM head as its step runs it: float32 panels
     (``small_linear_cpu.pack``) beside float32 layers, int8 ones
-    (``small_linear_int8_cpu.PackedInt8``) beside int8 layers."""
+    (``small_linear_int8_cpu.PackedInt8``) beside int8 layers; with ``packed4``
+    (an int8 head's int4 copy) the two-stage head (draft_head4.h): an int4
+    pass over every column, its best candidates scored exactly in int8."""
     n: int  # its columns
     panels: torch.Tensor | None = None
     packed: small_linear_int8_cpu.PackedInt8 | None = None
+    packed4: PackedInt4 | None = None
+    rows8: torch.Tensor | None = None  # with packed4: the int8 weight (n, d) row-major (its candidates' scores)
     bias: torch.Tensor | None = None  # (n,) float32
     ids: torch.Tensor | None = None  # (n,) int64: column -> token id (a reduced head), None: the column is the id
 
@@ -260,6 +267,9 @@ class DraftSteps:
             a.head_q = ctypes.addressof(self._head_q)
         else:
             a.head_w = head.panels.data_ptr()
+        if head.packed4 is not None:
+            self._head_q4 = (_P * 2)(*head.packed4.ptrs())
+            a.head_q4, a.head_rows = ctypes.addressof(self._head_q4), head.rows8.data_ptr()
         self._vocab, self._positions = tok_embed.shape[0], pos_embed.shape[0]
         self._args, self._m = None, 0
 
@@ -279,6 +289,10 @@ class DraftSteps:
                 and tuple(norm.weight.shape) == (weights.d,)
                 and (head.packed is not None) == (weights.int8_table is not None)
                 and (head.packed is None or (head.packed.k == weights.d and head.packed.n == head.n))
+                and (head.packed4 is None or (head.packed is not None and head.packed4.k == weights.d
+                                              and head.packed4.n == head.n and head.rows8 is not None
+                                              and head.rows8.dtype == torch.int8 and head.rows8.is_contiguous()
+                                              and tuple(head.rows8.shape) == (head.n, weights.d)))
                 and (head.packed is not None
                      or (head.panels is not None
                          and tuple(head.panels.shape[1:]) == (weights.d, small_linear_cpu.PANEL)
@@ -345,7 +359,8 @@ class DraftSteps:
         return out.tolist()
 
     def last_logits(self) -> np.ndarray:
-        """The last step's logits of its rows (m, n), banned columns -inf (tests compare them)."""
+        """The last step's logits of its rows (m, n), banned columns -inf (tests
+        compare them); a two-stage head's are int4 scores but at its candidates."""
         return self._bufs["logits"][:self._m_last]
 
     def keep(self, rows: list[int]) -> None:

@@ -4,6 +4,7 @@
  *     h      = tok_embed[token] + pos_embed[position]      Whisper's embedding
  *     h      = the decoder layers (decoder_step_f32's phases, their K/V written at slot)
  *     logits = head(LN(h))                                 int8 (qlayers given) or float32 panels
+ *                                                          (int8 with head_q4: draft_head4.h's two stages)
  *     out    = ids[argmax(logits, banned columns at -inf)] numpy's argmax: the first NaN, else the first maximum
  *
  * for the M rows of a speculative proposal, one token a row; each row's slot
@@ -50,13 +51,19 @@ typedef struct {
     const int32_t *cross_lens;         /* (M,) */
     float *h, *work, *logits;          /* (M, d), M * (6 d + ffn), (M, N) */
     int64_t *out;                      /* (M,) written: each row's token */
+    const q4linear_t *head_q4; /* the int8 head's int4 copy: the two-stage head (below), or NULL: int8 alone */
+    const int8_t *head_rows;   /* with head_q4: the int8 head's weight (N, d) row-major */
 } draft_t;
 
 typedef struct {
     step_t s; /* first: step_job takes the job as a step_t */
     const draft_t *a;
     int64_t p; /* the first phase after the layers' */
+    int64_t items, blocks; /* the two-stage head (draft_head4.h): the int4 pass's items, blocks a row */
+    float *best;           /* (M, blocks): each block's best int4 score, or NULL: no two-stage head */
 } draft_job_t;
+
+#include "draft_head4.h" /* the two-stage head: an int4 pass, then its best candidates in int8 */
 
 /* numpy's argmax of x[0 .. n): the first NaN, else the first maximum (all -inf: 0). */
 static int64_t first_argmax(const float *x, int64_t n) {
@@ -104,6 +111,11 @@ static void draft_job(void *arg, int tid) {
 #define ROWS(i) (i) * ROWS_ITEM, ((i) + 1) * ROWS_ITEM < M ? ((i) + 1) * ROWS_ITEM : M
     TEAM_PHASE(&s->team, (int)p, (M + ROWS_ITEM - 1) / ROWS_ITEM, draft_norm_rows(s, a, ROWS(i)));
 #undef ROWS
+    if (j->best) { /* the two-stage head (draft_head4.h) */
+        TEAM_PHASE(&s->team, (int)p + 1, j->items, head4_screen(j, i));
+        TEAM_PHASE(&s->team, (int)p + 2, M, head4_row_token(j, i));
+        return;
+    }
     TEAM_PHASE(&s->team, (int)p + 1, matmul_items(a->N),
                step_matmul(s, i, a->logits, a->N, s->x, s->d, a->head_w, a->head_q, a->head_b, s->d, a->N,
                            POST_NONE));
@@ -126,12 +138,18 @@ int draft_step_f32(const draft_t *a, int64_t M) {
         for (int64_t i = 0; i < d; i++) hr[i] = te[i] + pe[i];
     }
     draft_job_t job = {.a = a, .p = PHASES * a->num_layers};
+    char *cands = a->head_q4 && a->qlayers ? head4_alloc(&job, M, a->N) : NULL;
+    if (a->head_q4 && a->qlayers && !cands) return -1;
     char *block = step_init(&job.s, a->h, a->work, M, d, a->H, a->ffn, a->eps, a->scale, a->layers, a->num_layers,
                             a->block_size, a->slots, a->self_tables, a->self_stride, a->self_lens, a->cross_tables,
                             a->cross_stride, a->cross_lens, a->num_threads, a->ffn_post, a->qlayers, 0, NULL, 0,
                             a->kv_bf16, 0, a->cross_i8, 3);
-    if (!block) return -1;
+    if (!block) {
+        free(cands);
+        return -1;
+    }
     team_run(draft_job, &job, a->num_threads > 1 ? a->num_threads : 1);
     free(block);
+    free(cands);
     return 0;
 }

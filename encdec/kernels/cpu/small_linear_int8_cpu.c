@@ -249,3 +249,5 @@ void small_linear_int8(float *y, const float *x, const int8_t *wq, const float *
     linear_i8_job_t job = {y, x, b, &w, xq, rs, M, K, N, post, {0, 0, counters, counters + 3}};
     team_run(linear_i8_job, &job, num_threads);
 }
+
+#include "small_linear_int4.h" /* a 4-bit copy of these panels: a draft head's screening pass */
