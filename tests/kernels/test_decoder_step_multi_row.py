@@ -56,11 +56,13 @@ def _metadata(seq_lens: list[int], q_lens: list[int] | None, tables: list[list[i
 
 class Case:
     """Three sequences: a one-row decode, one verifying 3 drafts across a block
-    boundary (positions 14..17), one verifying 5; caches hold random history."""
+    boundary (positions 14..17), one verifying 5 (or 18: more rows than one
+    pass over a cross table takes, GROUP_MAX); caches hold random history."""
 
-    seq_lens, q_lens = [5, BS + 2, 30], [1, 4, 6]
+    seq_lens = [5, BS + 2, 30]
 
-    def __init__(self, num_layers: int = 2):
+    def __init__(self, num_layers: int = 2, last_rows: int = 6):
+        self.q_lens = [1, 4, last_rows]
         g = torch.Generator().manual_seed(3)
         perm = torch.randperm(BLOCKS, generator=g).tolist()
         self.tables = [[perm.pop() for _ in range(-(-s // BS))] for s in self.seq_lens]
@@ -77,16 +79,17 @@ class Case:
         return decoder_step_cpu.decode_step(h, weights, caches, md.slot_mapping, *index, isa=isa)
 
 
+@pytest.mark.parametrize("last_rows", [6, 19], ids=["6-rows", "19-rows"])
 @pytest.mark.parametrize("family", ["bart", "whisper"])
 @pytest.mark.parametrize("isa", build.host_isas())  # each build this CPU runs, "none" = portable
 @torch.inference_mode()
-def test_multi_row_step_matches_op_by_op_and_one_row_steps(family, isa, monkeypatch):
+def test_multi_row_step_matches_op_by_op_and_one_row_steps(family, isa, last_rows, monkeypatch):
     monkeypatch.setenv(build.ISA_ENV, isa)
     assert decoder_step_cpu.path(isa) == isa
     layers = _layers(family)
     weights = decoder_step_cpu.decoder_weights(layers, post_norm=family == "bart")
     assert weights is not None
-    case = Case(len(layers))
+    case = Case(len(layers), last_rows)
 
     caches = [c.clone() for c in case.caches]
     h = case.h.clone()
