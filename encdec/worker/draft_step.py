@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from encdec.kernels.cpu import small_linear_int4_cpu
+from encdec.kernels.cpu import small_linear_int4
 from encdec.kernels.cpu.decoder_step_cpu import DraftHeadWeights, DraftSteps
 from encdec.worker.draft_head import DraftHead, head_parts
 
@@ -66,7 +66,7 @@ def _head_weights(model: torch.nn.Module, head: DraftHead | None) -> DraftHeadWe
             return None
         packed, rows = lin.int8_panel_weight(), lin.weight.detach()
         # the two-stage head (draft_head4.h): its int4 copy made here, once a draft
-        packed4 = small_linear_int4_cpu.from_int8(packed) if rows.dtype == torch.int8 else None
+        packed4 = small_linear_int4.from_int8(packed) if rows.dtype == torch.int8 else None
         if packed4 is None or not rows.is_contiguous():
             return DraftHeadWeights(lin.out_features, packed=packed, bias=bias, ids=ids)
         return DraftHeadWeights(lin.out_features, packed=packed, packed4=packed4, rows8=rows, bias=bias, ids=ids)

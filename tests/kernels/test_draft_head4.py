@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from encdec.kernels.cpu import build, decoder_step_cpu, small_linear_int4_cpu as s4, small_linear_int8_cpu as s8
+from encdec.kernels.cpu import build, decoder_step_cpu, small_linear_int4 as s4, small_linear_int8_cpu as s8
 from encdec.kernels.cpu.decoder_step_cpu import DraftHeadWeights, DraftSteps
 from encdec.models.layers import Linear
 

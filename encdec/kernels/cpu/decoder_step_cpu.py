@@ -27,7 +27,7 @@ import torch
 
 from encdec.kernels.cpu import build, paged_attention_cpu, small_linear_cpu, small_linear_int8_cpu
 from encdec.kernels.cpu.cross_i8 import fits as cross_i8_fits
-from encdec.kernels.cpu.small_linear_int4_cpu import PackedInt4
+from encdec.kernels.cpu.small_linear_int4 import PackedInt4
 from encdec.platform.cpu_threads import bandwidth_threads
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -12,7 +12,7 @@
  * 64 bytes a quad instead of 128: byte j's low nibble holds the int8 quad's
  * byte j, its high nibble byte j + 64 (columns 0-15 low, 16-31 high), each as
  * q4 + 8, q4 = round(q8 * 7 / max |q8| of its column) in [-7, 7]; the column's
- * scale ws4 = ws8 * max |q8| / 7 (small_linear_int4_cpu.py: from_int8). The
+ * scale ws4 = ws8 * max |q8| / 7 (small_linear_int4.py: from_int8). The
  * input rows are the int8 kernel's (xq = q + 128); vpdpbusd takes the nibbles
  * as its unsigned operand and q (xq ^ 0x80) as its signed one, so
  *
@@ -44,7 +44,7 @@ static float int4_error(const int8_t *col, int64_t K4, float step) {
     return err;
 }
 
-/* Entry point (small_linear_int4_cpu.from_int8): the int4 copy of an int8
+/* Entry point (small_linear_int4.from_int8): the int4 copy of an int8
  * panel weight wq8 (panels, K4, 32, 4) with column scales ws8, into wq4
  * (panels, K4, 64), zeroed by the caller, and ws4: per column, for each of
  * the n_clips fractions c, step = max(max |q8|, 1) * (c / 7) and q4 =
@@ -214,23 +214,8 @@ static INT8_TARGET void matmul_item_i4(int64_t i, float *y, int64_t ldy, const u
     panel_range_i4(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p1);
 }
 
-typedef struct {
-    float *y;
-    const float *x, *b;
-    const q4linear_t *w;
-    uint8_t *xq;
-    float *rs;
-    int64_t M, K, N;
-    team_t team;
-} linear_i4_job_t;
-
-static void linear_i4_job(void *arg, int tid) {
-    linear_i4_job_t *j = arg;
-    const int64_t ldq = quad_row_bytes(j->K);
-    (void)tid;
-    TEAM_PHASE(&j->team, 0, j->M, quantize_row_u8(j->x + i * j->K, j->K, j->xq + i * ldq, j->rs + i));
-    TEAM_PHASE(&j->team, 1, matmul_items(j->N),
-               matmul_item_i4(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N));
+static void linear_i4_item(const rows_job_t *j, int64_t i, int64_t ldq) {
+    matmul_item_i4(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N);
 }
 
 /* Entry point (tests): y (M, N) = x (M, K) W4^T + b, each row of x quantized as
@@ -238,9 +223,6 @@ static void linear_i4_job(void *arg, int tid) {
 void small_linear_int4(float *y, const float *x, const uint8_t *wq, const float *ws, const float *b, int64_t M,
                        int64_t K, int64_t N, void *work, int num_threads) {
     const q4linear_t w = {wq, ws};
-    uint8_t *xq = work;
-    float *rs = (float *)(xq + M * quad_row_bytes(K));
-    atomic_int counters[6] = {0}; /* next and done of phases 0, 1 and the end (team.h) */
-    linear_i4_job_t job = {y, x, b, &w, xq, rs, M, K, N, {0, 0, counters, counters + 3}};
-    team_run(linear_i4_job, &job, num_threads);
+    rows_job_t job = {.y = y, .x = x, .b = b, .w = &w, .M = M, .K = K, .N = N, .item = linear_i4_item};
+    run_linear(&job, work, num_threads);
 }

@@ -218,24 +218,41 @@ static INT8_TARGET void matmul_item_i8(int64_t i, float *y, int64_t ldy, const u
     panel_range_i8(y, ldy, xq, ldq, rs, w, b, M, K, N, p0, p1, post);
 }
 
-typedef struct {
+/* A test entry point's job: each row of x quantized, then the matmul's items
+ * (item: the int8 or int4 panels' kernel, on w). */
+typedef struct rows_job rows_job_t;
+struct rows_job {
     float *y;
     const float *x, *b;
-    const qlinear_t *w;
+    const void *w;
     uint8_t *xq;
     float *rs;
     int64_t M, K, N;
     int post;
+    void (*item)(const rows_job_t *j, int64_t i, int64_t ldq);
     team_t team;
-} linear_i8_job_t;
+};
 
-static void linear_i8_job(void *arg, int tid) {
-    linear_i8_job_t *j = arg;
+static void rows_job(void *arg, int tid) {
+    rows_job_t *j = arg;
     const int64_t ldq = quad_row_bytes(j->K);
     (void)tid;
     TEAM_PHASE(&j->team, 0, j->M, quantize_row_u8(j->x + i * j->K, j->K, j->xq + i * ldq, j->rs + i));
-    TEAM_PHASE(&j->team, 1, matmul_items(j->N),
-               matmul_item_i8(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N, j->post));
+    TEAM_PHASE(&j->team, 1, matmul_items(j->N), j->item(j, i, ldq));
+}
+
+/* Runs *job (its y, x, b, w, M, K, N, post and item set) on num_threads;
+ * work: M * (K4 * 4) bytes, then M floats. */
+static void run_linear(rows_job_t *job, void *work, int num_threads) {
+    atomic_int counters[6] = {0};  /* next and done of phases 0, 1 and the end (team.h) */
+    job->xq = work;
+    job->rs = (float *)(job->xq + job->M * quad_row_bytes(job->K));
+    job->team = (team_t){0, 0, counters, counters + 3};
+    team_run(rows_job, job, num_threads);
+}
+
+static void linear_i8_item(const rows_job_t *j, int64_t i, int64_t ldq) {
+    matmul_item_i8(i, j->y, j->N, j->xq, ldq, j->rs, j->w, j->b, j->M, j->K, j->N, j->post);
 }
 
 /* Entry point (tests): y (M, N) = post(x (M, K) W^T + b) with W packed as above;
@@ -243,11 +260,9 @@ static void linear_i8_job(void *arg, int tid) {
 void small_linear_int8(float *y, const float *x, const int8_t *wq, const float *ws, const int32_t *comp,
                        const float *b, int64_t M, int64_t K, int64_t N, int post, void *work, int num_threads) {
     const qlinear_t w = {wq, ws, comp};
-    uint8_t *xq = work;
-    float *rs = (float *)(xq + M * quad_row_bytes(K));
-    atomic_int counters[6] = {0};  /* next and done of phases 0, 1 and the end (team.h) */
-    linear_i8_job_t job = {y, x, b, &w, xq, rs, M, K, N, post, {0, 0, counters, counters + 3}};
-    team_run(linear_i8_job, &job, num_threads);
+    rows_job_t job = {.y = y, .x = x, .b = b, .w = &w, .M = M, .K = K, .N = N, .post = post,
+                        .item = linear_i8_item};
+    run_linear(&job, work, num_threads);
 }
 
 #include "small_linear_int4.h" /* a 4-bit copy of these panels: a draft head's screening pass */

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,8 +64,17 @@ def small_linear_int8(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | 
                       threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """post(x W^T + b), x (M, K) float32, each row quantized on its own scale;
     None where the kernel is not built, or is a vector build this CPU lacks the VNNI of."""
-    kernel = _KERNEL.function(isa)
-    if kernel is None or (path(isa) != "none" and not vnni_available(isa)):
+    return run_rows(_KERNEL, x, packed, bias, [small_linear_cpu.POST[post]], threads, isa)
+
+
+def run_rows(kernel_spec: build.Kernel, x: torch.Tensor, packed: Any, bias: torch.Tensor | None,
+             extra: list[int], threads: int | None, isa: str | None) -> torch.Tensor | None:
+    """A test entry point of this library (int8 panels, or their int4 copy:
+    ``packed`` with ``n``, ``k``, ``ptrs()``) on x (M, K) float32: the
+    kernel's ``(y, x, *packed.ptrs(), bias, M, K, N, *extra, work, threads)``;
+    None where it is not built, or is a vector build this CPU lacks the VNNI of."""
+    kernel = kernel_spec.function(isa)
+    if kernel is None or (kernel_spec.path(isa) != "none" and not vnni_available(isa)):
         return None
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == packed.k
     assert bias is None or (bias.is_contiguous() and bias.shape == (packed.n,))
@@ -73,5 +83,5 @@ def small_linear_int8(x: torch.Tensor, packed: PackedInt8, bias: torch.Tensor | 
     out = torch.empty(m, packed.n, dtype=torch.float32)
     work = torch.empty(m * 4 * (-(-packed.k // 4)) + 4 * m, dtype=torch.uint8)
     kernel(out.data_ptr(), x.data_ptr(), *packed.ptrs(), None if bias is None else bias.data_ptr(), m, packed.k,
-           packed.n, small_linear_cpu.POST[post], work.data_ptr(), kernel_threads(threads))
+           packed.n, *extra, work.data_ptr(), kernel_threads(threads))
     return out

@@ -80,18 +80,7 @@ def small_linear_int4(x: torch.Tensor, packed: PackedInt4, bias: torch.Tensor | 
                       threads: int | None = None, isa: str | None = None) -> torch.Tensor | None:
     """x W4^T + b, x (M, K) float32, each row quantized as the int8 kernel
     quantizes it; None where the build or its VNNI is missing here."""
-    kernel = _KERNEL.function(isa)
-    if kernel is None or (_KERNEL.path(isa) != "none" and not small_linear_int8_cpu.vnni_available(isa)):
-        return None
-    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == packed.k
-    assert bias is None or (bias.is_contiguous() and bias.shape == (packed.n,))
-    x = x.contiguous()
-    m = x.shape[0]
-    out = torch.empty(m, packed.n, dtype=torch.float32)
-    work = torch.empty(m * 4 * (-(-packed.k // 4)) + 4 * m, dtype=torch.uint8)
-    kernel(out.data_ptr(), x.data_ptr(), *packed.ptrs(), None if bias is None else bias.data_ptr(), m, packed.k,
-           packed.n, work.data_ptr(), kernel_threads(threads))
-    return out
+    return small_linear_int8_cpu.run_rows(_KERNEL, x, packed, bias, [], threads, isa)
 
 
 # The two-stage head alone (draft_head4.h's test entry), in the fused step's library.
