@@ -104,8 +104,7 @@ class DraftKV:
         is copied (a copy in two formats could not be read)."""
         if self._seqs:
             raise RuntimeError("DraftKV.choose_cross_int8: sequences are already copied")
-        bs, h, d = self._block_shape
-        self.cross_int8 = wanted and bs * cross_i8.record_bytes(h, d) <= 2 * bs * h * d
+        self.cross_int8 = wanted and cross_i8.holds(*self._block_shape[1:], 2)  # the copy is bfloat16
 
     # -- the rows of a proposal ---------------------------------------------------
     def prepare(self, rows: list[Any]) -> bool:

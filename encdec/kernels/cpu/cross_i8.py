@@ -32,11 +32,15 @@ def record_bytes(num_heads: int, head_size: int) -> int:
     return num_heads * head_size + 4 * num_heads
 
 
+def holds(num_heads: int, head_size: int, value_bytes: int) -> bool:
+    """Whether a cache block of ``value_bytes`` a value holds its slots' records
+    (bfloat16 and float32 do, from head size 4)."""
+    return record_bytes(num_heads, head_size) <= num_heads * head_size * value_bytes
+
+
 def fits(cache: torch.Tensor) -> bool:
-    """Whether a block of ``cache`` ((2, blocks, block_size, H, D)) holds its
-    slots' records: two bytes a value or more (bfloat16, float32)."""
-    _, _, bs, h, d = cache.shape
-    return bs * record_bytes(h, d) <= cache[0, 0].numel() * cache.element_size()
+    """``holds`` for ``cache`` ((2, blocks, block_size, H, D))."""
+    return cache.dim() == 5 and holds(cache.shape[3], cache.shape[4], cache.element_size())
 
 
 def quantize(blocks: torch.Tensor) -> torch.Tensor:
